@@ -1,0 +1,19 @@
+"""KV-cache allocators: contiguous reservation and paged blocks, one interface, one taxonomy."""
+
+from sim.memory.base import TAXONOMY, AllocatorError, KVAllocator, MemorySnapshot, SeqSpec
+from sim.memory.block_pool import EVICTION_POLICIES
+from sim.memory.contiguous import PLACEMENTS, RESERVE_POLICIES, ContiguousAllocator
+from sim.memory.paged import PagedAllocator
+
+__all__ = [
+    "EVICTION_POLICIES",
+    "PLACEMENTS",
+    "RESERVE_POLICIES",
+    "TAXONOMY",
+    "AllocatorError",
+    "ContiguousAllocator",
+    "KVAllocator",
+    "MemorySnapshot",
+    "PagedAllocator",
+    "SeqSpec",
+]

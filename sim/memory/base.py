@@ -1,0 +1,120 @@
+"""The contract every KV allocator keeps, and the one taxonomy both families report in.
+
+An allocator is a landlord of token slots. Tenants (sequences) move in (:meth:`admit`), grow
+(:meth:`append`), may split into several (:meth:`fork`) and move out (:meth:`free`). At any
+moment the landlord can say what every slot is doing (:meth:`snapshot`), in categories that
+add up to the whole building.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+
+from sim.memory.content import Segments
+
+TAXONOMY = ("token", "reserved", "internal", "external", "cached", "free")
+"""Slot categories, in plotting order; they partition the pool."""
+
+
+class AllocatorError(RuntimeError):
+    """A caller broke the allocator's contract (unknown sequence, write past the end, …)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSpec:
+    """What the allocator is told about a sequence when it is admitted.
+
+    ``segments`` describe the content of every token the sequence will ever hold (prompt then
+    output); ``final_len`` is its true final length, known to the simulator from the trace, so
+    that ``reserved`` (will be written) and ``internal`` (never will) are exact.
+    ``max_len`` is prompt + the request's ``max_tokens`` (what a ``request_max`` reservation
+    must cover).
+    """
+
+    seq_id: int
+    segments: Segments
+    prompt_len: int
+    final_len: int
+    max_len: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.prompt_len <= self.final_len <= self.max_len:
+            raise ValueError(
+                f"sequence {self.seq_id}: need 0 < prompt_len <= final_len <= max_len, got "
+                f"{self.prompt_len}, {self.final_len}, {self.max_len}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySnapshot:
+    """Every slot of the pool in exactly one category, plus ``duplicate`` token slots.
+
+    ``duplicate`` counts token slots whose KV is identical to another live sequence's — sharing
+    that did not happen; it is a subset of ``token``, not a separate category.
+    """
+
+    token: int
+    reserved: int
+    internal: int
+    external: int
+    cached: int
+    free: int
+    duplicate: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.token + self.reserved + self.internal + self.external + self.cached + self.free
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class KVAllocator(ABC):
+    """One interface for contiguous reservation and paged allocation."""
+
+    capacity_slots: int
+
+    @abstractmethod
+    def admit(self, spec: SeqSpec) -> int | None:
+        """Give ``spec`` memory for its prompt; return prefix-hit tokens, or None if it cannot
+        be placed now (nothing changes then)."""
+
+    @abstractmethod
+    def append(self, seq_id: int, num_tokens: int) -> bool:
+        """Record ``num_tokens`` more written tokens; False (and no change) if memory is short."""
+
+    @abstractmethod
+    def free(self, seq_id: int) -> None:
+        """Release everything the sequence holds."""
+
+    @abstractmethod
+    def fork(self, parent_id: int, child: SeqSpec) -> bool:
+        """Start ``child`` as a copy of ``parent_id``'s current tokens; False if no memory."""
+
+    @abstractmethod
+    def num_tokens(self, seq_id: int) -> int:
+        """Tokens the sequence has written (its computed context)."""
+
+    @abstractmethod
+    def max_uniform_append(self, seq_ids: list[int], limit: int) -> int:
+        """Largest k ≤ limit such that appending k tokens to each of ``seq_ids`` succeeds."""
+
+    @abstractmethod
+    def can_admit_ever(self, spec: SeqSpec) -> bool:
+        """Whether ``spec`` would fit in an otherwise empty pool."""
+
+    @abstractmethod
+    def snapshot(self, waiting: SeqSpec | None = None) -> MemorySnapshot:
+        """The taxonomy now; ``waiting`` is the head-of-line request (defines ``external``)."""
+
+    @abstractmethod
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any internal invariant is broken (tests, debug mode)."""
+
+    @property
+    @abstractmethod
+    def live_seq_ids(self) -> list[int]:
+        """Sequences currently holding memory, in admission order."""

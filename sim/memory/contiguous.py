@@ -1,0 +1,267 @@
+"""Contiguous max-length reservation: the way serving engines managed KV before paging.
+
+A parking lot with no painted bays: every arriving vehicle (request) is given one unbroken
+stretch of kerb long enough for the longest it might ever become, and keeps it until it
+leaves. Whatever it does not grow into is wasted (*internal* fragmentation); the gaps left
+between parked vehicles may add up to plenty but be too short for the next one (*external*
+fragmentation); and two vehicles carrying the same cargo (a shared prompt prefix) each carry
+their own copy (*duplicate* slots).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from sim.memory.base import AllocatorError, KVAllocator, MemorySnapshot, SeqSpec
+from sim.memory.content import BlockHasher, DuplicateCounter
+
+RESERVE_POLICIES = ("max_model_len", "request_max", "pow2", "oracle")
+PLACEMENTS = ("first_fit", "best_fit")
+
+
+def reservation_slots(spec: SeqSpec, reserve_policy: str, max_model_len: int) -> int:
+    """Slots reserved for ``spec`` at admission.
+
+    ``max_model_len``: the model's context limit (the seed's 4096); ``request_max``: prompt +
+    max_tokens; ``pow2``: the next power of two ≥ the true final length (Orca (Pow2));
+    ``oracle``: exactly the true final length (Orca (Oracle)). Never below the final length.
+    """
+    if reserve_policy == "max_model_len":
+        slots = max_model_len
+    elif reserve_policy == "request_max":
+        slots = min(spec.max_len, max_model_len)
+    elif reserve_policy == "pow2":
+        slots = min(1 << (spec.final_len - 1).bit_length(), max_model_len)
+    elif reserve_policy == "oracle":
+        slots = spec.final_len
+    else:
+        raise ValueError(
+            f"unknown reserve_policy {reserve_policy!r}; expected one of "
+            f"{', '.join(RESERVE_POLICIES)}"
+        )
+    return max(slots, spec.final_len)
+
+
+class _Extent:
+    """A live sequence's reservation: ``size`` slots from ``start``, ``num_tokens`` written."""
+
+    __slots__ = ("hasher", "num_tokens", "size", "spec", "start")
+
+    def __init__(self, spec: SeqSpec, start: int, size: int, hasher: BlockHasher) -> None:
+        self.spec = spec
+        self.start = start
+        self.size = size
+        self.num_tokens = 0
+        self.hasher = hasher
+
+
+class ContiguousAllocator(KVAllocator):
+    """One extent per sequence in a linear slot space, placed first-fit or best-fit.
+
+    Free space is a sorted list of maximal free extents (neighbours coalesce on free).
+    Duplicate slots are measured on ``duplicate_granularity``-token chunks of written content.
+    """
+
+    def __init__(
+        self,
+        capacity_slots: int,
+        *,
+        max_model_len: int,
+        reserve_policy: str = "max_model_len",
+        placement: str = "first_fit",
+        duplicate_granularity: int = 16,
+    ) -> None:
+        if capacity_slots < 1:
+            raise ValueError(f"the pool must hold at least one slot, got {capacity_slots}")
+        if reserve_policy not in RESERVE_POLICIES:
+            raise ValueError(
+                f"unknown reserve_policy {reserve_policy!r}; expected one of "
+                f"{', '.join(RESERVE_POLICIES)}"
+            )
+        if placement not in PLACEMENTS:
+            raise ValueError(
+                f"unknown placement {placement!r}; expected one of {', '.join(PLACEMENTS)}"
+            )
+        self.capacity_slots = capacity_slots
+        self.max_model_len = max_model_len
+        self.reserve_policy = reserve_policy
+        self.placement = placement
+        self.duplicate_granularity = duplicate_granularity
+        self._free_starts: list[int] = [0]
+        self._free_len: dict[int, int] = {0: capacity_slots}
+        self._seqs: dict[int, _Extent] = {}
+        self._reserved_total = 0  # Σ extent sizes
+        self._final_total = 0  # Σ min(final_len, size) of live sequences
+        self._token_total = 0
+        self._duplicates = DuplicateCounter()
+
+    @property
+    def live_seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
+    def reservation(self, spec: SeqSpec) -> int:
+        return reservation_slots(spec, self.reserve_policy, self.max_model_len)
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self._seq(seq_id).num_tokens
+
+    def extent(self, seq_id: int) -> tuple[int, int]:
+        """``(start, size)`` of the sequence's reservation."""
+        ext = self._seq(seq_id)
+        return ext.start, ext.size
+
+    @property
+    def free_extents(self) -> list[tuple[int, int]]:
+        """Maximal free extents ``(start, length)`` in address order."""
+        return [(s, self._free_len[s]) for s in self._free_starts]
+
+    def can_admit_ever(self, spec: SeqSpec) -> bool:
+        return self.reservation(spec) <= self.capacity_slots
+
+    def _seq(self, seq_id: int) -> _Extent:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise AllocatorError(f"unknown sequence {seq_id}") from None
+
+    # ------------------------------------------------------------------ placement
+    def _find(self, size: int) -> int | None:
+        if self.placement == "first_fit":
+            for start in self._free_starts:
+                if self._free_len[start] >= size:
+                    return start
+            return None
+        best: int | None = None
+        best_len = 0
+        for start in self._free_starts:
+            length = self._free_len[start]
+            if length >= size and (best is None or length < best_len):
+                best, best_len = start, length
+        return best
+
+    def _place(self, spec: SeqSpec) -> _Extent | None:
+        size = self.reservation(spec)
+        start = self._find(size)
+        if start is None:
+            return None
+        length = self._free_len.pop(start)
+        idx = bisect.bisect_left(self._free_starts, start)
+        if length > size:
+            self._free_starts[idx] = start + size
+            self._free_len[start + size] = length - size
+        else:
+            del self._free_starts[idx]
+        ext = _Extent(spec, start, size, BlockHasher(spec.segments, self.duplicate_granularity))
+        self._seqs[spec.seq_id] = ext
+        self._reserved_total += size
+        self._final_total += spec.final_len
+        return ext
+
+    # ------------------------------------------------------------------ lifecycle
+    def admit(self, spec: SeqSpec) -> int | None:
+        if spec.seq_id in self._seqs:
+            raise AllocatorError(f"sequence {spec.seq_id} is already admitted")
+        return None if self._place(spec) is None else 0
+
+    def append(self, seq_id: int, num_tokens: int) -> bool:
+        ext = self._seq(seq_id)
+        if num_tokens <= 0:
+            return num_tokens == 0
+        end = ext.num_tokens + num_tokens
+        if end > ext.spec.final_len:
+            raise AllocatorError(
+                f"sequence {seq_id}: writing to {end} tokens, past its final length "
+                f"{ext.spec.final_len}"
+            )
+        self._write(ext, end)
+        return True
+
+    def _write(self, ext: _Extent, end: int) -> None:
+        granularity = self.duplicate_granularity
+        hasher = ext.hasher
+        for _ in range(end // granularity - ext.num_tokens // granularity):
+            self._duplicates.add(hasher.advance())
+        self._token_total += end - ext.num_tokens
+        ext.num_tokens = end
+
+    def free(self, seq_id: int) -> None:
+        ext = self._seqs.pop(seq_id, None)
+        if ext is None:
+            raise AllocatorError(f"unknown sequence {seq_id}")
+        for chunk_hash in ext.hasher.hashes[: ext.num_tokens // self.duplicate_granularity]:
+            self._duplicates.remove(chunk_hash)
+        self._reserved_total -= ext.size
+        self._final_total -= ext.spec.final_len
+        self._token_total -= ext.num_tokens
+        self._release_extent(ext.start, ext.size)
+
+    def _release_extent(self, start: int, size: int) -> None:
+        """Return ``[start, start+size)`` to the free list, merging with free neighbours."""
+        idx = bisect.bisect_left(self._free_starts, start)
+        if idx < len(self._free_starts) and self._free_starts[idx] == start + size:
+            size += self._free_len.pop(start + size)
+            del self._free_starts[idx]
+        if idx > 0:
+            prev = self._free_starts[idx - 1]
+            if prev + self._free_len[prev] == start:
+                self._free_len[prev] += size
+                return
+        self._free_starts.insert(idx, start)
+        self._free_len[start] = size
+
+    def fork(self, parent_id: int, child: SeqSpec) -> bool:
+        """Contiguous memory cannot share: the child gets its own extent and a copy."""
+        parent = self._seq(parent_id)
+        if child.seq_id in self._seqs:
+            raise AllocatorError(f"sequence {child.seq_id} is already admitted")
+        ext = self._place(child)
+        if ext is None:
+            return False
+        self._write(ext, parent.num_tokens)
+        return True
+
+    def max_uniform_append(self, seq_ids: list[int], limit: int) -> int:
+        room = min(
+            (self._seqs[s].spec.final_len - self._seqs[s].num_tokens for s in seq_ids),
+            default=limit,
+        )
+        return max(0, min(limit, room))
+
+    # ------------------------------------------------------------------ accounting
+    def snapshot(self, waiting: SeqSpec | None = None) -> MemorySnapshot:
+        free_total = self.capacity_slots - self._reserved_total
+        external = 0
+        if waiting is not None:
+            need = self.reservation(waiting)
+            external = sum(n for n in self._free_len.values() if n < need)
+        return MemorySnapshot(
+            token=self._token_total,
+            reserved=self._final_total - self._token_total,
+            internal=self._reserved_total - self._final_total,
+            external=external,
+            cached=0,
+            free=free_total - external,
+            duplicate=self._duplicates.duplicate_units * self.duplicate_granularity,
+        )
+
+    def check_invariants(self) -> None:
+        spans = sorted(
+            [(e.start, e.size, "live") for e in self._seqs.values()]
+            + [(s, n, "free") for s, n in self._free_len.items()]
+        )
+        assert sorted(self._free_len) == self._free_starts, "free list out of order"
+        pos = 0
+        prev_kind = ""
+        for start, size, kind in spans:
+            assert start == pos, f"extents overlap or leave a hole at {pos}"
+            assert size > 0
+            assert not (kind == prev_kind == "free"), f"free extents at {start} not coalesced"
+            pos, prev_kind = start + size, kind
+        assert pos == self.capacity_slots, "extents do not cover the slot space"
+        for ext in self._seqs.values():
+            assert ext.num_tokens <= ext.spec.final_len <= ext.size
+        assert self._reserved_total == sum(e.size for e in self._seqs.values())
+        assert self._token_total == sum(e.num_tokens for e in self._seqs.values())
+        snap = self.snapshot()
+        assert snap.total == self.capacity_slots, "taxonomy does not sum to the pool"
+        assert min(snap.as_dict().values()) >= 0, f"negative category in {snap}"

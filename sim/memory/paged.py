@@ -1,0 +1,357 @@
+"""Paged KV allocation: fixed-size blocks, per-sequence block tables, shared prefixes.
+
+Like virtual memory: each sequence sees a contiguous run of logical blocks (its block table)
+that maps to scattered physical blocks taken from a :class:`~sim.memory.block_pool.BlockPool`
+only when tokens need them. Identical prefixes map to the same physical blocks (reference
+counts), and a shared, partly-filled block is copied before anyone writes into it.
+
+The prefix-cache rules follow vLLM v1 (see DESIGN.md, "Paged"):
+
+1. only full blocks are hashed, chained on their parent's hash;
+2. admission looks up the prompt's full blocks from block 0 and stops at the first miss,
+   never covering the prompt's last token (it is always recomputed);
+3. a finished sequence releases its blocks in reverse order; blocks reaching ref 0 keep their
+   hash and become evictable, unhashed blocks are reused first;
+4. a cached block is evicted lazily, when it is handed out again;
+6. ``fork`` shares every block; writing into a shared partial block copies it first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from sim.memory.base import AllocatorError, KVAllocator, MemorySnapshot, SeqSpec
+from sim.memory.block_pool import BlockPool, KVBlock
+from sim.memory.content import BlockHasher, DuplicateCounter
+
+
+class _PagedSeq:
+    """One sequence's view: its block table and how far it has written."""
+
+    __slots__ = ("blocks", "hasher", "internal", "num_tokens", "spec")
+
+    def __init__(self, spec: SeqSpec, blocks: list[KVBlock], hasher: BlockHasher) -> None:
+        self.spec = spec
+        self.blocks = blocks
+        self.hasher = hasher
+        self.num_tokens = 0
+        self.internal = 0  # this sequence's share of `internal` slots while its tail is its own
+
+
+class PagedAllocator(KVAllocator):
+    """Block tables over a shared :class:`BlockPool`, with optional prefix caching.
+
+    Admission allocates blocks for the whole prompt (prefix hits excepted); decode grows the
+    table one block at a time as tokens cross block boundaries.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_prefix_caching: bool = True,
+        eviction: str = "lru",
+    ) -> None:
+        if not 1 <= block_size <= 256:
+            raise ValueError(f"block_size must be in 1..256, got {block_size}")
+        if num_blocks < 1:
+            raise ValueError(f"the pool must hold at least one block, got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.capacity_slots = num_blocks * block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, eviction, enable_prefix_caching)
+        self._seqs: dict[int, _PagedSeq] = {}
+        self._token_slots = 0  # written slots in blocks with ref_cnt > 0
+        self._internal_exclusive = 0  # Σ seq.internal over sequences not in _shared_tail
+        self._shared_tail: set[int] = set()  # sequences whose partial tail block is forked
+        self._duplicates = DuplicateCounter()
+        self.num_cow_copies = 0
+        self.num_hit_blocks = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def live_seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self._seq(seq_id).num_tokens
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """Physical block ids of the sequence, logical block 0 first."""
+        return [b.block_id for b in self._seq(seq_id).blocks]
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_admit_ever(self, spec: SeqSpec) -> bool:
+        return self.blocks_for(spec.prompt_len) <= self.num_blocks
+
+    def _seq(self, seq_id: int) -> _PagedSeq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise AllocatorError(f"unknown sequence {seq_id}") from None
+
+    # ------------------------------------------------------------------ lifecycle
+    def lookup(self, spec: SeqSpec) -> int:
+        """Prefix-hit tokens ``spec`` would get now (no state changes)."""
+        hasher = BlockHasher(spec.segments, self.block_size)
+        return len(self._hit_blocks(spec, hasher)) * self.block_size
+
+    def _hit_blocks(self, spec: SeqSpec, hasher: BlockHasher) -> list[KVBlock]:
+        hits: list[KVBlock] = []
+        if not self.enable_prefix_caching:
+            return hits
+        for _ in range((spec.prompt_len - 1) // self.block_size):
+            block = self.pool.lookup(hasher.advance())
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def admit(self, spec: SeqSpec) -> int | None:
+        if spec.seq_id in self._seqs:
+            raise AllocatorError(f"sequence {spec.seq_id} is already admitted")
+        hasher = BlockHasher(spec.segments, self.block_size)
+        hits = self._hit_blocks(spec, hasher)
+        revived = sum(1 for b in hits if b.ref_cnt == 0)  # hits that leave the free set
+        need = self.blocks_for(spec.prompt_len) - len(hits)
+        if need > self.pool.num_free - revived:
+            return None
+        for block in hits:
+            if block.ref_cnt == 0:
+                self._token_slots += block.num_filled
+                self._duplicates.add(block.block_hash)  # type: ignore[arg-type]
+            self.pool.touch(block)
+        blocks = hits + [self.pool.take() for _ in range(need)]
+        seq = _PagedSeq(spec, blocks, hasher)
+        seq.num_tokens = len(hits) * self.block_size
+        self._seqs[spec.seq_id] = seq
+        self._set_internal(seq)
+        self.num_hit_blocks += len(hits)
+        return seq.num_tokens
+
+    def append(self, seq_id: int, num_tokens: int) -> bool:
+        seq = self._seq(seq_id)
+        if num_tokens <= 0:
+            return num_tokens == 0
+        bs = self.block_size
+        start = seq.num_tokens
+        end = start + num_tokens
+        if end > seq.spec.final_len:
+            raise AllocatorError(
+                f"sequence {seq_id}: writing to {end} tokens, past its final length "
+                f"{seq.spec.final_len}"
+            )
+        blocks = seq.blocks
+        first = start // bs
+        # Copy-on-write: the block we write into first is shared with a fork.
+        cow = first < len(blocks) and blocks[first].ref_cnt > 1
+        grow = self.blocks_for(end) - len(blocks)
+        if grow + cow > self.pool.num_free:
+            return False
+        if seq_id in self._shared_tail:
+            self._shared_tail.discard(seq_id)
+        else:
+            self._internal_exclusive -= seq.internal
+        if cow:
+            old = blocks[first]
+            new = self.pool.take()
+            new.num_filled = old.num_filled
+            self._token_slots += old.num_filled
+            self.pool.release(old)  # still referenced by the fork, so never freed here
+            blocks[first] = new
+            self.num_cow_copies += 1
+        for _ in range(grow):
+            blocks.append(self.pool.take())
+        # Write: fill blocks first..last; hash the ones that become full.
+        pos = start
+        hasher = seq.hasher
+        while pos < end:
+            idx = pos // bs
+            block = blocks[idx]
+            take = min(bs - pos % bs, end - pos)
+            block.num_filled += take
+            pos += take
+            if block.num_filled == bs:
+                hashes = hasher.hashes
+                block_hash = hashes[idx] if idx < len(hashes) else hasher.advance()
+                self.pool.register(block, block_hash)
+                self._duplicates.add(block_hash)
+        self._token_slots += num_tokens
+        seq.num_tokens = end
+        self._set_internal(seq)
+        return True
+
+    def _set_internal(self, seq: _PagedSeq) -> None:
+        cap = len(seq.blocks) * self.block_size
+        seq.internal = cap - seq.spec.final_len if cap > seq.spec.final_len else 0
+        self._internal_exclusive += seq.internal
+
+    def free(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise AllocatorError(f"unknown sequence {seq_id}")
+        if seq_id in self._shared_tail:
+            self._shared_tail.discard(seq_id)
+        else:
+            self._internal_exclusive -= seq.internal
+        for block in reversed(seq.blocks):  # deepest first: the tail is evicted first
+            if block.ref_cnt == 1:
+                self._token_slots -= block.num_filled
+                if block.block_hash is not None:
+                    self._duplicates.remove(block.block_hash)
+            self.pool.release(block)
+
+    def fork(self, parent_id: int, child: SeqSpec) -> bool:
+        parent = self._seq(parent_id)
+        if parent.num_tokens < parent.spec.prompt_len:
+            raise AllocatorError(f"sequence {parent_id} cannot fork before its prompt is written")
+        if child.seq_id in self._seqs:
+            raise AllocatorError(f"sequence {child.seq_id} is already admitted")
+        for block in parent.blocks:
+            self.pool.touch(block)
+        seq = _PagedSeq(child, list(parent.blocks), parent.hasher.copy(child.segments))
+        seq.num_tokens = parent.num_tokens
+        self._seqs[child.seq_id] = seq
+        if parent.num_tokens < len(parent.blocks) * self.block_size:
+            # The partial tail is shared now: its unwritten slots are accounted per block.
+            if parent_id not in self._shared_tail:
+                self._internal_exclusive -= parent.internal
+                self._shared_tail.add(parent_id)
+            self._shared_tail.add(child.seq_id)
+            self._set_internal(seq)
+            self._internal_exclusive -= seq.internal
+        else:
+            self._set_internal(seq)
+        return True
+
+    def max_uniform_append(self, seq_ids: list[int], limit: int) -> int:
+        if limit <= 0:
+            return 0
+        free = self.pool.num_free
+        seqs = [self._seq(s) for s in seq_ids]
+        bs = self.block_size
+
+        def need(k: int) -> int:
+            total = 0
+            for seq in seqs:
+                end = seq.num_tokens + k
+                grow = -(-end // bs) - len(seq.blocks)
+                if grow > 0:
+                    total += grow
+                first = seq.num_tokens // bs
+                if first < len(seq.blocks) and seq.blocks[first].ref_cnt > 1:
+                    total += 1
+            return total
+
+        if need(limit) <= free:
+            return limit
+        lo, hi = 0, limit  # need(lo) <= free < need(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if need(mid) <= free:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    # ------------------------------------------------------------------ accounting
+    def _shared_tail_split(self) -> int:
+        """``internal`` slots in forked partial tails, counted once per physical block."""
+        by_block: dict[int, list[_PagedSeq]] = {}
+        for seq_id in self._shared_tail:
+            seq = self._seqs[seq_id]
+            by_block.setdefault(seq.blocks[-1].block_id, []).append(seq)
+        internal = 0
+        for holders in by_block.values():
+            cap = len(holders[0].blocks) * self.block_size
+            # Slots of the tail that the longest-lived holder will still write are reserved.
+            will_write_to = max(min(h.spec.final_len, cap) for h in holders)
+            internal += cap - will_write_to
+        return internal
+
+    def snapshot(self, waiting: SeqSpec | None = None) -> MemorySnapshot:
+        bs = self.block_size
+        live_blocks = self.num_blocks - self.pool.num_free
+        unwritten = live_blocks * bs - self._token_slots
+        internal = self._internal_exclusive
+        if self._shared_tail:
+            internal += self._shared_tail_split()
+        cached = self.pool.num_cached_free * bs
+        return MemorySnapshot(
+            token=self._token_slots,
+            reserved=unwritten - internal,
+            internal=internal,
+            external=0,
+            cached=cached,
+            free=self.capacity_slots - live_blocks * bs - cached,
+            duplicate=self._duplicates.duplicate_units * bs,
+        )
+
+    def check_invariants(self) -> None:
+        bs = self.block_size
+        refs: Counter[int] = Counter()
+        for seq in self._seqs.values():
+            assert len(seq.blocks) == self.blocks_for(max(seq.spec.prompt_len, seq.num_tokens)), (
+                "block table length != blocks for max(prompt, written)"
+            )
+            for block in seq.blocks:
+                refs[block.block_id] += 1
+        token_slots = 0
+        free_unhashed = 0
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (
+                f"{block}: ref_cnt != {refs[block.block_id]} tables holding it"
+            )
+            in_evictable = block in self.pool.evictable
+            if block.ref_cnt:
+                assert not in_evictable, f"{block} is referenced and evictable"
+                token_slots += block.num_filled
+            elif in_evictable:
+                assert block.block_hash is not None, f"{block} evictable without a hash"
+                assert self.pool.cached.get(block.block_hash) is block, (
+                    f"{block} evictable but not in the cache map"
+                )
+            else:
+                free_unhashed += 1
+                assert block.block_hash is None, f"{block} free but keeps a hash"
+            assert 0 <= block.num_filled <= bs
+            if block.num_filled == bs and block.ref_cnt:
+                assert block.block_hash is not None, f"{block} full but unhashed"
+        assert free_unhashed + len(self.pool.evictable) == self.pool.num_free
+        assert token_slots == self._token_slots, "token slot counter drifted"
+        live_hashes = Counter(
+            b.block_hash for b in self.pool.blocks if b.ref_cnt and b.block_hash is not None
+        )
+        expected_dups = sum(n - 1 for n in live_hashes.values())
+        assert expected_dups == self._duplicates.duplicate_units, "duplicate counter drifted"
+        for block_hash, block in self.pool.cached.items():
+            assert block.block_hash == block_hash, f"cache map entry points to {block}"
+        for seq in self._seqs.values():
+            written_full = seq.num_tokens // bs
+            for idx in range(written_full):
+                assert seq.blocks[idx].num_filled == bs
+                assert seq.blocks[idx].block_hash == seq.hasher.hashes[idx]
+            if seq.num_tokens % bs:
+                assert seq.blocks[written_full].num_filled == seq.num_tokens % bs
+        snap = self.snapshot()
+        assert snap.total == self.capacity_slots, "taxonomy does not sum to the pool"
+        assert min(snap.as_dict().values()) >= 0, f"negative category in {snap}"
+        expected_internal = 0
+        seen_tails: set[int] = set()
+        for seq in self._seqs.values():
+            cap = len(seq.blocks) * bs
+            tail = seq.blocks[-1]
+            if seq.spec.seq_id in self._shared_tail:
+                continue
+            assert tail.block_id not in seen_tails or cap <= seq.spec.final_len
+            seen_tails.add(tail.block_id)
+            expected_internal += max(0, cap - seq.spec.final_len)
+        assert expected_internal == self._internal_exclusive, "internal counter drifted"

@@ -1,0 +1,19 @@
+"""Shared helpers for the tests."""
+
+from __future__ import annotations
+
+from sim.memory import SeqSpec
+
+
+def make_spec(
+    seq_id: int,
+    prompt_len: int,
+    final_len: int,
+    *,
+    prefix: tuple[tuple[int, int], ...] = (),
+    max_len: int | None = None,
+) -> SeqSpec:
+    """A sequence whose content is ``prefix`` then text of its own (segment id 10_000 + id)."""
+    own = final_len - sum(n for _, n in prefix)
+    segments = (*prefix, (10_000 + seq_id, own))
+    return SeqSpec(seq_id, segments, prompt_len, final_len, max_len or final_len)

@@ -1,0 +1,195 @@
+"""Hypothesis state machines: random admit/append/fork/free/lookup against a reference model.
+
+The reference model is deliberately naive — a dict of sequences with their lengths — and
+knows nothing of blocks or extents; the allocator's own invariant checker runs after every
+step, and the taxonomy must agree with what the reference can compute.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from sim.memory import ContiguousAllocator, PagedAllocator, SeqSpec
+from sim.memory.contiguous import reservation_slots
+
+PREFIXES = [(), ((1, 16),), ((1, 16), (2, 40)), ((3, 7),)]
+
+
+class _AllocatorMachine(RuleBasedStateMachine):
+    """Shared rules; subclasses build the allocator and add family-specific checks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocator = self.build()
+        self.specs: dict[int, SeqSpec] = {}
+        self.tokens: dict[int, int] = {}
+        self.next_id = 0
+        self.forked = False
+
+    def build(self):
+        raise NotImplementedError
+
+    def new_spec(self, prefix_idx: int, prompt: int, extra: int, out: int) -> SeqSpec:
+        prefix = PREFIXES[prefix_idx]
+        prefix_len = sum(n for _, n in prefix)
+        prompt_len = prefix_len + prompt
+        final_len = prompt_len + out
+        spec = SeqSpec(self.next_id, (*prefix, (100 + self.next_id, prompt + out)), prompt_len,
+                       final_len, final_len + extra)
+        self.next_id += 1
+        return spec
+
+    @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60),
+          extra=st.integers(0, 30), out=st.integers(0, 60))
+    def admit(self, prefix_idx, prompt, extra, out):
+        spec = self.new_spec(prefix_idx, prompt, extra, out)
+        hit = self.allocator.admit(spec)
+        if hit is not None:
+            assert 0 <= hit < spec.prompt_len
+            self.specs[spec.seq_id] = spec
+            self.tokens[spec.seq_id] = hit
+
+    @precondition(lambda self: self.specs)
+    @rule(data=st.data(), frac=st.floats(0, 1))
+    def append(self, data, frac):
+        seq_id = data.draw(st.sampled_from(sorted(self.specs)))
+        room = self.specs[seq_id].final_len - self.tokens[seq_id]
+        n = int(room * frac)
+        if self.allocator.append(seq_id, n):
+            self.tokens[seq_id] += n
+
+    @precondition(lambda self: self.specs)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.specs)))
+        self.allocator.free(seq_id)
+        del self.specs[seq_id], self.tokens[seq_id]
+
+    @precondition(lambda self: any(self.tokens[s] >= self.specs[s].prompt_len for s in self.specs))
+    @rule(data=st.data(), out=st.integers(0, 40))
+    def fork(self, data, out):
+        ready = sorted(s for s in self.specs if self.tokens[s] >= self.specs[s].prompt_len)
+        parent = self.specs[data.draw(st.sampled_from(ready))]
+        written = self.tokens[parent.seq_id]
+        child = SeqSpec(self.next_id, (*_prefix_of(parent.segments, written),
+                                       (100 + self.next_id, out)),
+                        parent.prompt_len, written + out, written + out)
+        self.next_id += 1
+        if self.allocator.fork(parent.seq_id, child):
+            self.specs[child.seq_id] = child
+            self.tokens[child.seq_id] = written
+            self.forked = True
+
+    @invariant()
+    def consistent(self):
+        self.allocator.check_invariants()
+        assert sorted(self.allocator.live_seq_ids) == sorted(self.specs)
+        for seq_id, n in self.tokens.items():
+            assert self.allocator.num_tokens(seq_id) == n
+        snap = self.allocator.snapshot()
+        assert snap.total == self.allocator.capacity_slots
+        assert snap.token <= sum(self.tokens.values())
+
+
+def _prefix_of(segments, n):
+    """The segments covering the first ``n`` tokens."""
+    out = []
+    for seg_id, length in segments:
+        if n <= 0:
+            break
+        out.append((seg_id, min(length, n)))
+        n -= length
+    return out
+
+
+class PagedMachine(_AllocatorMachine):
+    block_size = 16
+    caching = True
+    eviction = "lru"
+
+    def build(self):
+        return PagedAllocator(24, self.block_size, enable_prefix_caching=self.caching,
+                              eviction=self.eviction)
+
+    @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60))
+    def lookup(self, prefix_idx, prompt):
+        spec = self.new_spec(prefix_idx, prompt, 0, 0)
+        hit = self.allocator.lookup(spec)
+        assert hit % self.block_size == 0 and hit < spec.prompt_len
+        if not self.caching:
+            assert hit == 0
+
+    @invariant()
+    def paged_accounting(self):
+        snap = self.allocator.snapshot()
+        bs = self.block_size
+        if not self.caching and not self.forked:
+            # Without sharing, the taxonomy is exactly per-sequence arithmetic.
+            assert snap.token == sum(self.tokens.values())
+            caps = {s: -(-max(self.specs[s].prompt_len, n) // bs) * bs
+                    for s, n in self.tokens.items()}
+            assert snap.internal == sum(max(0, caps[s] - self.specs[s].final_len) for s in caps)
+            assert snap.reserved == sum(min(caps[s], self.specs[s].final_len) - n
+                                        for s, n in self.tokens.items())
+            assert snap.cached == 0
+        # Waste per live sequence stays below one block.
+        assert snap.internal < bs * max(1, len(self.specs))
+
+
+class PagedBs1(PagedMachine):
+    block_size = 1
+
+
+class PagedBs7NoCache(PagedMachine):
+    block_size = 7
+    caching = False
+
+
+class PagedBs32Lfu(PagedMachine):
+    block_size = 32
+    eviction = "lfu"
+
+
+class PagedBs4SharingAware(PagedMachine):
+    block_size = 4
+    eviction = "sharing_aware"
+
+
+class PagedBs16Fifo(PagedMachine):
+    eviction = "fifo"
+
+
+class ContiguousMachine(_AllocatorMachine):
+    policy = "request_max"
+    placement = "first_fit"
+
+    def build(self):
+        return ContiguousAllocator(400, max_model_len=200, reserve_policy=self.policy,
+                                   placement=self.placement)
+
+    @invariant()
+    def contiguous_accounting(self):
+        snap = self.allocator.snapshot()
+        assert snap.token == sum(self.tokens.values())
+        assert snap.reserved == sum(self.specs[s].final_len - n for s, n in self.tokens.items())
+        reservations = sum(reservation_slots(self.specs[s], self.policy, 200) for s in self.specs)
+        assert snap.internal == reservations - sum(sp.final_len for sp in self.specs.values())
+        assert snap.cached == 0
+
+
+class ContiguousBestFitPow2(ContiguousMachine):
+    policy = "pow2"
+    placement = "best_fit"
+
+
+class ContiguousMaxLen(ContiguousMachine):
+    policy = "max_model_len"
+
+
+_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
+for _machine in (PagedMachine, PagedBs1, PagedBs7NoCache, PagedBs32Lfu, PagedBs4SharingAware,
+                 PagedBs16Fifo, ContiguousMachine, ContiguousBestFitPow2, ContiguousMaxLen):
+    _machine.TestCase.settings = _SETTINGS
+    globals()[f"Test{_machine.__name__}"] = _machine.TestCase
