@@ -64,7 +64,9 @@ def test_contiguous_waste_grows_with_reservation():
     assert wastes == [4 * (2048 - 1500), 4 * (4096 - 1500), 4 * (8192 - 1500)]
 
 
-@pytest.mark.parametrize(("block_size", "prefix_len", "n"), [(16, 64, 5), (16, 512, 8), (32, 96, 3)])
+@pytest.mark.parametrize(
+    ("block_size", "prefix_len", "n"), [(16, 64, 5), (16, 512, 8), (32, 96, 3)]
+)
 def test_shared_prefix_saves_l_times_n_minus_1(block_size, prefix_len, n):
     prefix = ((1, prefix_len),)
     specs = [make_spec(i, prefix_len + 20, prefix_len + 50, prefix=prefix) for i in range(n)]
@@ -124,5 +126,5 @@ def test_pool_sizing_from_gpu_and_errors():
         kv_pool_slots(lookup_model("llama-2-70b"), lookup_gpu("a100-40g"))
     with pytest.raises(ValueError, match="at least one block"):
         PagedAllocator(0, 16)
-    with pytest.raises(ValueError, match="block_size must be in 1..256"):
+    with pytest.raises(ValueError, match=r"block_size must be in 1\.\.256"):
         PagedAllocator(10, 0)
