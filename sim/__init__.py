@@ -1,3 +1,17 @@
-"""kvsim: a discrete-event simulator of LLM-serving KV-cache memory management."""
+"""kvsim: a discrete-event simulator of LLM-serving KV-cache memory management.
+
+``sim.run("scenarios/paged_vs_contiguous.yaml")`` runs a scenario and returns its tables.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+
+def run(*args: Any, **kwargs: Any) -> Any:
+    """Run a scenario; see :func:`sim.api.run` (imported lazily to keep ``sim.memory`` light)."""
+    from sim.api import run as _run
+
+    return _run(*args, **kwargs)

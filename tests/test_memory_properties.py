@@ -128,7 +128,8 @@ class PagedMachine(_AllocatorMachine):
         if not self.caching and not self.forked:
             # Without sharing, the taxonomy is exactly per-sequence arithmetic.
             assert snap.token == sum(self.tokens.values())
-            caps = {s: -(-max(self.specs[s].prompt_len, n) // bs) * bs
+            caps = {s: -(-max(min(self.specs[s].prompt_len + 1, self.specs[s].final_len), n)
+                           // bs) * bs
                     for s, n in self.tokens.items()}
             assert snap.internal == sum(max(0, caps[s] - self.specs[s].final_len) for s in caps)
             assert snap.reserved == sum(min(caps[s], self.specs[s].final_len) - n

@@ -99,6 +99,10 @@ class KVAllocator(ABC):
         """Tokens the sequence has written (its computed context)."""
 
     @abstractmethod
+    def allocated_slots(self, seq_id: int) -> int:
+        """Slots the sequence holds now (its extent, or its blocks × block size)."""
+
+    @abstractmethod
     def max_uniform_append(self, seq_ids: list[int], limit: int) -> int:
         """Largest k ≤ limit such that appending k tokens to each of ``seq_ids`` succeeds."""
 

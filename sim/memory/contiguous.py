@@ -105,6 +105,9 @@ class ContiguousAllocator(KVAllocator):
     def num_tokens(self, seq_id: int) -> int:
         return self._seq(seq_id).num_tokens
 
+    def allocated_slots(self, seq_id: int) -> int:
+        return self._seq(seq_id).size
+
     def extent(self, seq_id: int) -> tuple[int, int]:
         """``(start, size)`` of the sequence's reservation."""
         ext = self._seq(seq_id)

@@ -41,8 +41,8 @@ class _PagedSeq:
 class PagedAllocator(KVAllocator):
     """Block tables over a shared :class:`BlockPool`, with optional prefix caching.
 
-    Admission allocates blocks for the whole prompt (prefix hits excepted); decode grows the
-    table one block at a time as tokens cross block boundaries.
+    Admission allocates blocks for the whole prompt and its first output token (prefix hits
+    excepted); decode grows the table one block at a time as tokens cross block boundaries.
     """
 
     def __init__(
@@ -82,6 +82,9 @@ class PagedAllocator(KVAllocator):
     def num_tokens(self, seq_id: int) -> int:
         return self._seq(seq_id).num_tokens
 
+    def allocated_slots(self, seq_id: int) -> int:
+        return len(self._seq(seq_id).blocks) * self.block_size
+
     def block_table(self, seq_id: int) -> list[int]:
         """Physical block ids of the sequence, logical block 0 first."""
         return [b.block_id for b in self._seq(seq_id).blocks]
@@ -90,7 +93,13 @@ class PagedAllocator(KVAllocator):
         return -(-num_tokens // self.block_size)
 
     def can_admit_ever(self, spec: SeqSpec) -> bool:
-        return self.blocks_for(spec.prompt_len) <= self.num_blocks
+        return self.blocks_for(self._admit_len(spec)) <= self.num_blocks
+
+    @staticmethod
+    def _admit_len(spec: SeqSpec) -> int:
+        """Slots claimed at admission: the prompt and the first generated token, so that
+        finishing the prefill never fails for want of a block."""
+        return min(spec.prompt_len + 1, spec.final_len)
 
     def _seq(self, seq_id: int) -> _PagedSeq:
         try:
@@ -121,7 +130,7 @@ class PagedAllocator(KVAllocator):
         hasher = BlockHasher(spec.segments, self.block_size)
         hits = self._hit_blocks(spec, hasher)
         revived = sum(1 for b in hits if b.ref_cnt == 0)  # hits that leave the free set
-        need = self.blocks_for(spec.prompt_len) - len(hits)
+        need = self.blocks_for(self._admit_len(spec)) - len(hits)
         if need > self.pool.num_free - revived:
             return None
         for block in hits:
@@ -299,9 +308,9 @@ class PagedAllocator(KVAllocator):
         bs = self.block_size
         refs: Counter[int] = Counter()
         for seq in self._seqs.values():
-            assert len(seq.blocks) == self.blocks_for(max(seq.spec.prompt_len, seq.num_tokens)), (
-                "block table length != blocks for max(prompt, written)"
-            )
+            assert len(seq.blocks) == self.blocks_for(
+                max(self._admit_len(seq.spec), seq.num_tokens)
+            ), "block table length != blocks for max(prompt + 1, written)"
             for block in seq.blocks:
                 refs[block.block_id] += 1
         token_slots = 0

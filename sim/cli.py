@@ -1,0 +1,295 @@
+"""The ``kvsim`` command line.
+
+Exit codes: 0 success, 1 the run failed, 2 bad input (scenario, trace, arguments). Errors
+are one line on stderr naming the file and field; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+SUMMARY_ROWS: list[tuple[str, str, str]] = [
+    # (summary key, label, format)
+    ("completed", "requests completed", "{:,.0f}"),
+    ("rejected", "requests rejected", "{:,.0f}"),
+    ("throughput_tok_s", "output throughput (tok/s)", "{:,.1f}"),
+    ("throughput_req_s", "request throughput (req/s)", "{:,.2f}"),
+    ("mean_batch", "mean decode batch", "{:,.1f}"),
+    ("peak_batch", "peak decode batch", "{:,.0f}"),
+    ("ttft_p50_s", "TTFT p50 (s)", "{:,.3f}"),
+    ("ttft_p99_s", "TTFT p99 (s)", "{:,.3f}"),
+    ("tpot_p50_s", "TPOT p50 (ms)", "ms"),
+    ("e2e_p90_s", "E2E p90 (s)", "{:,.2f}"),
+    ("token_frac", "KV pool holding tokens", "%"),
+    ("waste_frac", "waste (of memory in use)", "%"),
+    ("internal_frac_of_allocated", "internal frag. (of allocated)", "%"),
+    ("internal_at_finish_frac", "internal frag. at completion", "%2"),
+    ("external_frac", "external frag. (of pool)", "%"),
+    ("duplicate_frac", "duplicate prefix slots (of pool)", "%"),
+    ("prefix_hit_rate", "prefix-cache hit rate", "%"),
+    ("preemptions", "preemptions", "{:,.0f}"),
+    ("recomputed_tokens", "recomputed tokens", "{:,.0f}"),
+    ("makespan_s", "makespan (s)", "{:,.1f}"),
+]
+
+
+class BadInput(Exception):
+    """Raised for user errors: one line, exit code 2."""
+
+
+def _bad_input_types() -> tuple[type[BaseException], ...]:
+    from sim.presets import SizingError
+    from sim.scenario import ScenarioError
+    from sim.timing import CalibrationError
+    from workloads import TraceError, TraceImportError, WorkloadError
+
+    return (BadInput, ScenarioError, SizingError, CalibrationError, TraceError,
+            TraceImportError, WorkloadError)
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if fmt == "%":
+        return f"{value * 100:.1f}%"
+    if fmt == "%2":
+        return f"{value * 100:.2f}%"
+    if fmt == "ms":
+        return f"{value * 1000:.1f}"
+    return fmt.format(value)
+
+
+def format_summary(summaries: dict[str, dict[str, Any]]) -> str:
+    """The side-by-side summary table printed after a run."""
+    names = list(summaries)
+    label_width = max(len(label) for _, label, _ in SUMMARY_ROWS) + 2
+    widths = [max(len(n), 12) + 2 for n in names]
+    lines = ["".ljust(label_width) + "".join(n.rjust(w) for n, w in zip(names, widths,
+                                                                       strict=True))]
+    lines.append("-" * len(lines[0]))
+    for key, label, fmt in SUMMARY_ROWS:
+        cells = [_fmt(summaries[n].get(key), fmt).rjust(w) for n, w in zip(names, widths,
+                                                                         strict=True)]
+        lines.append(label.ljust(label_width) + "".join(cells))
+    return "\n".join(lines)
+
+
+def _progress_factory(quiet: bool) -> Callable[[str, int], Callable[[int], None] | None]:
+    def factory(name: str, total: int) -> Callable[[int], None] | None:
+        if quiet:
+            return None
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=name, unit="req", leave=False, disable=None,
+                   mininterval=0.5, file=sys.stderr)
+
+        def update(n: int) -> None:
+            bar.update(n)
+            if bar.n >= total:
+                bar.close()
+
+        return update
+
+    return factory
+
+
+# ---------------------------------------------------------------------- commands
+def cmd_run(args: argparse.Namespace) -> int:
+    from sim.engine import run_scenario
+    from sim.results import write_run
+    from sim.scenario import load_scenario
+
+    path = Path(args.scenario)
+    scenario = load_scenario(path)
+    if args.seed is not None:
+        scenario = scenario.model_copy(update={"seed": args.seed})
+    out = Path(args.out or scenario.output_dir or Path("runs") / scenario.name)
+    result = run_scenario(scenario, path.parent, progress=_progress_factory(args.quiet))
+    write_run(result, out)
+    print(f"{scenario.name}: {len(next(iter(result.systems.values())).requests):,} requests, "
+          f"seed {scenario.seed}")
+    for note in result.trace_notes:
+        print(f"note: {note}")
+    print(format_summary({n: r.summary for n, r in result.systems.items()}))
+    if not args.no_report:
+        report = _write_report(out)
+        if report:
+            print(f"report: {report}")
+    print(f"results: {out}")
+    return EXIT_OK
+
+
+def _write_report(out: Path) -> Path | None:
+    try:
+        from reports.html import write_report
+    except ImportError:
+        return None
+    return write_report(out)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from sim.scenario import load_scenario
+
+    scenario = load_scenario(args.scenario)
+    systems = ", ".join(s.name for s in scenario.systems)
+    print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}")
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from sim.scenario import Scenario
+
+    print(json.dumps(Scenario.model_json_schema(), indent=2))
+    return EXIT_OK
+
+
+def _load_trace_arg(target: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """A trace from a scenario file or directly from a trace file."""
+    from sim.engine import scenario_trace
+    from sim.scenario import load_scenario
+    from workloads import build_trace
+    from workloads.spec import TraceWorkload
+
+    path = Path(target)
+    if path.suffix in (".yaml", ".yml"):
+        scenario = load_scenario(path)
+        return scenario_trace(scenario, path.parent)
+    workload = TraceWorkload(path=target, format=args.format, skip_invalid=args.skip_invalid)
+    return build_trace(workload, seed=0, max_model_len=args.max_model_len, base_dir=Path())
+
+
+def cmd_trace_stats(args: argparse.Namespace) -> int:
+    from sim.trace_stats import trace_stats
+
+    for target in args.targets:
+        trace = _load_trace_arg(target, args)
+        stats = trace_stats(trace, args.block_size)
+        print(f"== {target}")
+        for note in trace.notes:
+            print(f"note: {note}")
+        for key, value in stats.items():
+            if isinstance(value, float):
+                text = f"{value:.4f}" if "potential" in key else f"{value:,.2f}"
+            elif isinstance(value, int):
+                text = f"{value:,}"
+            else:
+                text = str(value)
+            print(f"  {key:<28}{text}")
+    return EXIT_OK
+
+
+def cmd_trace_export(args: argparse.Namespace) -> int:
+    trace = _load_trace_arg(args.target, args)
+    frame = trace.to_frame()
+    out = Path(args.output)
+    if out.suffix == ".jsonl":
+        frame.to_json(out, orient="records", lines=True)
+    elif out.suffix == ".csv":
+        frame.to_csv(out, index=False)
+    else:
+        raise BadInput(f"{out}: expected a .csv or .jsonl output file")
+    print(f"wrote {len(frame):,} requests to {out}")
+    return EXIT_OK
+
+
+def cmd_trace_list(args: argparse.Namespace) -> int:
+    from workloads import builtin_traces
+
+    for name in builtin_traces():
+        print(f"builtin:{name}")
+    return EXIT_OK
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from sim.bench import main as bench_main
+
+    return bench_main(args.sizes, args.mode)
+
+
+# ---------------------------------------------------------------------- parser
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_BAD_INPUT, f"kvsim: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvsim", description="KV-cache memory simulator for LLM serving: "
+                     "contiguous reservation vs paged allocation.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="run a scenario and print the systems side by side")
+    run.add_argument("scenario", help="scenario YAML file")
+    run.add_argument("--out", help="run folder (default: the scenario's output_dir or "
+                     "runs/NAME)")
+    run.add_argument("--seed", type=int, help="override the scenario's seed")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--no-report", action="store_true", help="skip the HTML report")
+    run.set_defaults(func=cmd_run)
+
+    validate = sub.add_parser("validate", help="check a scenario file without running it")
+    validate.add_argument("scenario")
+    validate.set_defaults(func=cmd_validate)
+
+    schema = sub.add_parser("schema", help="print the scenario JSON Schema (for editors)")
+    schema.set_defaults(func=cmd_schema)
+
+    bench = sub.add_parser("bench", help="engine benchmark: ShareGPT-like load, paged-16")
+    bench.add_argument("--sizes", default="10000,100000",
+                       help="comma-separated request counts (e.g. 10000,100000,1000000)")
+    bench.add_argument("--mode", choices=["jump", "step"], default="jump")
+    bench.set_defaults(func=cmd_bench)
+
+    trace = sub.add_parser("trace", help="inspect, list and export traces")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
+    common = _Parser(add_help=False)
+    common.add_argument("--format", choices=["azure", "burstgpt", "mooncake", "csv", "jsonl"],
+                        help="trace file format (default: guessed)")
+    common.add_argument("--skip-invalid", action="store_true", help="skip bad rows")
+    common.add_argument("--max-model-len", type=int, default=1 << 20,
+                        help="context limit for a bare trace file (default: no clipping)")
+    stats = trace_sub.add_parser("stats", parents=[common],
+                                 help="count, rate, lengths, prefix-sharing potential")
+    stats.add_argument("targets", nargs="+", metavar="FILE|SCENARIO")
+    stats.add_argument("--block-size", type=int, default=16)
+    stats.set_defaults(func=cmd_trace_stats)
+    export = trace_sub.add_parser("export", parents=[common],
+                                  help="write a scenario's trace to CSV or JSONL")
+    export.add_argument("target", metavar="FILE|SCENARIO")
+    export.add_argument("-o", "--output", required=True, help="output .csv or .jsonl")
+    export.set_defaults(func=cmd_trace_export)
+    listing = trace_sub.add_parser("list", help="the traces shipped with kvsim")
+    listing.set_defaults(func=cmd_trace_list)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("kvsim: interrupted", file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as exc:
+        if args.debug:
+            raise
+        if isinstance(exc, _bad_input_types()):
+            print(f"kvsim: error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(f"kvsim: run failed: {type(exc).__name__}: {exc} (rerun with --debug for the "
+              "traceback)", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

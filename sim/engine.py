@@ -1,0 +1,366 @@
+"""The SimPy engine: arrivals, one engine process per replica, and time.
+
+Think of a railway timetable. Requests arrive on their own schedule (an arrival process per
+replica wakes the engine when a train comes in to an empty station); each replica's engine
+process loops *schedule → step → advance the clock*. Between two events nothing changes but
+context lengths, so a run of identical decode steps is advanced in one jump — ending at the
+earliest of the next arrival, the next completion, or the first block boundary the pool
+cannot cover — with exactly the clock values stepping would give (``engine.mode: step``
+keeps the one-step-at-a-time loop to test that).
+
+Requests that wait on another (closed loops, session turns) are released ``think_s`` after
+it finishes; they always run on the replica of the request they wait on, so every release
+happens at one of that replica's own event times.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import simpy
+
+from sim.memory import TAXONOMY, ContiguousAllocator, KVAllocator, PagedAllocator
+from sim.presets import SizingError, kv_pool_slots
+from sim.results import RunResult, ScenarioResult, summarize
+from sim.scenario import ContiguousConfig, Scenario, SystemConfig
+from sim.scheduler import MAX_SAMPLES, Batch, Request, Scheduler
+from sim.timing import Calibration, StepTimeModel, roofline
+from workloads import Trace, build_trace
+
+MEMORY_COLUMNS = (*TAXONOMY, "duplicate")
+
+
+class SimulationError(RuntimeError):
+    """The simulation reached a state it cannot leave (a bug, or an impossible setting)."""
+
+
+def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int) -> KVAllocator:
+    """The allocator a system describes, over ``pool_slots`` token slots."""
+    cfg = system.allocator
+    if isinstance(cfg, ContiguousConfig):
+        return ContiguousAllocator(pool_slots, max_model_len=max_model_len,
+                                   reserve_policy=cfg.reserve_policy, placement=cfg.placement)
+    if pool_slots < cfg.block_size:
+        raise SizingError(f"systems[{system.name}]: the KV pool ({pool_slots} slots) is smaller "
+                          f"than one block ({cfg.block_size} slots)")
+    return PagedAllocator(pool_slots // cfg.block_size, cfg.block_size,
+                          enable_prefix_caching=cfg.prefix_caching, eviction=cfg.eviction)
+
+
+def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
+    """Roofline of the model on the GPU, or the scenario's calibration file."""
+    model = scenario.model_spec()
+    if scenario.timing.calibration:
+        path = Path(scenario.timing.calibration)
+        path = path if path.is_absolute() else base_dir / path
+        calibration = Calibration.load(path)
+        return calibration.to_model(source=str(path))
+    base = roofline(model, scenario.gpu_spec(), scenario.timing.step_overhead_s)
+    return StepTimeModel(base.a, base.b, base.c, base.d, base.e,
+                         paged_alpha=scenario.timing.paged_alpha, source=base.source)
+
+
+@dataclass
+class _Recorder:
+    """Collects one system's step log and memory samples as plain lists."""
+
+    sample_interval_s: float
+
+    def __post_init__(self) -> None:
+        self.steps: list[tuple] = []
+        self.memory: list[tuple] = []
+        self.weighted = dict.fromkeys((*MEMORY_COLUMNS, "running"), 0.0)
+        self.weight = 0.0
+        self._last_sample = -math.inf
+
+    def record(self, replica: int, start_s: float, duration_s: float, steps: int, batch: Batch,
+               running: int, waiting: int, snap: dict[str, int], snap_end: dict[str, int],
+               preemptions: int) -> None:
+        self.steps.append((replica, start_s, duration_s, steps, batch.decode_seqs,
+                           batch.context_tokens, batch.prefill_tokens, len(batch.prefill),
+                           batch.preempted, running, waiting))
+        for key in MEMORY_COLUMNS:
+            self.weighted[key] += duration_s * (snap[key] + snap_end[key]) / 2
+        self.weighted["running"] += duration_s * running
+        self.weight += duration_s
+        if start_s - self._last_sample >= self.sample_interval_s:
+            self._last_sample = start_s
+            self.memory.append((replica, start_s, *(snap[k] for k in MEMORY_COLUMNS), running,
+                                waiting, batch.decode_seqs, preemptions))
+
+    def averages(self, replicas: int) -> dict[str, float]:
+        """Time-averaged slots per replica (and running requests in all)."""
+        weight = self.weight or 1.0
+        return {k: v / weight / (1 if k == "running" else replicas)
+                for k, v in self.weighted.items()}
+
+
+class _Replica:
+    """One engine instance: a scheduler over its own allocator, driven by SimPy."""
+
+    def __init__(self, env: simpy.Environment, index: int, sim: _SystemRun,
+                 allocator: KVAllocator) -> None:
+        self.env = env
+        self.index = index
+        self.sim = sim
+        self.allocator = allocator
+        self.scheduler = Scheduler(allocator, sim.system.scheduler, sim.debug)
+        self.rho = sim.timing.rho(allocator.block_size if isinstance(allocator, PagedAllocator)
+                                  else None)
+        self.open: list[int] = []  # open-arrival request indices, in arrival order
+        self.open_pos = 0
+        self.released: list[tuple[float, int]] = []  # (release time, request index) heap
+        self.clock = 0.0
+        self.wake: simpy.Event = env.event()
+        self.idle = False
+
+    # -------------------------------------------------------------- arrivals
+    def next_arrival(self) -> float:
+        t = math.inf
+        if self.open_pos < len(self.open):
+            t = self.sim.arrival_s[self.open[self.open_pos]]
+        if self.released:
+            t = min(t, self.released[0][0])
+        return t
+
+    def pull_arrivals(self) -> None:
+        """Queue every request that has arrived by the replica's clock, in time order."""
+        sim = self.sim
+        while True:
+            t_open = (sim.arrival_s[self.open[self.open_pos]] if self.open_pos < len(self.open)
+                      else math.inf)
+            t_rel = self.released[0][0] if self.released else math.inf
+            t = min(t_open, t_rel)
+            if t > self.clock:
+                return
+            if t_open <= t_rel:
+                index = self.open[self.open_pos]
+                self.open_pos += 1
+            else:
+                _, index = heapq.heappop(self.released)
+            request = Request(sim.trace, index, t)
+            sim.requests[index] = request
+            if not self.scheduler.add(request):
+                sim.on_done(self, request, t)
+
+    # -------------------------------------------------------------- the loop
+    def arrivals(self):  # type: ignore[no-untyped-def]
+        """SimPy process: wake the engine when an open arrival reaches an idle replica."""
+        for index in self.open:
+            t = self.sim.arrival_s[index]
+            if t > self.env.now:
+                yield self.env.timeout(t - self.env.now)
+            if self.idle and not self.wake.triggered:
+                self.wake.succeed()
+
+    def run(self):  # type: ignore[no-untyped-def]
+        """SimPy process: schedule → step → advance, until no work is left."""
+        sim = self.sim
+        sched = self.scheduler
+        timing = sim.timing
+        while True:
+            self.pull_arrivals()
+            if not sched.running and not sched.waiting:
+                t = self.next_arrival()
+                if t == math.inf:
+                    return
+                self.clock = max(self.clock, t)
+                if t > self.env.now:
+                    self.idle = True
+                    self.wake = self.env.event()
+                    yield self.wake | self.env.timeout(t - self.env.now)
+                    self.idle = False
+                continue
+            start = self.clock
+            batch = sched.schedule(start)
+            if not batch.decode and not batch.prefill:
+                raise SimulationError(
+                    f"replica {self.index}: nothing can run although {len(sched.running)} "
+                    f"requests run and {len(sched.waiting)} wait")
+            snap = self.allocator.snapshot(sched.head_spec).as_dict()
+            step_s = timing.step_time(batch.decode_seqs, batch.context_tokens,
+                                      batch.prefill_tokens, batch.prefill_pairs, self.rho)
+            clock = start + step_s
+            steps = 1
+            # A preemption frees memory the next step may admit with: no jump then.
+            if sim.jump and batch.pure_decode and not batch.preempted:
+                limit = sched.max_extra_steps(batch, 1 << 40)
+                next_t = self.next_arrival()
+                context = batch.context_tokens
+                extra = 0
+                while extra < limit and clock < next_t:
+                    context += batch.decode_seqs
+                    clock += timing.step_time(batch.decode_seqs, context, 0, 0, self.rho)
+                    extra += 1
+                if extra:
+                    sched.apply_extra_steps(batch, extra)
+                    steps += extra
+            snap_end = (self.allocator.snapshot(sched.head_spec).as_dict() if steps > 1
+                        else snap)
+            sim.recorder.record(self.index, start, clock - start, steps, batch,
+                                len(sched.running), len(sched.waiting), snap, snap_end,
+                                sched.num_preemptions)
+            self.clock = clock
+            for request in sched.finish_step(batch, clock, steps):
+                self._account_finish(request)
+                sim.on_done(self, request, clock)
+            if clock > self.env.now:
+                yield self.env.timeout(clock - self.env.now)
+
+    def _account_finish(self, request: Request) -> None:
+        # Allocation at finish time, for the "waste at completion" figure (seed: 63.4 %).
+        request_alloc = 0
+        for sample in range(request.n):
+            spec = request.spec(sample)
+            if isinstance(self.allocator, ContiguousAllocator):
+                request_alloc += self.allocator.reservation(spec)
+            else:
+                bs = self.allocator.block_size  # type: ignore[attr-defined]
+                request_alloc += -(-spec.final_len // bs) * bs
+        self.sim.allocated_at_finish[request.index] = request_alloc
+
+
+class _SystemRun:
+    """Everything one system's simulation shares between its replicas."""
+
+    def __init__(self, scenario: Scenario, system: SystemConfig, trace: Trace,
+                 timing: StepTimeModel, pool_slots: int,
+                 progress: Callable[[int], None] | None) -> None:
+        self.system = system
+        self.trace = trace
+        self.timing = timing
+        self.jump = scenario.engine.mode == "jump"
+        self.debug = scenario.engine.debug_invariants
+        self.duration_s = scenario.stop.duration_s
+        self.arrival_s = trace.arrival_s.tolist()
+        self.think_s = trace.think_s.tolist()
+        self.requests: list[Request | None] = [None] * len(trace)
+        self.allocated_at_finish = np.zeros(len(trace), dtype=np.int64)
+        self.recorder = _Recorder(scenario.engine.sample_interval_s)
+        self.progress = progress
+        self.done = 0
+        # Dependents: request → the requests released when it is done.
+        after = trace.after
+        order = np.argsort(after, kind="stable")
+        self.dependents: dict[int, list[int]] = {}
+        for index in order[after[order] >= 0].tolist():
+            self.dependents.setdefault(int(after[index]), []).append(index)
+        # Routing: open arrivals round-robin; dependents follow the request they wait on.
+        replicas = scenario.engine.replicas
+        self.replica_of = np.zeros(len(trace), dtype=np.int64)
+        roots = np.flatnonzero(after < 0)
+        self.replica_of[roots] = np.arange(len(roots)) % replicas
+        for index in np.flatnonzero(after >= 0).tolist():
+            self.replica_of[index] = self.replica_of[after[index]]
+        self.env = simpy.Environment()
+        self.replicas = []
+        for r in range(replicas):
+            allocator = build_allocator(system, pool_slots, scenario.model_spec().max_model_len)
+            replica = _Replica(self.env, r, self, allocator)
+            replica.open = roots[self.replica_of[roots] == r].tolist()
+            self.replicas.append(replica)
+
+    def on_done(self, replica: _Replica, request: Request, now_s: float) -> None:
+        """A request finished or was rejected: release whoever waits on it."""
+        self.done += 1
+        if self.progress:
+            self.progress(1)
+        for index in self.dependents.get(request.index, []):
+            release = now_s + self.think_s[index]
+            if self.duration_s is not None and release > self.duration_s:
+                continue
+            heapq.heappush(replica.released, (release, index))
+
+    def run(self) -> RunResult:
+        for replica in self.replicas:
+            self.env.process(replica.arrivals())
+            self.env.process(replica.run())
+        self.env.run()
+        for replica in self.replicas:
+            sched = replica.scheduler
+            if sched.running or sched.waiting:
+                raise SimulationError(f"replica {replica.index} stopped with work left")
+        return self._result()
+
+    def _result(self) -> RunResult:
+        rows = []
+        for request in self.requests:
+            if request is None:  # a dependent whose release fell after the stop
+                continue
+            rows.append((request.index, request.arrival_s, request.admitted_s,
+                         request.first_token_s, request.finished_s, request.prompt_len,
+                         request.output_len, request.n, request.preemptions,
+                         request.hit_tokens, request.recomputed_tokens, request.rejected,
+                         int(self.replica_of[request.index]),
+                         int(self.allocated_at_finish[request.index])))
+        requests = pd.DataFrame(rows, columns=[
+            "request", "arrival_s", "admitted_s", "first_token_s", "finished_s", "prompt_len",
+            "output_len", "n", "preemptions", "prefix_hit_tokens", "recomputed_tokens",
+            "rejected", "replica", "allocated_at_finish"])
+        requests = requests.sort_values("request", kind="stable").reset_index(drop=True)
+        for column in ("admitted_s", "first_token_s", "finished_s"):
+            requests[column] = requests[column].where(requests[column] >= 0)
+        requests["finished_s"] = requests["finished_s"].astype(float)
+        steps = pd.DataFrame(self.recorder.steps, columns=[
+            "replica", "time_s", "duration_s", "steps", "decode_seqs", "context_tokens",
+            "prefill_tokens", "prefill_requests", "preempted", "running", "waiting"])
+        memory = pd.DataFrame(self.recorder.memory, columns=[
+            "replica", "time_s", *MEMORY_COLUMNS, "running", "waiting", "decode_seqs",
+            "preemptions"])
+        capacity = self.replicas[0].allocator.capacity_slots
+        lookup = sum(r.scheduler.lookup_tokens for r in self.replicas)
+        hits = sum(r.scheduler.hit_tokens for r in self.replicas)
+        extra = {"lookup_tokens": lookup, "hit_tokens": hits,
+                 "evictions": sum(getattr(getattr(r.allocator, "pool", None), "num_evictions", 0)
+                                  for r in self.replicas),
+                 "replicas": len(self.replicas)}
+        summary_requests = requests.fillna({"finished_s": -1.0})
+        summary = summarize(summary_requests, steps,
+                            self.recorder.averages(len(self.replicas)), capacity, extra)
+        return RunResult(self.system.name, requests, memory, steps, summary)
+
+
+def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: StepTimeModel,
+               progress: Callable[[int], None] | None = None) -> RunResult:
+    """Simulate one system on ``trace``."""
+    model = scenario.model_spec()
+    pool_slots = kv_pool_slots(model, scenario.gpu_spec(),
+                               kv_memory_gib=scenario.memory.kv_memory_gib,
+                               gpu_memory_utilization=scenario.memory.gpu_memory_utilization)
+    smallest = int((trace.prompt_len + trace.output_len).min())
+    if pool_slots < smallest:
+        raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than the "
+                          f"smallest request ({smallest} tokens)")
+    return _SystemRun(scenario, system, trace, timing, pool_slots, progress).run()
+
+
+def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) -> Trace:
+    """The trace a scenario replays against every system."""
+    return build_trace(scenario.workload, seed=scenario.seed if seed is None else seed,
+                       max_model_len=scenario.model_spec().max_model_len,
+                       num_requests=scenario.stop.num_requests,
+                       duration_s=scenario.stop.duration_s, base_dir=base_dir)
+
+
+def run_scenario(scenario: Scenario, base_dir: Path = Path(),
+                 progress: Callable[[str, int], Callable[[int], None] | None] | None = None,
+                 ) -> ScenarioResult:
+    """Generate the scenario's trace once and simulate every system on it."""
+    trace = scenario_trace(scenario, base_dir)
+    timing = build_timing(scenario, base_dir)
+    systems = {}
+    for system in scenario.systems:
+        callback = progress(system.name, len(trace)) if progress else None
+        systems[system.name] = run_system(scenario, system, trace, timing, callback)
+    return ScenarioResult(scenario=scenario.model_dump(mode="json"), systems=systems,
+                          trace_notes=list(trace.notes))
+
+
+__all__ = ["MAX_SAMPLES", "SimulationError", "build_allocator", "build_timing", "run_scenario",
+           "run_system", "scenario_trace"]

@@ -1,0 +1,183 @@
+"""What a run leaves behind: tables per system, a summary, and a run folder on disk.
+
+Layout of a run folder::
+
+    RUN/scenario.yaml            the resolved scenario (every default filled in)
+    RUN/summary.json             {system name: summary metrics}
+    RUN/SYSTEM/requests.parquet  one row per request
+    RUN/SYSTEM/memory.parquet    the memory taxonomy over time (slots)
+    RUN/SYSTEM/steps.parquet     one row per scheduling point (a jump covers several steps)
+
+Files are written to a temporary name and renamed, so a killed run never leaves a torn file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from sim.memory import TAXONOMY
+
+LATENCY_PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RunResult:
+    """One system's results on one trace."""
+
+    system: str
+    requests: pd.DataFrame
+    memory: pd.DataFrame
+    steps: pd.DataFrame
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ScenarioResult:
+    """Every system of a scenario, on the same trace."""
+
+    scenario: dict[str, Any]
+    systems: dict[str, RunResult]
+    trace_notes: list[str] = field(default_factory=list)
+
+    def summary_frame(self) -> pd.DataFrame:
+        """One column per system, one row per summary metric."""
+        return pd.DataFrame({name: r.summary for name, r in self.systems.items()})
+
+
+def _percentiles(values: np.ndarray, name: str) -> dict[str, float]:
+    values = values[np.isfinite(values)]
+    out = {}
+    for p in LATENCY_PERCENTILES:
+        out[f"{name}_p{p}_s"] = float(np.percentile(values, p)) if len(values) else math.nan
+    return out
+
+
+def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, float],
+              capacity_slots: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """Summary metrics of one system's run (see the README's metric table)."""
+    done = requests[requests["finished_s"] >= 0]
+    start = float(requests["arrival_s"].min()) if len(requests) else 0.0
+    end = float(done["finished_s"].max()) if len(done) else start
+    makespan = max(end - start, 1e-12)
+    generated = float((done["output_len"] * done["n"]).sum())
+    prompt = float(done["prompt_len"].sum())
+    ttft = (done["first_token_s"] - done["arrival_s"]).to_numpy(dtype=float)
+    e2e = (done["finished_s"] - done["arrival_s"]).to_numpy(dtype=float)
+    multi = done[done["output_len"] > 1]
+    tpot = ((multi["finished_s"] - multi["first_token_s"]) / (multi["output_len"] - 1)).to_numpy(
+        dtype=float)
+    step_count = float(steps["steps"].sum()) if len(steps) else 0.0
+    batch_mean = float((steps["decode_seqs"] * steps["steps"]).sum() / step_count) if (
+        step_count) else 0.0
+    used = sum(averages[c] for c in ("token", "reserved", "internal", "external"))
+    allocated = sum(averages[c] for c in ("token", "reserved", "internal"))
+    finish_alloc = float(done["allocated_at_finish"].sum())
+    finish_used = float(((done["prompt_len"] + done["output_len"]) * done["n"]).sum())
+    summary: dict[str, Any] = {
+        "requests": len(requests),
+        "completed": len(done),
+        "rejected": int(requests["rejected"].sum()),
+        "makespan_s": makespan,
+        "throughput_tok_s": generated / makespan,
+        "total_tok_s": (generated + prompt) / makespan,
+        "throughput_req_s": len(done) / makespan,
+        **_percentiles(ttft, "ttft"),
+        **_percentiles(tpot, "tpot"),
+        **_percentiles(e2e, "e2e"),
+        "mean_batch": batch_mean,
+        "peak_batch": int(steps["decode_seqs"].max()) if len(steps) else 0,
+        "mean_running": float(averages["running"]),
+        "peak_running": int(steps["running"].max()) if len(steps) else 0,
+        **{f"{c}_frac": averages[c] / capacity_slots for c in TAXONOMY},
+        "duplicate_frac": averages["duplicate"] / capacity_slots,
+        "waste_frac": (used - averages["token"]) / used if used else 0.0,
+        "internal_frac_of_allocated": averages["internal"] / allocated if allocated else 0.0,
+        "internal_at_finish_frac": (finish_alloc - finish_used) / finish_alloc if (
+            finish_alloc) else 0.0,
+        "prefix_hit_rate": extra["hit_tokens"] / extra["lookup_tokens"] if (
+            extra["lookup_tokens"]) else 0.0,
+        "preemptions": int(requests["preemptions"].sum()),
+        "recomputed_tokens": int(requests["recomputed_tokens"].sum()),
+        "steps": int(step_count),
+        "capacity_slots": capacity_slots,
+    }
+    summary.update({k: v for k, v in extra.items() if k not in ("hit_tokens", "lookup_tokens")})
+    return summary
+
+
+def _atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def write_table(frame: pd.DataFrame, path: Path) -> Path:
+    """Parquet (pyarrow), or CSV if pyarrow is missing; written atomically."""
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        path = path.with_suffix(".csv")
+        _atomic_write(path, lambda p: frame.to_csv(p, index=False))
+        return path
+    _atomic_write(path, lambda p: frame.to_parquet(p, index=False))
+    return path
+
+
+def read_table(path: Path) -> pd.DataFrame:
+    """Read a table written by :func:`write_table` (either suffix)."""
+    if path.exists():
+        return pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    csv = path.with_suffix(".csv")
+    return pd.read_csv(csv)
+
+
+def write_json(data: Any, path: Path) -> None:
+    _atomic_write(path, lambda p: p.write_text(json.dumps(data, indent=2, sort_keys=True,
+                                                          allow_nan=True) + "\n"))
+
+
+def write_run(result: ScenarioResult, out_dir: Path) -> Path:
+    """Write a run folder (layout in the module docstring)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out_dir / "scenario.yaml",
+                  lambda p: p.write_text(yaml.safe_dump(result.scenario, sort_keys=False)))
+    for name, run in result.systems.items():
+        folder = out_dir / _safe_name(name)
+        folder.mkdir(exist_ok=True)
+        write_table(run.requests, folder / "requests.parquet")
+        write_table(run.memory, folder / "memory.parquet")
+        write_table(run.steps, folder / "steps.parquet")
+    write_json({"systems": {n: r.summary for n, r in result.systems.items()},
+                "trace_notes": result.trace_notes}, out_dir / "summary.json")
+    return out_dir
+
+
+def load_run(out_dir: Path) -> ScenarioResult:
+    """Read a run folder back (the inverse of :func:`write_run`)."""
+    summary = json.loads((out_dir / "summary.json").read_text())
+    scenario = yaml.safe_load((out_dir / "scenario.yaml").read_text())
+    systems = {}
+    for name, metrics in summary["systems"].items():
+        folder = out_dir / _safe_name(name)
+        systems[name] = RunResult(
+            system=name,
+            requests=read_table(folder / "requests.parquet"),
+            memory=read_table(folder / "memory.parquet"),
+            steps=read_table(folder / "steps.parquet"),
+            summary=metrics,
+        )
+    return ScenarioResult(scenario=scenario, systems=systems,
+                          trace_notes=summary.get("trace_notes", []))
+
+
+def _safe_name(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)

@@ -1,0 +1,307 @@
+"""Scenario files: the validated description of one experiment.
+
+A scenario is a recipe card: which model on which GPU, what requests arrive (the workload),
+which systems (allocator + scheduler settings) to compare on exactly those requests, when to
+stop, and where to write results. :func:`load_scenario` turns a YAML file into a
+:class:`Scenario` or raises :class:`ScenarioError` with a one-line message naming the file,
+the field path and what was expected.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from sim.memory import EVICTION_POLICIES, PLACEMENTS, RESERVE_POLICIES
+from sim.presets import GPU_PRESETS, MODEL_PRESETS, GpuSpec, ModelSpec
+from workloads.distributions import ConfigModel
+from workloads.spec import Workload
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be loaded; ``str()`` is the one-line message for the user."""
+
+
+class ModelConfig(ConfigModel):
+    """A model given explicitly (instead of a preset name)."""
+
+    name: str
+    num_layers: PositiveInt
+    num_heads: PositiveInt
+    num_kv_heads: PositiveInt
+    head_dim: PositiveInt
+    num_params: PositiveFloat
+    max_model_len: PositiveInt
+    dtype_bytes: Literal[1, 2, 4] = 2
+
+
+class GpuConfig(ConfigModel):
+    """A GPU given explicitly (instead of a preset name)."""
+
+    name: str
+    memory_gib: PositiveFloat
+    hbm_bandwidth_gbps: PositiveFloat = Field(description="GB/s (10^9 bytes per second)")
+    peak_tflops: PositiveFloat = Field(description="dense bf16/fp16 TFLOP/s")
+
+
+class MemoryConfig(ConfigModel):
+    """The KV pool: ``kv_memory_gib`` if given, else GPU memory × utilization − weights."""
+
+    kv_memory_gib: PositiveFloat | None = None
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+
+
+class ContiguousConfig(ConfigModel):
+    """Contiguous max-length reservation (one extent per request)."""
+
+    kind: Literal["contiguous"]
+    reserve_policy: Literal["max_model_len", "request_max", "pow2", "oracle"] = "max_model_len"
+    placement: Literal["first_fit", "best_fit"] = "first_fit"
+
+
+class PagedConfig(ConfigModel):
+    """Paged blocks with block tables, ref counts, prefix caching and eviction."""
+
+    kind: Literal["paged"]
+    block_size: int = Field(default=16, ge=1, le=256)
+    prefix_caching: bool = True
+    eviction: Literal["lru", "lfu", "fifo", "sharing_aware"] = "lru"
+
+
+AllocatorConfig = Annotated[ContiguousConfig | PagedConfig, Field(discriminator="kind")]
+
+
+class SchedulerConfig(ConfigModel):
+    """Iteration-level continuous batching, the same for every allocator."""
+
+    max_num_seqs: PositiveInt = 256
+    max_num_batched_tokens: PositiveInt = 8192
+    chunked_prefill: bool = False
+    preemption_victim: Literal["last_admitted", "fewest_generated"] = "last_admitted"
+
+
+class SystemConfig(ConfigModel):
+    """One system to compare: a name, an allocator and scheduler settings."""
+
+    name: str = Field(min_length=1)
+    allocator: AllocatorConfig
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+
+class StopConfig(ConfigModel):
+    """When to stop: after ``num_requests`` requests, or arrivals up to ``duration_s``
+    (in-flight requests always run to completion)."""
+
+    num_requests: PositiveInt | None = None
+    duration_s: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _one(self):  # type: ignore[no-untyped-def]
+        if self.num_requests is None and self.duration_s is None:
+            raise ValueError("give num_requests, duration_s or both")
+        return self
+
+
+class TimingConfig(ConfigModel):
+    """Step-time model: the GPU roofline unless a ``calibration`` file (relative to the
+    scenario) is given; ``paged_alpha`` sets ρ(bs) = 1 + alpha/bs without calibration."""
+
+    calibration: str | None = None
+    step_overhead_s: float = Field(default=1.0e-3, ge=0)
+    paged_alpha: float = Field(default=2.0, ge=0)
+
+
+class EngineConfig(ConfigModel):
+    """How the simulation runs (none of this changes results, except ``mode`` by float
+    rounding nowhere: jump and step give identical request tables)."""
+
+    mode: Literal["jump", "step"] = "jump"
+    replicas: PositiveInt = 1
+    sample_interval_s: float = Field(default=0.0, ge=0,
+                                     description="0 = one memory sample per scheduling point")
+    debug_invariants: bool = False
+
+
+class Scenario(ConfigModel):
+    """One experiment: the same trace replayed against every system."""
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    model: str | ModelConfig = "llama-2-7b"
+    gpu: str | GpuConfig = "a100-80g"
+    memory: MemoryConfig = MemoryConfig()
+    workload: Workload
+    systems: list[SystemConfig] = Field(min_length=1)
+    stop: StopConfig
+    seed: int = Field(default=0, ge=0)
+    timing: TimingConfig = TimingConfig()
+    engine: EngineConfig = EngineConfig()
+    output_dir: str | None = None
+    sweep: dict[str, Any] | None = None
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str | ModelConfig) -> str | ModelConfig:
+        if isinstance(value, str) and value.lower() not in MODEL_PRESETS:
+            raise ValueError(f"unknown preset {value!r}; known: {', '.join(MODEL_PRESETS)} "
+                             "(or give the model's shape)")
+        return value
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, value: str | GpuConfig) -> str | GpuConfig:
+        if isinstance(value, str) and value.lower() not in GPU_PRESETS:
+            raise ValueError(f"unknown preset {value!r}; known: {', '.join(GPU_PRESETS)} "
+                             "(or give the GPU's figures)")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self):  # type: ignore[no-untyped-def]
+        names = [s.name for s in self.systems]
+        if len(set(names)) != len(names):
+            raise ValueError(f"systems: names must be unique, got {names}")
+        return self
+
+    def model_spec(self) -> ModelSpec:
+        if isinstance(self.model, str):
+            return MODEL_PRESETS[self.model.lower()]
+        return ModelSpec(**self.model.model_dump())
+
+    def gpu_spec(self) -> GpuSpec:
+        if isinstance(self.gpu, str):
+            return GPU_PRESETS[self.gpu.lower()]
+        g = self.gpu
+        return GpuSpec(g.name, int(g.memory_gib * 1024**3), g.hbm_bandwidth_gbps * 1e9,
+                       g.peak_tflops * 1e12)
+
+
+# Keep the names importable for documentation and the sweep's validation.
+__all__ = ["EVICTION_POLICIES", "PLACEMENTS", "RESERVE_POLICIES", "Scenario", "ScenarioError",
+           "load_scenario", "scenario_from_dict"]
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _loc(loc: tuple[Any, ...], data: Any) -> str:
+    """``systems[1].allocator.block_size`` from a pydantic error location, union tags dropped."""
+    parts: list[str] = []
+    node = data
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+            node = node[item] if isinstance(node, list) and item < len(node) else None
+            continue
+        key = str(item)
+        if isinstance(node, dict) and key not in node:
+            tags = {str(v) for v in node.values() if isinstance(v, str)}
+            if key in tags or key in ("synthetic", "trace") or key in _TYPE_TAGS or (
+                    "[" in key or key[:1].isupper()):
+                continue  # a union member's tag, not a field
+        parts.append(f".{key}" if parts else key)
+        node = node.get(key) if isinstance(node, dict) else None
+    return "".join(parts) or "(top level)"
+
+
+def _format_error(error: dict[str, Any], data: Any) -> str:
+    loc = tuple(error["loc"])
+    where = _loc(loc, data)
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        key = str(loc[-1])
+        hint = difflib.get_close_matches(key, [f for f in _ALL_FIELDS if f != key], n=1,
+                                         cutoff=0.6)
+        suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
+        if key in _ALL_FIELDS:
+            suggestion = " in this section (it belongs to another kind of section)"
+        return f"{where}: unknown key{suggestion}"
+    if kind == "missing":
+        return f"{where}: required field is missing"
+    message = error["msg"].removeprefix("Value error, ")
+    value = error.get("input")
+    if kind != "value_error" and not isinstance(value, dict | list):
+        return f"{where}: {message} (got {value!r})"
+    return f"{where}: {message}"
+
+
+def _collect_fields() -> list[str]:
+    """Every field name of every config model, for 'did you mean' suggestions."""
+    from pydantic import BaseModel
+
+    names: set[str] = set()
+    seen: set[type] = set()
+
+    def walk(model: type[BaseModel]) -> None:
+        if model in seen:
+            return
+        seen.add(model)
+        for name, info in model.model_fields.items():
+            names.add(name)
+            for sub in _models_in(info.annotation):
+                walk(sub)
+
+    walk(Scenario)
+    return sorted(names)
+
+
+def _models_in(annotation: Any) -> list[type]:
+    from typing import get_args
+
+    from pydantic import BaseModel
+
+    found = []
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        found.append(annotation)
+    for arg in get_args(annotation):
+        found += _models_in(arg)
+    return found
+
+
+_ALL_FIELDS = _collect_fields()
+
+
+def scenario_from_dict(data: Any, source: str = "<scenario>") -> Scenario:
+    """Validate ``data`` (parsed YAML); errors become one-line :class:`ScenarioError`."""
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{source}: expected a mapping of scenario fields at the top level")
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+        # In a union every member complains; the deepest complaint is the useful one.
+        errors.sort(key=lambda e: -len(e["loc"]))
+        first = _format_error(errors[0], data)
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ScenarioError(f"{source}: {first}{more}") from None
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ScenarioError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ScenarioError(f"{path}: is a directory, expected a scenario YAML file") from None
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ScenarioError(f"{path}:{where}: not valid YAML ({problem})") from None
+    return scenario_from_dict(data, str(path))

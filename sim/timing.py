@@ -1,0 +1,154 @@
+"""How long one engine step takes: a linear model in the step's shape.
+
+A step is a bus trip: a fixed cost to leave the depot (``a``: weights streamed from HBM once,
+kernel launches), a fare per passenger (``b`` per decoding sequence), per kilometre of road
+(``c`` per context token attention reads, times the paging overhead ρ(block_size)), per new
+token prefilled (``d``) and for the prefill attention's quadratic part (``e`` per token pair)::
+
+    T = a + b·B + ρ(bs)·c·C + d·P + e·S
+
+B = decoding sequences, C = context tokens their attention reads, P = prefill tokens,
+S = Σ p·(h + p) over prefill chunks (p new tokens on h already cached; p² for a fresh prompt).
+
+Defaults are a roofline of the model on the GPU preset; a calibration YAML written by
+``gpu_validate`` (format in :class:`Calibration`) replaces them with measured values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from sim.presets import GpuSpec, ModelSpec
+
+DEFAULT_STEP_OVERHEAD_S = 1.0e-3  # scheduler + kernel launches per step, typical of vLLM
+DEFAULT_PAGED_ALPHA = 2.0  # ρ(bs) = 1 + alpha/bs: +12.5% attention time at bs=16
+
+
+class CalibrationError(ValueError):
+    """A calibration file that is missing, malformed or for another model."""
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Coefficients of the step-time model, in seconds per unit."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+    e: float
+    # Measured ρ at some block sizes (interpolated in log2 block size); empty → 1 + alpha/bs.
+    rho_table: dict[int, float] = field(default_factory=dict)
+    paged_alpha: float = DEFAULT_PAGED_ALPHA
+    source: str = "roofline"
+
+    def rho(self, block_size: int | None) -> float:
+        """Paged-attention overhead factor; 1 for contiguous memory (``block_size`` None)."""
+        if block_size is None:
+            return 1.0
+        if not self.rho_table:
+            return 1.0 + self.paged_alpha / block_size
+        sizes = sorted(self.rho_table)
+        if block_size <= sizes[0]:
+            return self.rho_table[sizes[0]]
+        if block_size >= sizes[-1]:
+            return self.rho_table[sizes[-1]]
+        for lo, hi in zip(sizes, sizes[1:], strict=False):
+            if lo <= block_size <= hi:
+                w = (math.log2(block_size) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+                return self.rho_table[lo] * (1 - w) + self.rho_table[hi] * w
+        raise AssertionError("unreachable")
+
+    def step_time(self, decode_seqs: int, context_tokens: int, prefill_tokens: int,
+                  prefill_pairs: int, rho: float) -> float:
+        """Seconds for one step of the given shape (ρ already chosen for the allocator)."""
+        return (self.a + self.b * decode_seqs + rho * self.c * context_tokens
+                + self.d * prefill_tokens + self.e * prefill_pairs)
+
+
+def roofline(model: ModelSpec, gpu: GpuSpec,
+             step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S) -> StepTimeModel:
+    """Coefficients from first principles.
+
+    a = weights / HBM bandwidth + a fixed overhead; b = d = 2·params FLOP per token / peak
+    FLOP/s; c = KV bytes per token / HBM bandwidth; e = 2·layers·hidden FLOP per (query, key)
+    pair (QKᵀ and PV, causal) / peak FLOP/s.
+    """
+    per_token_flops = 2.0 * model.num_params
+    return StepTimeModel(
+        a=model.weight_bytes / gpu.hbm_bandwidth_bytes_per_s + step_overhead_s,
+        b=per_token_flops / gpu.peak_flops,
+        c=model.kv_bytes_per_token / gpu.hbm_bandwidth_bytes_per_s,
+        d=per_token_flops / gpu.peak_flops,
+        e=2.0 * model.num_layers * model.hidden_size / gpu.peak_flops,
+        source=f"roofline({model.name}, {gpu.name})",
+    )
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A calibration file (YAML) — what ``gpu_validate`` writes and ``timing.calibration`` reads.
+
+    ::
+
+        kvsim_calibration: 1          # format version
+        model: llama-2-7b             # the model the timings are for (checked)
+        device: NVIDIA H200           # free text: device, driver, date
+        coefficients: {a: 0.0071, b: 4.1e-5, c: 1.9e-7, d: 4.3e-5, e: 1.1e-9}   # seconds
+        rho: {8: 1.21, 16: 1.12, 32: 1.07, 64: 1.04, 128: 1.03}               # optional
+        fit: {mape: 0.031, max_error: 0.08, held_out_points: 40}              # optional
+    """
+
+    model: str
+    device: str
+    coefficients: dict[str, float]
+    rho: dict[int, float]
+    fit: dict[str, float]
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        try:
+            data = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise CalibrationError(f"{path}: calibration file not found") from None
+        except yaml.YAMLError as exc:
+            raise CalibrationError(f"{path}: not valid YAML ({exc})") from None
+        if not isinstance(data, dict) or data.get("kvsim_calibration") != 1:
+            raise CalibrationError(f"{path}: not a kvsim calibration (kvsim_calibration: 1)")
+        coefficients = data.get("coefficients")
+        if not isinstance(coefficients, dict) or set(coefficients) != set("abcde"):
+            raise CalibrationError(f"{path}: coefficients: expected a mapping of a, b, c, d, e")
+        for key, value in coefficients.items():
+            if not isinstance(value, int | float) or value < 0:
+                raise CalibrationError(f"{path}: coefficients.{key}: expected a number >= 0")
+        rho = data.get("rho") or {}
+        if not isinstance(rho, dict) or not all(
+            isinstance(k, int) and isinstance(v, int | float) and v > 0 for k, v in rho.items()
+        ):
+            raise CalibrationError(f"{path}: rho: expected a mapping block_size -> factor > 0")
+        return cls(
+            model=str(data.get("model", "")),
+            device=str(data.get("device", "")),
+            coefficients={k: float(v) for k, v in coefficients.items()},
+            rho={int(k): float(v) for k, v in rho.items()},
+            fit=dict(data.get("fit") or {}),
+        )
+
+    def dump(self, path: Path) -> None:
+        path.write_text(yaml.safe_dump({
+            "kvsim_calibration": 1,
+            "model": self.model,
+            "device": self.device,
+            "coefficients": self.coefficients,
+            "rho": self.rho,
+            "fit": self.fit,
+        }, sort_keys=False))
+
+    def to_model(self, source: str) -> StepTimeModel:
+        c = self.coefficients
+        return StepTimeModel(a=c["a"], b=c["b"], c=c["c"], d=c["d"], e=c["e"],
+                             rho_table=dict(self.rho), source=source)

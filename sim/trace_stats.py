@@ -1,0 +1,53 @@
+"""Figures that describe a trace before any simulation: size, rate, lengths, sharing.
+
+*Prefix-sharing potential* at block size ``bs`` is the share of prompt tokens that lie in full
+blocks whose chained hash (the whole prefix up to and including the block) also occurs in
+another request's prompt — the most a perfect, infinite prefix cache could reuse.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from sim.memory.content import BlockHasher
+from workloads.trace import Trace
+
+
+def sharing_potential(trace: Trace, block_size: int) -> float:
+    """Share of prompt tokens in full blocks that another request's prompt also has."""
+    counts: Counter[int] = Counter()
+    per_request: list[list[int]] = []
+    for i in range(len(trace)):
+        hasher = BlockHasher(trace.prompt_segments(i), block_size)
+        hashes = hasher.hash_upto(int(trace.prompt_len[i]) // block_size)
+        unique = list(dict.fromkeys(hashes))
+        per_request.append(unique)
+        counts.update(unique)
+    shared_blocks = sum(sum(1 for h in hashes if counts[h] > 1) for hashes in per_request)
+    total = int(trace.prompt_len.sum())
+    return shared_blocks * block_size / total if total else 0.0
+
+
+def trace_stats(trace: Trace, block_size: int = 16) -> dict[str, Any]:
+    """Count, duration, rate, length percentiles and sharing potential of ``trace``."""
+    duration = float(trace.arrival_s[-1] - trace.arrival_s[0]) if len(trace) > 1 else 0.0
+    stats: dict[str, Any] = {
+        "source": trace.source,
+        "requests": len(trace),
+        "duration_s": duration,
+        "rate_req_s": (len(trace) - 1) / duration if duration > 0 else float("nan"),
+    }
+    for name in ("prompt_len", "output_len"):
+        values = getattr(trace, name)
+        stats[f"{name}_mean"] = float(values.mean())
+        for p in (50, 90, 99):
+            stats[f"{name}_p{p}"] = float(np.percentile(values, p))
+        stats[f"{name}_max"] = int(values.max())
+    stats["total_tokens"] = trace.total_tokens()
+    stats["dependent_requests"] = int((trace.after >= 0).sum())
+    stats["mean_samples_n"] = float(trace.n.mean())
+    stats[f"sharing_potential_bs{block_size}"] = sharing_potential(trace, block_size)
+    return stats

@@ -1,0 +1,261 @@
+"""Length distributions and arrival processes, each a small validated config that samples.
+
+Every class is both the YAML schema of its section and the sampler it describes: read the
+fields to know what to write, call ``sample`` to draw. Draws are vectorised (numpy) and take
+an explicit ``numpy.random.Generator``, so a seed fixes everything.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+Z99 = 2.3263478740408408  # standard normal 99th percentile
+
+
+class ConfigModel(BaseModel):
+    """Base of every scenario section: unknown keys are errors, values are checked."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------------- lengths
+class _LengthBase(ConfigModel):
+    """Integer lengths, rounded and clipped to ``[min, max]``."""
+
+    min: PositiveInt = 1
+    max: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self):  # type: ignore[no-untyped-def]
+        if self.max is not None and self.max < self.min:
+            raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
+        return self
+
+    def raw(self, rng: np.random.Generator, size: int, base_dir: Path) -> np.ndarray:
+        raise NotImplementedError
+
+    def sample(self, rng: np.random.Generator, size: int, base_dir: Path = Path()) -> np.ndarray:
+        values = np.rint(self.raw(rng, size, base_dir))
+        upper = np.inf if self.max is None else self.max
+        return np.clip(values, self.min, upper).astype(np.int64)
+
+
+class ConstantLength(_LengthBase):
+    """Every request the same length."""
+
+    dist: Literal["constant"]
+    value: PositiveInt
+
+    def raw(self, rng, size, base_dir):  # type: ignore[no-untyped-def]
+        return np.full(size, float(self.value))
+
+
+class UniformLength(_LengthBase):
+    """Uniform integers in ``[low, high]``."""
+
+    dist: Literal["uniform"]
+    low: PositiveInt
+    high: PositiveInt
+
+    @model_validator(mode="after")
+    def _order(self):  # type: ignore[no-untyped-def]
+        if self.high < self.low:
+            raise ValueError(f"high ({self.high}) must be >= low ({self.low})")
+        return self
+
+    def raw(self, rng, size, base_dir):  # type: ignore[no-untyped-def]
+        return rng.integers(self.low, self.high + 1, size).astype(float)
+
+
+class NormalLength(_LengthBase):
+    """Normal, clipped to ``[min, max]`` (so the mean shifts if the clip bites)."""
+
+    dist: Literal["normal"]
+    mean: PositiveFloat
+    std: float = Field(ge=0)
+
+    def raw(self, rng, size, base_dir):  # type: ignore[no-untyped-def]
+        return rng.normal(self.mean, self.std, size)
+
+
+class LognormalLength(_LengthBase):
+    """Lognormal given by its mean and either ``sigma`` (of the log) or its 99th percentile.
+
+    With ``p99`` q and mean m: ln q = μ + z·σ and ln m = μ + σ²/2, so
+    σ = z − sqrt(z² − 2·ln(q/m)) (the root with the percentile above the mean).
+    """
+
+    dist: Literal["lognormal"]
+    mean: PositiveFloat
+    sigma: float | None = Field(default=None, gt=0)
+    p99: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _shape(self):  # type: ignore[no-untyped-def]
+        if (self.sigma is None) == (self.p99 is None):
+            raise ValueError("give exactly one of sigma or p99")
+        if self.p99 is not None:
+            ratio = math.log(self.p99 / self.mean)
+            if ratio <= 0 or Z99 * Z99 - 2 * ratio < 0:
+                raise ValueError(
+                    f"p99 ({self.p99}) must exceed the mean ({self.mean}) and be at most "
+                    f"{self.mean * math.exp(Z99 * Z99 / 2):.0f} for a lognormal"
+                )
+        return self
+
+    @property
+    def log_sigma(self) -> float:
+        if self.sigma is not None:
+            return self.sigma
+        assert self.p99 is not None
+        return Z99 - math.sqrt(Z99 * Z99 - 2 * math.log(self.p99 / self.mean))
+
+    @property
+    def log_mu(self) -> float:
+        return math.log(self.mean) - self.log_sigma**2 / 2
+
+    def raw(self, rng, size, base_dir):  # type: ignore[no-untyped-def]
+        return rng.lognormal(self.log_mu, self.log_sigma, size)
+
+
+class ExponentialLength(_LengthBase):
+    """Exponential with the given mean."""
+
+    dist: Literal["exponential"]
+    mean: PositiveFloat
+
+    def raw(self, rng, size, base_dir):  # type: ignore[no-untyped-def]
+        return rng.exponential(self.mean, size)
+
+
+class ParetoLength(_LengthBase):
+    """Pareto (type I) with shape ``alpha`` and minimum ``scale``: heavy-tailed lengths."""
+
+    dist: Literal["pareto"]
+    alpha: PositiveFloat
+    scale: PositiveFloat
+
+    def raw(self, rng, size, base_dir):  # type: ignore[no-untyped-def]
+        return self.scale * (1.0 + rng.pareto(self.alpha, size))
+
+
+class ZipfLength(_LengthBase):
+    """Zipf-distributed integers (P(k) ∝ k^-a, a > 1) times ``scale``."""
+
+    dist: Literal["zipf"]
+    a: float = Field(gt=1)
+    scale: PositiveFloat = 1.0
+
+    def raw(self, rng, size, base_dir):  # type: ignore[no-untyped-def]
+        return rng.zipf(self.a, size) * self.scale
+
+
+class EmpiricalLength(_LengthBase):
+    """Resampled (with replacement) from one column of a trace file."""
+
+    dist: Literal["empirical"]
+    path: str
+    column: Literal["prompt_len", "output_len"]
+    format: str | None = None
+
+    def raw(self, rng, size, base_dir):  # type: ignore[no-untyped-def]
+        from workloads.importers import read_length_column
+
+        values = read_length_column(self.path, self.column, base_dir, self.format)
+        return rng.choice(values, size).astype(float)
+
+
+LengthDist = Annotated[
+    ConstantLength
+    | UniformLength
+    | NormalLength
+    | LognormalLength
+    | ExponentialLength
+    | ParetoLength
+    | ZipfLength
+    | EmpiricalLength,
+    Field(discriminator="dist"),
+]
+
+
+# ---------------------------------------------------------------------- arrivals
+class PoissonArrivals(ConfigModel):
+    """Memoryless arrivals at ``rate`` requests/s (inter-arrival CV = 1)."""
+
+    process: Literal["poisson"]
+    rate: PositiveFloat
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        return np.cumsum(rng.exponential(1.0 / self.rate, size))
+
+
+class GammaArrivals(ConfigModel):
+    """Gamma inter-arrivals: mean 1/rate, coefficient of variation ``cv`` (>1 is bursty)."""
+
+    process: Literal["gamma"]
+    rate: PositiveFloat
+    cv: PositiveFloat
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        shape = 1.0 / self.cv**2
+        return np.cumsum(rng.gamma(shape, 1.0 / (self.rate * shape), size))
+
+
+class ConstantArrivals(ConfigModel):
+    """One request every 1/rate seconds, the first at t = 0."""
+
+    process: Literal["constant"]
+    rate: PositiveFloat
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        return np.arange(size) / self.rate
+
+
+class OnOffArrivals(ConfigModel):
+    """Poisson at ``rate`` during ``on_s``-second bursts separated by ``off_s`` of silence."""
+
+    process: Literal["onoff"]
+    rate: PositiveFloat
+    on_s: PositiveFloat
+    off_s: float = Field(ge=0)
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        active = np.cumsum(rng.exponential(1.0 / self.rate, size))
+        return active + np.floor(active / self.on_s) * self.off_s
+
+
+class ClosedLoopArrivals(ConfigModel):
+    """``users`` clients, each sending its next request ``think_time_s`` (mean, exponential
+    unless ``think_dist: constant``) after its previous one finished."""
+
+    process: Literal["closed_loop"]
+    users: PositiveInt
+    think_time_s: float = Field(default=0.0, ge=0)
+    think_dist: Literal["exponential", "constant"] = "exponential"
+
+    def think(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        if self.think_dist == "constant" or self.think_time_s == 0:
+            return np.full(size, self.think_time_s)
+        return rng.exponential(self.think_time_s, size)
+
+
+class TraceArrivals(ConfigModel):
+    """The trace's own timestamps, replayed ``speed`` times faster (2 = twice the rate)."""
+
+    process: Literal["trace"]
+    speed: PositiveFloat = 1.0
+
+
+OpenArrivals = Annotated[
+    PoissonArrivals | GammaArrivals | ConstantArrivals | OnOffArrivals,
+    Field(discriminator="process"),
+]
+SyntheticArrivals = Annotated[
+    PoissonArrivals | GammaArrivals | ConstantArrivals | OnOffArrivals | ClosedLoopArrivals,
+    Field(discriminator="process"),
+]

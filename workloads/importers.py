@@ -1,0 +1,268 @@
+"""Importers of public request traces into :class:`~workloads.trace.Trace`.
+
+Each format is read into one small table (arrival, prompt_len, output_len and, for Mooncake,
+``hash_ids``), checked row by row with errors that name the file, the row and the column,
+and turned into a trace. Mooncake's ``hash_ids`` name 512-token prompt blocks: requests that
+share a hash id share that block's content, so they become shared segments here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from workloads.spec import ColumnMap, TraceWorkload
+from workloads.trace import SHARED_SEGMENT_BASE, UNIQUE_SEGMENT_BASE, Trace
+
+BUILTIN_DIR = Path(__file__).parent / "data"
+BUILTIN_PREFIX = "builtin:"
+
+
+class TraceImportError(ValueError):
+    """A trace file that cannot be read as asked; the message names file, row and column."""
+
+
+@dataclass(frozen=True)
+class _Format:
+    """How one known format names its columns and times."""
+
+    columns: ColumnMap
+    time_unit: str
+    reader: str  # "csv" or "jsonl"
+
+
+KNOWN_FORMATS: dict[str, _Format] = {
+    # Azure LLM inference trace 2023 (and 2024, same columns): TIMESTAMP,ContextTokens,...
+    "azure": _Format(ColumnMap(arrival="TIMESTAMP", prompt_len="ContextTokens",
+                               output_len="GeneratedTokens"), "datetime", "csv"),
+    # BurstGPT: Timestamp (s),Model,Request tokens,Response tokens,Total tokens,Log Type
+    "burstgpt": _Format(ColumnMap(arrival="Timestamp", prompt_len="Request tokens",
+                                  output_len="Response tokens"), "s", "csv"),
+    # Mooncake FAST'25: {"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}
+    "mooncake": _Format(ColumnMap(arrival="timestamp", prompt_len="input_length",
+                                  output_len="output_length", hash_ids="hash_ids"), "ms",
+                        "jsonl"),
+}
+
+
+def resolve_path(path: str, base_dir: Path) -> Path:
+    """``builtin:NAME`` → the shipped copy; a relative path → relative to ``base_dir``."""
+    if path.startswith(BUILTIN_PREFIX):
+        resolved = BUILTIN_DIR / path[len(BUILTIN_PREFIX):]
+        if not resolved.is_file():
+            names = ", ".join(sorted(p.name for p in BUILTIN_DIR.glob("*.*sv*")) +
+                              sorted(p.name for p in BUILTIN_DIR.glob("*.jsonl")))
+            raise TraceImportError(f"{path}: no such built-in trace; shipped: {names}")
+        return resolved
+    resolved = Path(path)
+    if not resolved.is_absolute():
+        resolved = base_dir / resolved
+    if not resolved.is_file():
+        raise TraceImportError(f"{resolved}: trace file not found")
+    return resolved
+
+
+def builtin_traces() -> list[str]:
+    """Names usable as ``builtin:NAME``."""
+    return sorted(p.name for p in BUILTIN_DIR.iterdir() if p.suffix in (".csv", ".jsonl"))
+
+
+def _guess_format(path: Path) -> str:
+    if path.suffix == ".jsonl":
+        with path.open() as handle:
+            head = handle.readline()
+        return "mooncake" if '"hash_ids"' in head else "jsonl"
+    with path.open() as handle:
+        header = handle.readline()
+    if "ContextTokens" in header:
+        return "azure"
+    if "Request tokens" in header:
+        return "burstgpt"
+    return "csv"
+
+
+def _read_rows(path: Path, reader: str, columns: ColumnMap) -> tuple[pd.DataFrame, int]:
+    """Raw table with the mapped columns (as read) and the line number of its first row."""
+    wanted = [columns.arrival, columns.prompt_len, columns.output_len]
+    if reader == "csv":
+        try:
+            frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+        except (pd.errors.ParserError, UnicodeDecodeError) as exc:
+            raise TraceImportError(f"{path}: not a readable CSV file: {exc}") from None
+        missing = [c for c in wanted if c not in frame.columns]
+        if missing:
+            raise TraceImportError(f"{path}: missing column {missing[0]!r}; header has "
+                                   f"{', '.join(frame.columns)}")
+        return frame, 2
+    records = []
+    with path.open() as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceImportError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise TraceImportError(f"{path}:{line_no}: expected a JSON object per line")
+            for col in wanted:
+                if col not in record:
+                    raise TraceImportError(f"{path}:{line_no}: missing column {col!r}")
+            record["__line"] = line_no
+            records.append(record)
+    frame = pd.DataFrame.from_records(records)
+    return frame, 1
+
+
+def _times(raw: pd.Series, unit: str) -> np.ndarray:
+    if unit == "datetime":
+        parsed = pd.to_datetime(raw, errors="coerce", format="mixed")
+        seconds = (parsed - parsed.min()).dt.total_seconds()
+        return seconds.to_numpy(dtype=float, na_value=np.nan)
+    scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+    return pd.to_numeric(raw, errors="coerce").to_numpy(dtype=float) * scale
+
+
+def read_table(workload: TraceWorkload, base_dir: Path) -> tuple[pd.DataFrame, list[str]]:
+    """The trace as a clean table (arrival_s from 0, prompt_len, output_len[, hash_ids]) and
+    notes on what was skipped."""
+    path = resolve_path(workload.path, base_dir)
+    fmt_name = workload.format or _guess_format(path)
+    if fmt_name in KNOWN_FORMATS:
+        fmt = KNOWN_FORMATS[fmt_name]
+        columns = workload.columns or fmt.columns
+        unit = workload.time_unit or fmt.time_unit
+        reader = fmt.reader
+    else:
+        if workload.columns is None:
+            raise TraceImportError(f"{path}: format {fmt_name} needs a columns map")
+        columns, reader = workload.columns, fmt_name
+        unit = workload.time_unit or "s"
+    raw, first_line = _read_rows(path, reader, columns)
+    lines = (raw["__line"].to_numpy() if "__line" in raw else
+             np.arange(len(raw)) + first_line)
+    arrival = _times(raw[columns.arrival], unit)
+    prompt = pd.to_numeric(raw[columns.prompt_len], errors="coerce").to_numpy(dtype=float)
+    output = pd.to_numeric(raw[columns.output_len], errors="coerce").to_numpy(dtype=float)
+    problems = [
+        (~np.isfinite(arrival) | (arrival < 0), columns.arrival, "a time >= 0"),
+        (~np.isfinite(prompt) | (prompt < 1) | (prompt != np.round(prompt)), columns.prompt_len,
+         "an integer >= 1"),
+        (~np.isfinite(output) | (output < 1) | (output != np.round(output)), columns.output_len,
+         "an integer >= 1"),
+    ]
+    bad = np.zeros(len(raw), dtype=bool)
+    notes: list[str] = []
+    for mask, column, expected in problems:
+        mask = mask & ~bad
+        if mask.any():
+            row = int(np.flatnonzero(mask)[0])
+            value = raw[column].iloc[row]
+            if not workload.skip_invalid:
+                raise TraceImportError(
+                    f"{path}:{lines[row]}: column {column!r}: expected {expected}, got "
+                    f"{value!r} (set skip_invalid: true to skip such rows)")
+            notes.append(f"skipped {int(mask.sum())} rows with bad {column!r} "
+                         f"(first at line {lines[row]}: {value!r})")
+            bad |= mask
+    # Unsorted timestamps: a row earlier than one before it.
+    running = np.fmax.accumulate(np.where(bad, -np.inf, arrival))
+    earlier = ~bad & (arrival < np.concatenate(([-np.inf], running[:-1])))
+    if earlier.any():
+        row = int(np.flatnonzero(earlier)[0])
+        if not workload.skip_invalid:
+            raise TraceImportError(
+                f"{path}:{lines[row]}: column {columns.arrival!r}: timestamps must not decrease "
+                f"(got {raw[columns.arrival].iloc[row]!r} after a later one)")
+        notes.append(f"skipped {int(earlier.sum())} rows with out-of-order "
+                     f"{columns.arrival!r} (first at line {lines[row]})")
+        bad |= earlier
+    keep = ~bad
+    table = pd.DataFrame({
+        "arrival_s": arrival[keep] - (arrival[keep].min() if keep.any() else 0.0),
+        "prompt_len": prompt[keep].astype(np.int64),
+        "output_len": output[keep].astype(np.int64),
+    })
+    if columns.hash_ids is not None:
+        if columns.hash_ids not in raw:
+            raise TraceImportError(f"{path}: missing column {columns.hash_ids!r}")
+        table["hash_ids"] = raw[columns.hash_ids][keep].to_list()
+    if table.empty:
+        raise TraceImportError(f"{path}: no valid rows")
+    return table, notes
+
+
+def read_length_column(path: str, column: str, base_dir: Path, fmt: str | None) -> np.ndarray:
+    """One length column of a trace file (for empirical distributions)."""
+    table, _ = read_table(TraceWorkload(path=path, format=fmt, skip_invalid=True), base_dir)  # type: ignore[arg-type]
+    return table[column].to_numpy()
+
+
+def import_trace(
+    workload: TraceWorkload, base_dir: Path, max_model_len: int, seed: int = 0
+) -> Trace:
+    """Read ``workload.path`` into a trace; lengths beyond the context limit are clipped."""
+    table, notes = read_table(workload, base_dir)
+    size = len(table)
+    prompt = table["prompt_len"].to_numpy()
+    clipped = int((prompt > max_model_len - 1).sum())
+    prompt = np.minimum(prompt, max_model_len - 1)
+    cap = workload.max_tokens or max_model_len
+    max_tokens = np.maximum(np.minimum(cap, max_model_len - prompt), 1)
+    output = np.minimum(table["output_len"].to_numpy(), max_tokens)
+    if clipped:
+        notes.append(f"clipped {clipped} prompts to the context limit {max_model_len - 1}")
+    if "hash_ids" in table:
+        offsets, seg_ids, seg_lens = _hash_segments(
+            table["hash_ids"].to_list(), prompt, workload.hash_block_tokens)
+    else:
+        offsets = np.arange(size + 1)
+        seg_ids = UNIQUE_SEGMENT_BASE + np.arange(size)
+        seg_lens = prompt
+    arrival = table["arrival_s"].to_numpy()
+    if workload.arrival.process == "trace":
+        arrival = arrival / workload.arrival.speed
+    else:
+        arrival = workload.arrival.sample(np.random.default_rng(seed), size)
+    trace = Trace.from_columns(
+        arrival_s=arrival,
+        prompt_len=prompt,
+        output_len=output,
+        max_tokens=max_tokens,
+        n=np.full(size, workload.sampling.forks),
+        seg_offsets=offsets,
+        seg_ids=seg_ids,
+        seg_lens=seg_lens,
+        source=str(workload.path),
+    )
+    trace.notes.extend(notes)
+    return trace
+
+
+def _hash_segments(
+    hash_lists: list, prompt: np.ndarray, block_tokens: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mooncake-style ``hash_ids`` → shared segments of ``block_tokens`` (the last partial),
+    plus a private segment for any prompt tokens the hash ids do not cover."""
+    seg_ids: list[int] = []
+    seg_lens: list[int] = []
+    offsets = [0]
+    for i, (ids, length) in enumerate(zip(hash_lists, prompt.tolist(), strict=True)):
+        remaining = length
+        for hash_id in ids if isinstance(ids, list) else []:
+            if remaining <= 0:
+                break
+            take = min(block_tokens, remaining)
+            seg_ids.append(SHARED_SEGMENT_BASE + int(hash_id))
+            seg_lens.append(take)
+            remaining -= take
+        if remaining > 0:
+            seg_ids.append(UNIQUE_SEGMENT_BASE + i)
+            seg_lens.append(remaining)
+        offsets.append(len(seg_ids))
+    return (np.array(offsets, dtype=np.int64), np.array(seg_ids, dtype=np.int64),
+            np.array(seg_lens, dtype=np.int64))

@@ -1,0 +1,135 @@
+"""The ``workload:`` section of a scenario: a synthetic recipe or a public trace to import."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, PositiveInt, Tag, model_validator
+
+from workloads.distributions import (
+    ConfigModel,
+    LengthDist,
+    OpenArrivals,
+    SyntheticArrivals,
+    TraceArrivals,
+)
+
+TRACE_FORMATS = ("azure", "burstgpt", "mooncake", "csv", "jsonl")
+
+
+class PrefixGroups(ConfigModel):
+    """G shared system prompts of ``length`` tokens; a ``fraction`` of requests start with one,
+    chosen with Zipf popularity (P(group k) ∝ 1/k^zipf_s; 0 = uniform)."""
+
+    groups: PositiveInt
+    length: PositiveInt
+    fraction: float = Field(default=1.0, ge=0, le=1)
+    zipf_s: float = Field(default=1.0, ge=0)
+
+
+class FewShot(ConfigModel):
+    """Few-shot prompting: ``templates`` fixed sets of ``shots`` examples of ``shot_len``
+    tokens each (after any system prompt); a ``fraction`` of requests use one (Zipf)."""
+
+    templates: PositiveInt = 1
+    shots: PositiveInt
+    shot_len: PositiveInt
+    fraction: float = Field(default=1.0, ge=0, le=1)
+    zipf_s: float = Field(default=1.0, ge=0)
+
+
+class Sessions(ConfigModel):
+    """Multi-turn chat: each turn's prompt is every earlier prompt and answer plus new user
+    text, sent ``think_time_s`` (exponential mean) after the previous answer completes."""
+
+    turns: LengthDist
+    think_time_s: float = Field(default=5.0, ge=0)
+    user_len: LengthDist | None = None
+
+
+class Sampling(ConfigModel):
+    """Parallel samples per request. Beam search of width w is modelled as w forks sharing the
+    prompt (no re-forking of partial beams)."""
+
+    n: PositiveInt = 1
+    beam_width: PositiveInt = 1
+
+    @property
+    def forks(self) -> int:
+        return max(self.n, self.beam_width)
+
+
+class SyntheticWorkload(ConfigModel):
+    """Requests drawn from distributions: arrivals, lengths, shared content, sampling.
+
+    ``prompt_len`` is each request's own text; a system prompt or few-shot template is
+    added in front of it. ``max_tokens`` defaults to the output distribution's ``max`` (or the
+    model's context limit): what a ``request_max`` reservation must cover.
+    """
+
+    kind: Literal["synthetic"] = "synthetic"
+    arrival: SyntheticArrivals
+    prompt_len: LengthDist
+    output_len: LengthDist
+    max_tokens: PositiveInt | None = None
+    prefix_groups: PrefixGroups | None = None
+    few_shot: FewShot | None = None
+    sessions: Sessions | None = None
+    sampling: Sampling = Sampling()
+
+    @model_validator(mode="after")
+    def _closed_loop_without_sessions(self):  # type: ignore[no-untyped-def]
+        if self.sessions is not None and self.arrival.process == "closed_loop":
+            raise ValueError("sessions and a closed_loop arrival process cannot be combined")
+        return self
+
+
+class ColumnMap(ConfigModel):
+    """Which columns of a generic CSV/JSONL file hold what."""
+
+    arrival: str
+    prompt_len: str
+    output_len: str
+    hash_ids: str | None = None
+
+
+class TraceWorkload(ConfigModel):
+    """A trace file: Azure LLM inference (2023/2024) CSV, BurstGPT CSV, Mooncake JSONL, or a
+    generic CSV/JSONL with a ``columns`` map.
+
+    ``path`` is relative to the scenario file; ``builtin:NAME`` names a trace shipped with
+    kvsim (``kvsim trace list``). Bad rows stop the import with the file, row and column,
+    unless ``skip_invalid: true`` (then they are skipped, counted and reported).
+    """
+
+    kind: Literal["trace"] = "trace"
+    path: str
+    format: Literal["azure", "burstgpt", "mooncake", "csv", "jsonl"] | None = None
+    columns: ColumnMap | None = None
+    time_unit: Literal["s", "ms", "us", "datetime"] | None = None
+    arrival: Annotated[
+        TraceArrivals | OpenArrivals, Field(discriminator="process")
+    ] = TraceArrivals(process="trace")
+    skip_invalid: bool = False
+    hash_block_tokens: PositiveInt = 512
+    max_tokens: PositiveInt | None = None
+    sampling: Sampling = Sampling()
+
+    @model_validator(mode="after")
+    def _generic_needs_columns(self):  # type: ignore[no-untyped-def]
+        if self.format in ("csv", "jsonl") and self.columns is None:
+            raise ValueError(f"format {self.format} needs a columns map (arrival, prompt_len, "
+                             "output_len)")
+        return self
+
+
+def _workload_kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return value.get("kind") or ("trace" if "path" in value else "synthetic")
+    return getattr(value, "kind", "synthetic")
+
+
+Workload = Annotated[
+    Annotated[SyntheticWorkload, Tag("synthetic")] | Annotated[TraceWorkload, Tag("trace")],
+    Discriminator(_workload_kind),
+]

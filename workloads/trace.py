@@ -1,0 +1,227 @@
+"""The Trace: a columnar table of requests, replayed identically against every system.
+
+A trace is a ledger of orders. Each row is one request: when it arrives, how long its prompt
+is, how many tokens it will generate, how many samples it asks for. Its *content* is written
+compactly: the prompt is "everything request ``context_parent`` saw and said, then these
+segments of my own". A segment ``(segment_id, length)`` stands for the first ``length``
+tokens of text ``segment_id``; requests that name the same segments share that content, so
+their KV blocks hash identically in the simulator without any real token ids.
+
+Requests arrive either at ``arrival_s`` (open arrivals) or ``think_s`` seconds after request
+``after`` finishes (closed loops and multi-turn sessions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+# Segment-id namespaces, so that ids from different sources never collide.
+SHARED_SEGMENT_BASE = 1 << 50  # shared texts: system prompts, few-shot shots, Mooncake hash ids
+UNIQUE_SEGMENT_BASE = 1 << 52  # each request's own new text: + request index
+OUTPUT_SEGMENT_BASE = 1 << 54  # generated text: + request index + sample × OUTPUT_SAMPLE_STRIDE
+OUTPUT_SAMPLE_STRIDE = 1 << 40
+
+
+def output_segment_id(request: int, sample: int = 0) -> int:
+    """Segment id of the text that ``sample`` of ``request`` generates."""
+    return OUTPUT_SEGMENT_BASE + sample * OUTPUT_SAMPLE_STRIDE + request
+
+
+COLUMNS = (
+    "arrival_s",
+    "prompt_len",
+    "output_len",
+    "max_tokens",
+    "n",
+    "after",
+    "think_s",
+    "context_parent",
+    "session_id",
+    "turn",
+)
+
+
+class TraceError(ValueError):
+    """A trace that breaks its own rules (negative length, a parent after its child, …)."""
+
+
+@dataclass
+class Trace:
+    """Columnar requests; every column has one entry per request, in arrival order.
+
+    ``seg_offsets`` (length N+1) index the flat ``seg_ids`` / ``seg_lens`` arrays: request i's
+    own prompt segments are ``seg_ids[seg_offsets[i]:seg_offsets[i+1]]``.
+    """
+
+    arrival_s: np.ndarray
+    prompt_len: np.ndarray
+    output_len: np.ndarray
+    max_tokens: np.ndarray
+    n: np.ndarray
+    after: np.ndarray
+    think_s: np.ndarray
+    context_parent: np.ndarray
+    session_id: np.ndarray
+    turn: np.ndarray
+    seg_offsets: np.ndarray
+    seg_ids: np.ndarray
+    seg_lens: np.ndarray
+    source: str = "synthetic"
+    notes: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_columns(
+        cls,
+        *,
+        arrival_s: np.ndarray,
+        prompt_len: np.ndarray,
+        output_len: np.ndarray,
+        max_tokens: np.ndarray | None = None,
+        n: np.ndarray | None = None,
+        after: np.ndarray | None = None,
+        think_s: np.ndarray | None = None,
+        context_parent: np.ndarray | None = None,
+        session_id: np.ndarray | None = None,
+        turn: np.ndarray | None = None,
+        seg_offsets: np.ndarray | None = None,
+        seg_ids: np.ndarray | None = None,
+        seg_lens: np.ndarray | None = None,
+        source: str = "synthetic",
+    ) -> Trace:
+        """Build a trace; omitted columns get defaults (one private segment per prompt)."""
+        count = len(arrival_s)
+        idx = np.arange(count, dtype=np.int64)
+        minus1 = np.full(count, -1, dtype=np.int64)
+        prompt_len = np.asarray(prompt_len, dtype=np.int64)
+        output_len = np.asarray(output_len, dtype=np.int64)
+        if seg_offsets is None:
+            seg_offsets = np.arange(count + 1, dtype=np.int64)
+            seg_ids = UNIQUE_SEGMENT_BASE + idx
+            seg_lens = prompt_len.copy()
+        trace = cls(
+            arrival_s=np.asarray(arrival_s, dtype=np.float64),
+            prompt_len=prompt_len,
+            output_len=output_len,
+            max_tokens=output_len.copy() if max_tokens is None else np.asarray(max_tokens, np.int64),
+            n=np.ones(count, np.int64) if n is None else np.asarray(n, np.int64),
+            after=minus1.copy() if after is None else np.asarray(after, np.int64),
+            think_s=np.zeros(count) if think_s is None else np.asarray(think_s, np.float64),
+            context_parent=minus1.copy()
+            if context_parent is None
+            else np.asarray(context_parent, np.int64),
+            session_id=minus1.copy() if session_id is None else np.asarray(session_id, np.int64),
+            turn=np.zeros(count, np.int64) if turn is None else np.asarray(turn, np.int64),
+            seg_offsets=np.asarray(seg_offsets, np.int64),
+            seg_ids=np.asarray(seg_ids, np.int64),
+            seg_lens=np.asarray(seg_lens, np.int64),
+            source=source,
+        )
+        trace.validate()
+        return trace
+
+    def validate(self) -> None:
+        """Raise :class:`TraceError` naming the first offending request and column."""
+        count = len(self)
+        for name in COLUMNS:
+            if len(getattr(self, name)) != count:
+                raise TraceError(f"column {name} has {len(getattr(self, name))} rows, not {count}")
+
+        def first_bad(mask: np.ndarray, message: str) -> None:
+            bad = np.flatnonzero(mask)
+            if len(bad):
+                raise TraceError(f"request {bad[0]}: {message}")
+
+        first_bad(~np.isfinite(self.arrival_s) | (self.arrival_s < 0),
+                  "arrival_s must be a finite time >= 0")
+        first_bad(np.diff(self.arrival_s) < 0, "arrival_s must not decrease")  # i+1 reported as i
+        first_bad(self.prompt_len < 1, "prompt_len must be >= 1")
+        first_bad(self.output_len < 1, "output_len must be >= 1")
+        first_bad(self.max_tokens < self.output_len, "max_tokens must be >= output_len")
+        first_bad(self.n < 1, "n must be >= 1")
+        idx = np.arange(count)
+        first_bad(self.after >= idx, "after must name an earlier request (or -1)")
+        first_bad(self.context_parent >= idx, "context_parent must name an earlier request (or -1)")
+        first_bad(self.think_s < 0, "think_s must be >= 0")
+        if len(self.seg_offsets) != count + 1 or self.seg_offsets[0] != 0:
+            raise TraceError("seg_offsets must have one entry per request plus one, from 0")
+        first_bad(np.diff(self.seg_offsets) < 0, "seg_offsets must not decrease")
+        if np.any(self.seg_lens < 0):
+            raise TraceError("segment lengths must be >= 0")
+        cumulative = np.concatenate(([0], np.cumsum(self.seg_lens)))
+        own = cumulative[self.seg_offsets[1:]] - cumulative[self.seg_offsets[:-1]]
+        parent = self.context_parent
+        has_parent = parent >= 0
+        inherited = np.where(
+            has_parent,
+            self.prompt_len[np.maximum(parent, 0)] + self.output_len[np.maximum(parent, 0)],
+            0,
+        )
+        first_bad(inherited + own != self.prompt_len,
+                  "prompt_len != parent's prompt + output + own segment lengths")
+
+    # ------------------------------------------------------------------ content
+    def own_segments(self, i: int) -> list[tuple[int, int]]:
+        lo, hi = self.seg_offsets[i], self.seg_offsets[i + 1]
+        return list(zip(self.seg_ids[lo:hi].tolist(), self.seg_lens[lo:hi].tolist(), strict=True))
+
+    def prompt_segments(self, i: int) -> list[tuple[int, int]]:
+        """Every segment of request ``i``'s prompt, parent content first."""
+        chain = []
+        j = i
+        while j >= 0:
+            chain.append(j)
+            j = int(self.context_parent[j])
+        segments: list[tuple[int, int]] = []
+        for k, j in enumerate(reversed(chain)):
+            segments += self.own_segments(j)
+            if k < len(chain) - 1:
+                segments.append((output_segment_id(j), int(self.output_len[j])))
+        return segments
+
+    # ------------------------------------------------------------------ tables
+    def to_frame(self) -> pd.DataFrame:
+        """One row per request; ``segments`` as ``id:len`` pairs joined by spaces."""
+        frame = pd.DataFrame({name: getattr(self, name) for name in COLUMNS})
+        frame["segments"] = [
+            " ".join(f"{s}:{n}" for s, n in self.own_segments(i)) for i in range(len(self))
+        ]
+        return frame
+
+    @classmethod
+    def from_frame(cls, frame: pd.DataFrame, source: str = "table") -> Trace:
+        """Inverse of :meth:`to_frame`."""
+        seg_ids: list[int] = []
+        seg_lens: list[int] = []
+        offsets = [0]
+        for text in frame["segments"].fillna("").astype(str):
+            for pair in text.split():
+                s, n = pair.split(":")
+                seg_ids.append(int(s))
+                seg_lens.append(int(n))
+            offsets.append(len(seg_ids))
+        return cls.from_columns(
+            **{name: frame[name].to_numpy() for name in COLUMNS},
+            seg_offsets=np.array(offsets),
+            seg_ids=np.array(seg_ids, dtype=np.int64),
+            seg_lens=np.array(seg_lens, dtype=np.int64),
+            source=source,
+        )
+
+    def head(self, count: int) -> Trace:
+        """The first ``count`` requests (dependencies always point backwards, so this is whole)."""
+        if count >= len(self):
+            return self
+        hi = self.seg_offsets[count]
+        cut = {name: getattr(self, name)[:count] for name in COLUMNS}
+        return Trace(**cut, seg_offsets=self.seg_offsets[: count + 1], seg_ids=self.seg_ids[:hi],
+                     seg_lens=self.seg_lens[:hi], source=self.source, notes=list(self.notes))
+
+    def total_tokens(self) -> int:
+        return int(self.prompt_len.sum() + (self.output_len * self.n).sum())
