@@ -50,7 +50,8 @@ def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int) -
         raise SizingError(f"systems[{system.name}]: the KV pool ({pool_slots} slots) is smaller "
                           f"than one block ({cfg.block_size} slots)")
     return PagedAllocator(pool_slots // cfg.block_size, cfg.block_size,
-                          enable_prefix_caching=cfg.prefix_caching, eviction=cfg.eviction)
+                          enable_prefix_caching=cfg.prefix_caching, eviction=cfg.eviction,
+                          watermark=cfg.watermark)
 
 
 def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
@@ -178,36 +179,42 @@ class _Replica:
                     self.idle = False
                 continue
             start = self.clock
-            batch = sched.schedule(start)
-            if not batch.decode and not batch.prefill:
-                raise SimulationError(
-                    f"replica {self.index}: nothing can run although {len(sched.running)} "
-                    f"requests run and {len(sched.waiting)} wait")
-            snap = self.allocator.snapshot(sched.head_spec).as_dict()
-            step_s = timing.step_time(batch.decode_seqs, batch.context_tokens,
-                                      batch.prefill_tokens, batch.prefill_pairs, self.rho)
-            clock = start + step_s
-            steps = 1
-            # A preemption frees memory the next step may admit with: no jump then.
-            if sim.jump and batch.pure_decode and not batch.preempted:
-                limit = sched.max_extra_steps(batch, 1 << 40)
-                next_t = self.next_arrival()
-                context = batch.context_tokens
-                extra = 0
-                while extra < limit and clock < next_t:
-                    context += batch.decode_seqs
-                    clock += timing.step_time(batch.decode_seqs, context, 0, 0, self.rho)
-                    extra += 1
-                if extra:
-                    sched.apply_extra_steps(batch, extra)
-                    steps += extra
-            snap_end = (self.allocator.snapshot(sched.head_spec).as_dict() if steps > 1
-                        else snap)
+            if sim.jump and sched.fast_step_ready() and sched.fast_step():
+                # Pure decode with nothing to decide: run steps until an event needs one.
+                batch = Batch()
+                sched.fill_decode(batch)
+                snap = sched.snapshot().as_dict()
+                clock = start
+                steps = 0
+                step_batch = Batch()
+                while True:
+                    sched.fill_decode(step_batch)
+                    clock += timing.step_time(step_batch.decode_seqs,
+                                              step_batch.context_tokens, 0, 0, self.rho)
+                    steps += 1
+                    finished = sched.finish_step(None, clock)
+                    if finished or (not sched.waiting and self.next_arrival() <= clock):
+                        break
+                    if not sched.fast_step():
+                        break
+                snap_end = sched.snapshot().as_dict() if steps > 1 else snap
+            else:
+                batch = sched.schedule(start)
+                if batch.empty:
+                    raise SimulationError(
+                        f"replica {self.index}: nothing can run although "
+                        f"{len(sched.running)} requests run and {len(sched.waiting)} wait")
+                snap = snap_end = sched.snapshot().as_dict()
+                clock = start + timing.step_time(batch.decode_seqs, batch.context_tokens,
+                                                 batch.prefill_tokens, batch.prefill_pairs,
+                                                 self.rho)
+                steps = 1
+                finished = sched.finish_step(batch, clock)
             sim.recorder.record(self.index, start, clock - start, steps, batch,
                                 len(sched.running), len(sched.waiting), snap, snap_end,
                                 sched.num_preemptions)
             self.clock = clock
-            for request in sched.finish_step(batch, clock, steps):
+            for request in finished:
                 self._account_finish(request)
                 sim.on_done(self, request, clock)
             if clock > self.env.now:

@@ -60,6 +60,8 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         # Llama-2-70B uses grouped-query attention: 64 query heads share 8 KV heads.
         ModelSpec("llama-2-70b", 80, 64, 8, 128, 68.98e9, 4096),
         ModelSpec("llama-3-8b", 32, 32, 8, 128, 8.03e9, 8192),
+        # Llama-3.1-8B: Llama-3-8B's shapes with a 128K context (long traces such as Mooncake).
+        ModelSpec("llama-3.1-8b", 32, 32, 8, 128, 8.03e9, 131072),
         ModelSpec("mistral-7b", 32, 32, 8, 128, 7.24e9, 32768),
         # OPT-13B: 800 KB per token, the figure the vLLM paper (SOSP'23, §3) quotes.
         ModelSpec("opt-13b", 40, 40, 40, 128, 12.85e9, 2048),

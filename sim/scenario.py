@@ -77,6 +77,8 @@ class PagedConfig(ConfigModel):
     block_size: int = Field(default=16, ge=1, le=256)
     prefix_caching: bool = True
     eviction: Literal["lru", "lfu", "fifo", "sharing_aware"] = "lru"
+    watermark: float = Field(default=0.01, ge=0, lt=1,
+                             description="share of blocks admission keeps free (vLLM v0)")
 
 
 AllocatorConfig = Annotated[ContiguousConfig | PagedConfig, Field(discriminator="kind")]

@@ -7,45 +7,58 @@ seats (``max_num_seqs``), kitchen capacity (``max_num_batched_tokens``) and memo
 running request needs memory that is not there, someone is asked to leave (preemption by
 recompute: all its KV is dropped and it goes back to the front of the queue).
 
+Decoding is accounted lazily, like interest on a bank account: a decoding request's token
+count is ``tok_sync + (steps - g_sync)``, and the allocator is only told ("synced") when the
+request crosses into a block it does not have yet, finishes, or is preempted. Those moments
+sit in a heap keyed by step, so a step costs work only for the requests that have an event
+in it — never a loop over the whole batch.
+
 No SimPy here: the engine asks for a :class:`Batch`, times it, and reports it done.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from sim.memory import ContiguousAllocator, KVAllocator, SeqSpec
+from sim.memory import ContiguousAllocator, KVAllocator, MemorySnapshot, SeqSpec
 from sim.scenario import SchedulerConfig
 from workloads.trace import Trace, output_segment_id
 
 MAX_SAMPLES = 256  # sequences per request (n / beam width); seq id = request × 256 + sample
+GROW, FINISH = 0, 1  # event kinds; at one step, grows come before finishes
 
 
 class Request:
     """One request's progress through the system (times are simulation seconds)."""
 
     __slots__ = (
+        "admit_seq",
         "admitted_s",
         "arrival_s",
         "computed",
+        "decoding",
         "finished_s",
         "first_token_s",
-        "generated",
+        "g_sync",
+        "gen_sync",
         "hit_tokens",
         "index",
         "max_len",
         "n",
         "num_seqs",
         "output_len",
+        "preemptions",
         "prefill_target",
         "prefilled",
-        "preemptions",
         "prompt_len",
         "prompt_segments",
         "recomputed_tokens",
         "rejected",
         "resumed",
+        "tok_sync",
+        "version",
     )
 
     def __init__(self, trace: Trace, index: int, arrival_s: float) -> None:
@@ -56,10 +69,15 @@ class Request:
         self.max_len = self.prompt_len + int(trace.max_tokens[index])
         self.n = int(trace.n[index])
         self.prompt_segments = tuple(trace.prompt_segments(index))
-        self.generated = 0
+        self.gen_sync = 0  # generated tokens as of step g_sync (exact unless decoding)
         self.prefilled = 0  # tokens of the current admission's prompt already in KV
         self.prefill_target = 0  # prompt tokens (+ regenerated output) to prefill this time
         self.num_seqs = 0
+        self.admit_seq = -1
+        self.decoding = False
+        self.g_sync = 0
+        self.tok_sync = 0
+        self.version = 0
         self.admitted_s = -1.0
         self.first_token_s = -1.0
         self.finished_s = -1.0
@@ -82,7 +100,7 @@ class Request:
         """Sequence ``sample``: the prompt, then its own generated text."""
         segments = (*self.prompt_segments,
                     (output_segment_id(self.index, sample), self.output_len))
-        prompt = self.prompt_len + (self.generated if sample == 0 else 0)
+        prompt = self.prompt_len + (self.gen_sync if sample == 0 else 0)
         return SeqSpec(self.index * MAX_SAMPLES + sample, segments, prompt, self.final_len,
                        max(self.max_len, self.final_len))
 
@@ -90,16 +108,11 @@ class Request:
     def in_prefill(self) -> bool:
         return self.prefilled < self.prefill_target
 
-    @property
-    def remaining_tokens(self) -> int:
-        return self.output_len - self.generated
-
 
 @dataclass
 class Batch:
     """What one engine step computes."""
 
-    decode: list[Request] = field(default_factory=list)
     prefill: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, new, history)
     decode_seqs: int = 0
     context_tokens: int = 0
@@ -108,8 +121,8 @@ class Batch:
     preempted: int = 0
 
     @property
-    def pure_decode(self) -> bool:
-        return not self.prefill and self.decode_seqs > 0
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode_seqs
 
 
 class Scheduler:
@@ -120,24 +133,44 @@ class Scheduler:
         self.config = config
         self.debug = debug
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: dict[int, Request] = {}  # admit_seq -> request, in admission order
         self.rejected: list[Request] = []
+        self.steps = 0  # steps completed
         self.num_preemptions = 0
         self.lookup_tokens = 0  # prompt tokens looked up in the prefix cache, all admissions
         self.hit_tokens = 0
+        self._admit_counter = 0
+        # Per event kind, a heap of (step, admit_seq, version, request); stale when the
+        # request's version moved on.
+        self._events: tuple[list, list] = ([], [])
+        # Lazy decode sums over decoding requests (each weighted by its sequences).
+        self.decode_seqs = 0
+        self._tok_sync_sum = 0
+        self._g_sync_sum = 0
+        self.head_blocked = False  # the last admission attempt failed; nothing freed since
+        self.prefilling = 0
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> bool:
         """Queue a new arrival; a request that could never fit is rejected (False)."""
         spec = request.spec()
         fits = self.allocator.can_admit_ever(spec)
-        if fits and request.n > 1 and isinstance(self.allocator, ContiguousAllocator):
-            # Contiguous samples cannot share: all n reservations must fit at once.
-            fits = request.n * self.allocator.reservation(spec) <= self.allocator.capacity_slots
+        if fits and request.n > 1:
+            if isinstance(self.allocator, ContiguousAllocator):
+                # Contiguous samples cannot share: all n reservations must fit at once.
+                need = request.n * self.allocator.reservation(spec)
+            else:
+                # Paged samples share the prompt's full blocks and own the rest.
+                bs = self.allocator.block_size  # type: ignore[attr-defined]
+                own = -(-spec.final_len // bs) - spec.prompt_len // bs
+                need = (spec.prompt_len // bs + request.n * own) * bs
+            fits = need <= self.allocator.capacity_slots
         if not fits:
             request.rejected = True
             self.rejected.append(request)
             return False
+        if not self.waiting:
+            self.head_blocked = False
         self.waiting.append(request)
         return True
 
@@ -145,80 +178,202 @@ class Scheduler:
     def head_spec(self) -> SeqSpec | None:
         return self.waiting[0].spec() if self.waiting else None
 
+    def generated(self, request: Request) -> int:
+        if request.decoding:
+            return request.gen_sync + self.steps - request.g_sync
+        return request.gen_sync
+
+    # ------------------------------------------------------------------ lazy decode
+    def _pending(self) -> int:
+        """Decode tokens written but not yet told to the allocator (all sequences)."""
+        return self.decode_seqs * self.steps - self._g_sync_sum
+
+    def snapshot(self) -> MemorySnapshot:
+        """The allocator's taxonomy with lazily-written decode tokens moved to ``token``."""
+        snap = self.allocator.snapshot(self.head_spec)
+        pending = self._pending()
+        if not pending:
+            return snap
+        return MemorySnapshot(snap.token + pending, snap.reserved - pending, snap.internal,
+                              snap.external, snap.cached, snap.free, snap.duplicate)
+
+    def _sync(self, request: Request, include_current: bool) -> bool:
+        """Tell the allocator the request's lazily written tokens (and, with
+        ``include_current``, the one this step writes); False if memory is short."""
+        target = self.steps + (1 if include_current else 0)
+        count = target - request.g_sync
+        if count <= 0:
+            return True
+        if request.num_seqs == 1:
+            if not self.allocator.append(request.index * MAX_SAMPLES, count):
+                return False
+        else:
+            seq_ids = request.seq_ids()
+            if self.allocator.max_uniform_append(seq_ids, count) < count:
+                return False
+            for seq_id in seq_ids:
+                self.allocator.append(seq_id, count)
+        if request.decoding:
+            seqs = request.num_seqs
+            self._tok_sync_sum += seqs * count
+            self._g_sync_sum += seqs * count
+        request.tok_sync += count
+        request.gen_sync += count
+        request.g_sync = target
+        return True
+
+    def _start_decoding(self, request: Request) -> None:
+        """After its prefill step: decode lazily from now on."""
+        request.decoding = True
+        request.g_sync = self.steps
+        request.tok_sync = self.allocator.num_tokens(request.index * MAX_SAMPLES)
+        seqs = request.num_seqs
+        self.decode_seqs += seqs
+        self._tok_sync_sum += seqs * request.tok_sync
+        self._g_sync_sum += seqs * request.g_sync
+        request.version += 1
+        self._push_events(request, start=True)
+
+    def _stop_decoding(self, request: Request) -> None:
+        seqs = request.num_seqs
+        self.decode_seqs -= seqs
+        self._tok_sync_sum -= seqs * request.tok_sync
+        self._g_sync_sum -= seqs * request.g_sync
+        request.decoding = False
+        request.version += 1
+
+    def _push_events(self, request: Request, *, start: bool = False) -> None:
+        """Queue the request's next block crossing (and, when it starts decoding, its
+        finish: syncing moves tokens and generated count together, so that step holds)."""
+        finish = request.g_sync + request.output_len - request.gen_sync
+        if start:
+            heapq.heappush(self._events[FINISH], (finish, request.admit_seq, request.version,
+                                                  request))
+        cap = self.allocator.allocated_slots(request.index * MAX_SAMPLES)
+        grow = request.g_sync + cap - request.tok_sync
+        if grow < finish:
+            heapq.heappush(self._events[GROW], (grow, request.admit_seq, request.version,
+                                                request))
+
+    def _due(self, kind: int, step: int) -> list[Request]:
+        """Pop the valid events of ``kind`` at ``step`` (in admission order)."""
+        due = []
+        events = self._events[kind]
+        while events and events[0][0] <= step:
+            at, _, version, request = heapq.heappop(events)
+            if version == request.version and request.decoding:
+                assert at == step, f"missed an event of request {request.index} at step {at}"
+                due.append(request)
+        return due
+
     # ------------------------------------------------------------------ preemption
-    def _victim(self, candidates: list[Request]) -> Request:
+    def _victim(self) -> Request:
         if self.config.preemption_victim == "fewest_generated":
             # Fewest generated tokens; the most recently admitted among equals.
-            return min(reversed(candidates), key=lambda r: r.generated)
-        return candidates[-1]
+            return min(reversed(self.running.values()), key=self.generated)
+        return next(reversed(self.running.values()))
 
     def _preempt(self, request: Request) -> None:
+        if request.decoding:
+            self._sync(request, include_current=False)  # cache what it computed
+            self._stop_decoding(request)
+        elif request.in_prefill:
+            self.prefilling -= 1
+        if request.g_sync > self.steps:
+            request.gen_sync -= request.g_sync - self.steps  # this step's token never happens
+            request.g_sync = self.steps
         for seq_id in request.seq_ids():
             self.allocator.free(seq_id)
         request.num_seqs = 0
-        request.prefilled = 0
+        request.prefilled = request.prefill_target = 0
         request.preemptions += 1
         request.resumed = request.resumed or request.computed
         if request.n > 1:
-            request.generated = 0  # forks cannot be rebuilt from sample 0: restart the request
-        self.running.remove(request)
+            request.gen_sync = 0  # forks cannot be rebuilt from sample 0: restart the request
+        del self.running[request.admit_seq]
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+        self.head_blocked = False
 
-    def _grow(self, request: Request, tokens: int, batch: Batch,
-              scheduled: list[Request]) -> bool:
-        """Append ``tokens`` to every sequence of ``request``, preempting others if memory is
-        short; False if ``request`` itself had to be preempted."""
-        seq_ids = request.seq_ids()
-        while self.allocator.max_uniform_append(seq_ids, tokens) < tokens:
-            victim = self._victim(self.running)
+    def _grow_now(self, request: Request, batch: Batch) -> bool:
+        """Sync ``request`` through this step's token, preempting others while memory is
+        short; False if the request itself was preempted."""
+        while not self._sync(request, include_current=True):
+            victim = self._victim()
             self._preempt(victim)
             batch.preempted += 1
             if victim is request:
                 return False
-            if victim in scheduled:
-                scheduled.remove(victim)
-        for seq_id in seq_ids:
-            assert self.allocator.append(seq_id, tokens)
+        if request.decoding:
+            self._push_events(request)
         return True
 
     # ------------------------------------------------------------------ one step
+    def fast_step_ready(self) -> bool:
+        """True if the next step is pure decode with no admission possible: the engine may
+        then run it through :meth:`fast_step` without a full :meth:`schedule`."""
+        return (self.decode_seqs > 0 and not self.prefilling
+                and (not self.waiting or self.head_blocked))
+
+    def fast_step(self) -> bool:
+        """Claim memory for a pure-decode step's block crossings, if there is enough without
+        preempting (else change nothing and return False)."""
+        due = self._due(GROW, self.steps)
+        if not due:
+            return True
+        if not isinstance(self.allocator, ContiguousAllocator):
+            needed = sum(r.num_seqs for r in due)
+            if needed > self.allocator.num_free_blocks:  # type: ignore[attr-defined]
+                for request in due:  # put them back for schedule() to handle
+                    heapq.heappush(self._events[GROW], (self.steps, request.admit_seq,
+                                                        request.version, request))
+                return False
+        for request in due:
+            assert self._sync(request, include_current=True)
+            self._push_events(request)
+        return True
+
     def schedule(self, now_s: float) -> Batch:
         """Choose this step's work (starting at ``now_s``) and claim its memory."""
         batch = Batch()
         budget = self.config.max_num_batched_tokens
-        decode: list[Request] = []
-        waiting_prefill: list[Request] = []
-        for request in list(self.running):
-            if request not in self.running:  # preempted earlier in this loop
-                continue
-            if request.in_prefill:
-                waiting_prefill.append(request)
-            elif self._grow(request, 1, batch, decode):
-                decode.append(request)
-        budget -= sum(r.num_seqs for r in decode)
+        for request in self._due(GROW, self.steps):
+            if request.decoding:  # not preempted meanwhile
+                self._grow_now(request, batch)
+        budget -= self.decode_seqs
         # Prompts still being read (chunked prefill), in admission order.
-        for request in waiting_prefill:
-            if request in self.running and budget > 0:
-                chunk = min(request.prefill_target - request.prefilled, budget)
-                if self._prefill(request, chunk, batch, decode):
-                    budget -= chunk
+        if self.prefilling:
+            for request in [r for r in self.running.values() if r.in_prefill]:
+                if request.admit_seq in self.running and budget > 0:
+                    chunk = min(request.prefill_target - request.prefilled, budget)
+                    if self._prefill(request, chunk, batch):
+                        budget -= chunk
         # New admissions, FCFS with head-of-line blocking.
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+        self.head_blocked = False
+        while self.waiting:
+            if len(self.running) >= self.config.max_num_seqs or budget <= 0:
+                # Blocked for as long as pure decode lasts, unless this step's prefills used
+                # the budget (the next step has a fresh one).
+                self.head_blocked = (len(self.running) >= self.config.max_num_seqs
+                                     or self.decode_seqs >= self.config.max_num_batched_tokens)
+                break
             request = self.waiting[0]
             spec = request.spec()
             if not self.config.chunked_prefill and spec.prompt_len > budget and batch.prefill:
                 # The whole prompt must fit this step's budget unless it is the only prefill.
                 lookup = getattr(self.allocator, "lookup", None)
                 if spec.prompt_len - (lookup(spec) if lookup else 0) > budget:
-                    break
+                    break  # not blocked for good: a step without other prefills admits it
             hits = self.allocator.admit(spec)
             if hits is None:
+                self.head_blocked = True
                 break
             self.waiting.popleft()
             request.num_seqs = 1
             request.prefilled = hits
             request.prefill_target = spec.prompt_len
+            request.admit_seq = self._admit_counter
+            self._admit_counter += 1
             if request.admitted_s < 0:
                 request.admitted_s = now_s
             request.hit_tokens += hits
@@ -226,24 +381,26 @@ class Scheduler:
             self.lookup_tokens += spec.prompt_len
             if request.resumed:
                 request.recomputed_tokens += spec.prompt_len - hits
-            self.running.append(request)
+            self.running[request.admit_seq] = request
+            self.prefilling += 1
             remaining = spec.prompt_len - hits
             chunk = min(remaining, budget) if self.config.chunked_prefill else remaining
-            if not self._prefill(request, chunk, batch, decode):
+            if not self._prefill(request, chunk, batch):
                 break
             budget -= chunk
-        # Preemptions late in the loop may have removed requests scheduled earlier.
-        batch.decode = [r for r in decode if r.num_seqs]
+        # Preemptions late in the step may have removed requests scheduled earlier.
         batch.prefill = [p for p in batch.prefill if p[0].num_seqs]
-        batch.decode_seqs = sum(r.num_seqs for r in batch.decode)
         batch.prefill_tokens = sum(chunk for _, chunk, _ in batch.prefill)
         batch.prefill_pairs = sum(chunk * (history + chunk) for _, chunk, history in batch.prefill)
-        batch.context_tokens = sum(
-            self.allocator.num_tokens(s) for r in batch.decode for s in r.seq_ids())
+        self.fill_decode(batch)
         return batch
 
-    def _prefill(self, request: Request, chunk: int, batch: Batch,
-                 decode: list[Request]) -> bool:
+    def fill_decode(self, batch: Batch) -> None:
+        """Decode shape of the step about to run: sequences and context tokens read."""
+        batch.decode_seqs = self.decode_seqs
+        batch.context_tokens = self._tok_sync_sum + self._pending() + self.decode_seqs
+
+    def _prefill(self, request: Request, chunk: int, batch: Batch) -> bool:
         """Write ``chunk`` prompt tokens; on the last chunk, fork samples and write the first
         generated token. False if the request was preempted instead."""
         history = request.prefilled
@@ -252,6 +409,7 @@ class Scheduler:
             assert self.allocator.append(request.index * MAX_SAMPLES, chunk)
         request.prefilled += chunk
         if completes:
+            self.prefilling -= 1
             if request.n > 1 and request.num_seqs == 1:
                 for sample in range(1, request.n):
                     if not self.allocator.fork(request.index * MAX_SAMPLES,
@@ -261,49 +419,42 @@ class Scheduler:
                         batch.preempted += 1
                         return False
                     request.num_seqs += 1
-            if not self._grow(request, 1, batch, decode):
+            request.g_sync = self.steps  # the first generated token is written this step
+            if not self._grow_now(request, batch):
                 return False
         batch.prefill.append((request, chunk, history))
         return True
 
     # ------------------------------------------------------------------ after a step
-    def max_extra_steps(self, batch: Batch, limit: int) -> int:
-        """Decode steps after this one that need no scheduling decision (≤ ``limit``)."""
-        if not batch.pure_decode or limit <= 0:
-            return 0
-        limit = min(limit, min(r.remaining_tokens for r in batch.decode) - 1)
-        if limit <= 0:
-            return 0
-        seq_ids = [s for r in batch.decode for s in r.seq_ids()]
-        return self.allocator.max_uniform_append(seq_ids, limit)
-
-    def apply_extra_steps(self, batch: Batch, steps: int) -> None:
-        """Claim memory for ``steps`` further decode steps of ``batch`` at once."""
-        for request in batch.decode:
-            for seq_id in request.seq_ids():
-                assert self.allocator.append(seq_id, steps)
-
-    def finish_step(self, batch: Batch, end_s: float, steps: int = 1) -> list[Request]:
-        """Credit the tokens of ``steps`` steps ending at ``end_s``; return finished requests."""
+    def finish_step(self, batch: Batch | None, end_s: float) -> list[Request]:
+        """Complete the step that ends at ``end_s``; return the requests that finished."""
+        self.steps += 1
         finished = []
-        for request, _chunk, _history in batch.prefill:
+        for request, _chunk, _history in batch.prefill if batch else ():
             request.computed = True
-        for request in batch.decode:
-            request.generated += steps
-        for request, _chunk, _history in batch.prefill:
             if request.in_prefill:
                 continue
-            request.generated += 1
+            # _grow_now counted the first generated token in gen_sync already.
             if request.first_token_s < 0:
                 request.first_token_s = end_s
-        for request in (*batch.decode, *(r for r, _, _ in batch.prefill)):
-            if request.generated >= request.output_len and request.finished_s < 0:
-                request.finished_s = end_s
-                for seq_id in request.seq_ids():
-                    self.allocator.free(seq_id)
-                self.running.remove(request)
+            if request.gen_sync >= request.output_len:
+                self._finish(request, end_s)
                 finished.append(request)
+            else:
+                self._start_decoding(request)
+        for request in self._due(FINISH, self.steps):
+            self._sync(request, include_current=False)
+            self._stop_decoding(request)
+            self._finish(request, end_s)
+            finished.append(request)
         if self.debug:
             self.allocator.check_invariants()
         return finished
 
+    def _finish(self, request: Request, end_s: float) -> None:
+        request.finished_s = end_s
+        request.computed = True
+        for seq_id in request.seq_ids():
+            self.allocator.free(seq_id)
+        del self.running[request.admit_seq]
+        self.head_blocked = False

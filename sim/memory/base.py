@@ -9,7 +9,7 @@ add up to the whole building.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from sim.memory.content import Segments
 
@@ -69,7 +69,9 @@ class MemorySnapshot:
         )
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {"token": self.token, "reserved": self.reserved, "internal": self.internal,
+                "external": self.external, "cached": self.cached, "free": self.free,
+                "duplicate": self.duplicate}
 
 
 class KVAllocator(ABC):

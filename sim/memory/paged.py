@@ -52,6 +52,7 @@ class PagedAllocator(KVAllocator):
         *,
         enable_prefix_caching: bool = True,
         eviction: str = "lru",
+        watermark: float = 0.0,
     ) -> None:
         if not 1 <= block_size <= 256:
             raise ValueError(f"block_size must be in 1..256, got {block_size}")
@@ -61,6 +62,11 @@ class PagedAllocator(KVAllocator):
         self.num_blocks = num_blocks
         self.capacity_slots = num_blocks * block_size
         self.enable_prefix_caching = enable_prefix_caching
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        # Blocks admission leaves free for running sequences to grow into (vLLM v0's
+        # watermark), so that a new request does not force a preemption on the next step.
+        self.watermark_blocks = int(watermark * num_blocks)
         self.pool = BlockPool(num_blocks, eviction, enable_prefix_caching)
         self._seqs: dict[int, _PagedSeq] = {}
         self._token_slots = 0  # written slots in blocks with ref_cnt > 0
@@ -93,7 +99,9 @@ class PagedAllocator(KVAllocator):
         return -(-num_tokens // self.block_size)
 
     def can_admit_ever(self, spec: SeqSpec) -> bool:
-        return self.blocks_for(self._admit_len(spec)) <= self.num_blocks
+        """Whether an empty pool holds the sequence at its final length (else it could be
+        admitted but never finish)."""
+        return self.blocks_for(spec.final_len) <= self.num_blocks
 
     @staticmethod
     def _admit_len(spec: SeqSpec) -> int:
@@ -131,7 +139,8 @@ class PagedAllocator(KVAllocator):
         hits = self._hit_blocks(spec, hasher)
         revived = sum(1 for b in hits if b.ref_cnt == 0)  # hits that leave the free set
         need = self.blocks_for(self._admit_len(spec)) - len(hits)
-        if need > self.pool.num_free - revived:
+        reserve = self.watermark_blocks if self._seqs else 0
+        if need > self.pool.num_free - revived - reserve:
             return None
         for block in hits:
             if block.ref_cnt == 0:
@@ -147,7 +156,9 @@ class PagedAllocator(KVAllocator):
         return seq.num_tokens
 
     def append(self, seq_id: int, num_tokens: int) -> bool:
-        seq = self._seq(seq_id)
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise AllocatorError(f"unknown sequence {seq_id}")
         if num_tokens <= 0:
             return num_tokens == 0
         bs = self.block_size
@@ -159,29 +170,32 @@ class PagedAllocator(KVAllocator):
                 f"{seq.spec.final_len}"
             )
         blocks = seq.blocks
+        pool = self.pool
         first = start // bs
         # Copy-on-write: the block we write into first is shared with a fork.
         cow = first < len(blocks) and blocks[first].ref_cnt > 1
-        grow = self.blocks_for(end) - len(blocks)
-        if grow + cow > self.pool.num_free:
-            return False
-        if seq_id in self._shared_tail:
-            self._shared_tail.discard(seq_id)
-        else:
-            self._internal_exclusive -= seq.internal
-        if cow:
-            old = blocks[first]
-            new = self.pool.take()
-            new.num_filled = old.num_filled
-            self._token_slots += old.num_filled
-            self.pool.release(old)  # still referenced by the fork, so never freed here
-            blocks[first] = new
-            self.num_cow_copies += 1
-        for _ in range(grow):
-            blocks.append(self.pool.take())
+        grow = -(-end // bs) - len(blocks)
+        if grow > 0 or cow:
+            if grow + cow > pool.num_free:
+                return False
+            # The table changes shape: take the sequence out of the internal-slot sums.
+            if seq_id in self._shared_tail:
+                self._shared_tail.discard(seq_id)
+            else:
+                self._internal_exclusive -= seq.internal
+            if cow:
+                old = blocks[first]
+                new = pool.take()
+                new.num_filled = old.num_filled
+                self._token_slots += old.num_filled
+                pool.release(old)  # still referenced by the fork, so never freed here
+                blocks[first] = new
+                self.num_cow_copies += 1
+            for _ in range(grow):
+                blocks.append(pool.take())
+            self._set_internal(seq)
         # Write: fill blocks first..last; hash the ones that become full.
         pos = start
-        hasher = seq.hasher
         while pos < end:
             idx = pos // bs
             block = blocks[idx]
@@ -189,13 +203,12 @@ class PagedAllocator(KVAllocator):
             block.num_filled += take
             pos += take
             if block.num_filled == bs:
-                hashes = hasher.hashes
-                block_hash = hashes[idx] if idx < len(hashes) else hasher.advance()
-                self.pool.register(block, block_hash)
+                hashes = seq.hasher.hashes
+                block_hash = hashes[idx] if idx < len(hashes) else seq.hasher.advance()
+                pool.register(block, block_hash)
                 self._duplicates.add(block_hash)
         self._token_slots += num_tokens
         seq.num_tokens = end
-        self._set_internal(seq)
         return True
 
     def _set_internal(self, seq: _PagedSeq) -> None:
