@@ -16,6 +16,7 @@ Defaults are a roofline of the model on the GPU preset; a calibration YAML writt
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +58,7 @@ class StepTimeModel:
             return self.rho_table[sizes[0]]
         if block_size >= sizes[-1]:
             return self.rho_table[sizes[-1]]
-        for lo, hi in zip(sizes, sizes[1:], strict=False):
+        for lo, hi in itertools.pairwise(sizes):
             if lo <= block_size <= hi:
                 w = (math.log2(block_size) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
                 return self.rho_table[lo] * (1 - w) + self.rho_table[hi] * w

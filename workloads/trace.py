@@ -109,7 +109,9 @@ class Trace:
             arrival_s=np.asarray(arrival_s, dtype=np.float64),
             prompt_len=prompt_len,
             output_len=output_len,
-            max_tokens=output_len.copy() if max_tokens is None else np.asarray(max_tokens, np.int64),
+            max_tokens=output_len.copy()
+            if max_tokens is None
+            else np.asarray(max_tokens, np.int64),
             n=np.ones(count, np.int64) if n is None else np.asarray(n, np.int64),
             after=minus1.copy() if after is None else np.asarray(after, np.int64),
             think_s=np.zeros(count) if think_s is None else np.asarray(think_s, np.float64),
