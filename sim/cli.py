@@ -112,7 +112,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.seed is not None:
         scenario = scenario.model_copy(update={"seed": args.seed})
     out = Path(args.out or scenario.output_dir or Path("runs") / scenario.name)
-    result = run_scenario(scenario, path.parent, progress=_progress_factory(args.quiet))
+    try:
+        result = run_scenario(scenario, path.parent, progress=_progress_factory(args.quiet))
+    except _bad_input_types() as exc:
+        raise BadInput(f"{path}: {exc}") from None
     write_run(result, out)
     print(f"{scenario.name}: {len(next(iter(result.systems.values())).requests):,} requests, "
           f"seed {scenario.seed}")

@@ -340,6 +340,10 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
     pool_slots = kv_pool_slots(model, scenario.gpu_spec(),
                                kv_memory_gib=scenario.memory.kv_memory_gib,
                                gpu_memory_utilization=scenario.memory.gpu_memory_utilization)
+    block_size = getattr(system.allocator, "block_size", 1)
+    if pool_slots < block_size:
+        raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than one block "
+                          f"({block_size} slots) of system {system.name!r}")
     smallest = int((trace.prompt_len + trace.output_len).min())
     if pool_slots < smallest:
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than the "

@@ -168,12 +168,13 @@ class Scenario(ConfigModel):
                              "(or give the GPU's figures)")
         return value
 
-    @model_validator(mode="after")
-    def _check(self):  # type: ignore[no-untyped-def]
-        names = [s.name for s in self.systems]
+    @field_validator("systems")
+    @classmethod
+    def _unique_names(cls, systems: list[SystemConfig]) -> list[SystemConfig]:
+        names = [s.name for s in systems]
         if len(set(names)) != len(names):
-            raise ValueError(f"systems: names must be unique, got {names}")
-        return self
+            raise ValueError(f"system names must be unique, got {names}")
+        return systems
 
     def model_spec(self) -> ModelSpec:
         if isinstance(self.model, str):
@@ -282,7 +283,8 @@ def scenario_from_dict(data: Any, source: str = "<scenario>") -> Scenario:
     except ValidationError as exc:
         errors = exc.errors()
         # In a union every member complains; the deepest complaint is the useful one.
-        errors.sort(key=lambda e: -len(e["loc"]))
+        # An unknown key explains the rest (a misspelt required field is also "missing").
+        errors.sort(key=lambda e: (e["type"] != "extra_forbidden", -len(e["loc"])))
         first = _format_error(errors[0], data)
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise ScenarioError(f"{source}: {first}{more}") from None

@@ -1,0 +1,122 @@
+"""The kvsim command line: the main job, determinism, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = """
+name: tiny
+memory: {kv_memory_gib: 2}
+workload:
+  arrival: {process: poisson, rate: 50}
+  prompt_len: {dist: uniform, low: 10, high: 200}
+  output_len: {dist: uniform, low: 5, high: 100}
+  prefix_groups: {groups: 2, length: 64, fraction: 0.5}
+systems:
+  - name: contiguous
+    allocator: {kind: contiguous}
+  - name: paged
+    allocator: {kind: paged, block_size: 16}
+stop: {num_requests: 60}
+"""
+
+
+def kvsim(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sim.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_seed_scenario_prints_63_4_percent(tmp_path):
+    proc = kvsim("run", "scenarios/seed_63_percent.yaml", "--out", str(tmp_path), "--quiet",
+                 "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("internal frag. at"))
+    assert line.split()[-2:] == ["63.38%", "0.27%"]
+    assert (tmp_path / "summary.json").is_file() and (tmp_path / "scenario.yaml").is_file()
+    for system in ("contiguous-4096", "paged-16"):
+        for table in ("requests", "memory", "steps"):
+            assert (tmp_path / system / f"{table}.parquet").is_file()
+
+
+def test_same_seed_gives_identical_files(tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(GOOD)
+    outs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        proc = kvsim("run", str(scenario), "--out", str(out), "--quiet", "--no-report",
+                     "--seed", "3")
+        assert proc.returncode == 0, proc.stderr
+        outs.append(out)
+    files = sorted(p.relative_to(outs[0]) for p in outs[0].rglob("*") if p.is_file())
+    assert len(files) == 8
+    for rel in files:
+        assert (outs[0] / rel).read_bytes() == (outs[1] / rel).read_bytes(), rel
+    other = tmp_path / "c"
+    kvsim("run", str(scenario), "--out", str(other), "--quiet", "--no-report", "--seed", "4")
+    assert (other / "summary.json").read_bytes() != (outs[0] / "summary.json").read_bytes()
+
+
+BAD = [
+    ("unknown key", GOOD.replace("stop:", "stpo:"),
+     "stpo: unknown key; did you mean 'stop'?"),
+    ("wrong type", GOOD.replace("rate: 50", "rate: fast"),
+     "workload.arrival.rate: Input should be a valid number"),
+    ("negative size", GOOD.replace("kv_memory_gib: 2", "kv_memory_gib: -2"),
+     "memory.kv_memory_gib: Input should be greater than 0"),
+    ("block size 0", GOOD.replace("block_size: 16", "block_size: 0"),
+     "systems[1].allocator.block_size: Input should be greater than or equal to 1"),
+    ("pool below one block", GOOD.replace("kv_memory_gib: 2", "kv_memory_gib: 0.000001")
+     .replace("- name: contiguous\n    allocator: {kind: contiguous}\n  ", ""),
+     "smaller than one block"),
+    ("bad yaml", GOOD.replace("stop: {num_requests: 60}", "stop: {num_requests: 60"),
+     "not valid YAML"),
+    ("duplicate systems", GOOD.replace("name: paged", "name: contiguous"),
+     "systems: system names must be unique"),
+]
+
+
+@pytest.mark.parametrize(("label", "text", "expected"), BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_one_line_exit_2(tmp_path, label, text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    proc = kvsim("run", str(path), "--quiet", "--no-report", "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2, (label, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert str(path) in lines[0]
+    assert expected in lines[0], lines[0]
+
+
+def test_missing_file_and_validate_and_schema(tmp_path):
+    proc = kvsim("run", str(tmp_path / "nope.yaml"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"kvsim: error: {tmp_path / 'nope.yaml'}: no such file"
+    good = tmp_path / "good.yaml"
+    good.write_text(GOOD)
+    proc = kvsim("validate", str(good))
+    assert proc.returncode == 0 and "ok" in proc.stdout
+    proc = kvsim("schema")
+    assert proc.returncode == 0 and '"systems"' in proc.stdout
+    proc = kvsim("run")
+    assert proc.returncode == 2
+
+
+def test_trace_stats_and_export(tmp_path):
+    proc = kvsim("trace", "stats", "builtin:azure_llm_2023_code.csv")
+    assert proc.returncode == 0, proc.stderr
+    assert "8,819" in proc.stdout
+    out = tmp_path / "trace.csv"
+    good = tmp_path / "good.yaml"
+    good.write_text(GOOD)
+    proc = kvsim("trace", "export", str(good), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert len(out.read_text().splitlines()) == 61
+    proc = kvsim("trace", "stats", str(tmp_path / "missing.csv"))
+    assert proc.returncode == 2 and "trace file not found" in proc.stderr

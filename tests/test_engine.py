@@ -1,0 +1,150 @@
+"""The engine end to end: the seed's numbers, the main scenario's claim, timing, the API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import sim
+from sim.engine import MEMORY_COLUMNS, build_timing, run_scenario
+from sim.memory import TAXONOMY
+from sim.presets import lookup_gpu, lookup_model
+from sim.scenario import load_scenario, scenario_from_dict
+from sim.timing import Calibration, roofline
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small(**overrides) -> dict:
+    data = {
+        "name": "small",
+        "memory": {"kv_memory_gib": 3},
+        "workload": {"arrival": {"process": "poisson", "rate": 40},
+                     "prompt_len": {"dist": "uniform", "low": 20, "high": 300},
+                     "output_len": {"dist": "uniform", "low": 5, "high": 200}},
+        "systems": [{"name": "contiguous", "allocator": {"kind": "contiguous"}},
+                    {"name": "paged", "allocator": {"kind": "paged"}}],
+        "stop": {"num_requests": 80},
+    }
+    data.update(overrides)
+    return data
+
+
+def test_seed_scenario_numbers():
+    result = sim.run(ROOT / "scenarios/seed_63_percent.yaml")
+    contiguous = result.systems["contiguous-4096"].summary
+    paged = result.systems["paged-16"].summary
+    assert contiguous["capacity_slots"] == 32_768
+    assert round(contiguous["internal_at_finish_frac"] * 100, 1) == 63.4
+    assert round(contiguous["internal_frac_of_allocated"] * 100, 1) == 63.4
+    assert round(paged["internal_at_finish_frac"] * 100, 2) == 0.27
+    assert contiguous["completed"] == paged["completed"] == 8
+    assert contiguous["peak_batch"] == paged["peak_batch"] == 8
+
+
+def test_main_scenario_paged_ahead():
+    result = sim.run(ROOT / "scenarios/paged_vs_contiguous.yaml")
+    paged = result.systems["paged-16"].summary
+    for name in ("contiguous-max", "contiguous-req"):
+        contiguous = result.systems[name].summary
+        assert paged["throughput_tok_s"] > 1.1 * contiguous["throughput_tok_s"]
+        assert paged["mean_batch"] > 2 * contiguous["mean_batch"]
+        assert paged["waste_frac"] < contiguous["waste_frac"] / 10
+        assert paged["ttft_p50_s"] < contiguous["ttft_p50_s"]
+
+
+def test_taxonomy_sums_to_pool_in_every_sample():
+    result = run_scenario(scenario_from_dict(small()))
+    for run in result.systems.values():
+        memory = run.memory
+        assert len(memory) > 10
+        totals = memory[list(TAXONOMY)].sum(axis=1)
+        assert (totals == run.summary["capacity_slots"]).all()
+        assert (memory[list(MEMORY_COLUMNS)] >= 0).all().all()
+        fractions = sum(run.summary[f"{c}_frac"] for c in TAXONOMY)
+        assert fractions == pytest.approx(1.0)
+
+
+def test_request_larger_than_pool_is_rejected_and_counted():
+    data = small(memory={"kv_memory_gib": 0.2})  # 409 slots: the contiguous 4096 never fits
+    data["workload"]["prompt_len"] = {"dist": "uniform", "low": 20, "high": 600}
+    result = run_scenario(scenario_from_dict(data))
+    contiguous = result.systems["contiguous"]
+    assert contiguous.summary["rejected"] == 80 and contiguous.summary["completed"] == 0
+    paged = result.systems["paged"]
+    too_big = (paged.requests["prompt_len"] + paged.requests["output_len"]) > 400
+    assert too_big.any()
+    assert (paged.requests["rejected"] == too_big).all()
+    assert paged.summary["completed"] == 80 - too_big.sum()
+
+
+def test_roofline_coefficients():
+    model, gpu = lookup_model("llama-2-7b"), lookup_gpu("a100-80g")
+    timing = roofline(model, gpu, step_overhead_s=0.0)
+    assert timing.a == pytest.approx(6.74e9 * 2 / 2039e9)
+    assert timing.c == pytest.approx(524_288 / 2039e9)
+    assert timing.b == pytest.approx(2 * 6.74e9 / 312e12)
+    assert timing.rho(None) == 1.0
+    assert timing.rho(16) == pytest.approx(1 + 2.0 / 16)
+
+
+def test_calibration_file_changes_step_times(tmp_path):
+    base = scenario_from_dict(small())
+    roof = build_timing(base, tmp_path)
+    calibration = Calibration(model="llama-2-7b", device="test", coefficients={
+        "a": roof.a * 2, "b": roof.b * 2, "c": roof.c * 2, "d": roof.d * 2, "e": roof.e * 2},
+        rho={8: 1.5, 64: 1.0}, fit={})
+    calibration.dump(tmp_path / "cal.yaml")
+    loaded = Calibration.load(tmp_path / "cal.yaml")
+    assert loaded == calibration
+    scenario = scenario_from_dict(small(timing={"calibration": "cal.yaml"}))
+    timing = build_timing(scenario, tmp_path)
+    assert timing.step_time(10, 1000, 50, 2500, 1.0) == pytest.approx(
+        2 * roof.step_time(10, 1000, 50, 2500, 1.0))
+    assert timing.rho(8) == 1.5 and timing.rho(64) == 1.0
+    assert timing.rho(16) == pytest.approx(1.5 - 0.5 / 3)  # log2-interpolated
+    slow = run_scenario(scenario, tmp_path).systems["paged"]
+    fast = run_scenario(base, tmp_path).systems["paged"]
+    steps = slow.steps
+    expected = [timing.step_time(b, c, p, 0, timing.rho(16)) for b, c, p in
+                zip(steps["decode_seqs"], steps["context_tokens"], steps["prefill_tokens"],
+                    strict=True)]
+    single = steps["steps"] == 1
+    prefill_free = steps["prefill_tokens"] == 0
+    mask = (single & prefill_free).to_numpy()
+    assert mask.sum() > 5
+    assert np.allclose(steps["duration_s"].to_numpy()[mask], np.array(expected)[mask])
+    assert slow.summary["makespan_s"] > fast.summary["makespan_s"]
+
+
+def test_python_api_returns_dataframes(tmp_path):
+    result = sim.run(small(), out=tmp_path / "run", seed=5)
+    paged = result.systems["paged"]
+    assert isinstance(paged.requests, pd.DataFrame)
+    assert {"arrival_s", "admitted_s", "first_token_s", "finished_s", "preemptions",
+            "prefix_hit_tokens", "recomputed_tokens"} <= set(paged.requests.columns)
+    assert (paged.requests["first_token_s"] >= paged.requests["arrival_s"]).all()
+    assert (paged.requests["finished_s"] >= paged.requests["first_token_s"]).all()
+    assert result.scenario["seed"] == 5
+    assert (tmp_path / "run" / "summary.json").is_file()
+    frame = result.summary_frame()
+    assert list(frame.columns) == ["contiguous", "paged"]
+
+
+def test_shipped_scenarios_validate():
+    for path in sorted((ROOT / "scenarios").glob("*.yaml")):
+        load_scenario(path)
+
+
+def test_preemption_and_recompute_under_pressure():
+    data = small(memory={"kv_memory_gib": 0.15})
+    data["systems"] = [{"name": "paged", "allocator": {"kind": "paged", "watermark": 0},
+                        "scheduler": {"preemption_victim": "fewest_generated"}}]
+    data["engine"] = {"debug_invariants": True}
+    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    assert run.summary["preemptions"] > 0
+    assert run.summary["recomputed_tokens"] > 0
+    assert run.summary["completed"] + run.summary["rejected"] == 80

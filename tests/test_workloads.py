@@ -1,0 +1,235 @@
+"""Synthetic generators (statistics on 100k draws) and importers of the public traces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pydantic import TypeAdapter
+
+from sim.memory.content import BlockHasher
+from sim.trace_stats import sharing_potential, trace_stats
+from workloads import Trace, TraceImportError, build_trace
+from workloads.distributions import (
+    GammaArrivals,
+    LengthDist,
+    LognormalLength,
+    PoissonArrivals,
+)
+from workloads.spec import TraceWorkload, Workload
+
+WORKLOAD = TypeAdapter(Workload)
+N = 100_000
+
+
+def draw(spec: dict) -> np.ndarray:
+    return TypeAdapter(LengthDist).validate_python(spec).sample(np.random.default_rng(0), N)
+
+
+@pytest.mark.parametrize(("spec", "mean", "rel_tol"), [
+    ({"dist": "lognormal", "mean": 161, "sigma": 1.0, "max": 100_000}, 161, 0.02),
+    ({"dist": "lognormal", "mean": 338, "p99": 2000, "max": 100_000}, 338, 0.02),
+    ({"dist": "exponential", "mean": 250, "max": 100_000}, 250, 0.02),
+    ({"dist": "uniform", "low": 10, "high": 30}, 20, 0.01),
+    ({"dist": "normal", "mean": 500, "std": 50}, 500, 0.01),
+    ({"dist": "constant", "value": 77}, 77, 0.0),
+    ({"dist": "pareto", "alpha": 3.0, "scale": 100, "max": 10**9}, 150, 0.03),
+])
+def test_length_means(spec, mean, rel_tol):
+    values = draw(spec)
+    assert values.mean() == pytest.approx(mean, rel=rel_tol, abs=0.5)
+    assert values.min() >= 1
+
+
+def test_lognormal_p99_is_reproduced():
+    values = draw({"dist": "lognormal", "mean": 338, "p99": 2000, "max": 100_000})
+    assert np.percentile(values, 99) == pytest.approx(2000, rel=0.05)
+    spec = LognormalLength(dist="lognormal", mean=338, p99=2000)
+    assert spec.log_sigma == pytest.approx(1.2, abs=0.3)
+
+
+def test_clipping_and_zipf():
+    values = draw({"dist": "lognormal", "mean": 300, "sigma": 1.5, "min": 50, "max": 400})
+    assert values.min() == 50 and values.max() == 400
+    zipf = draw({"dist": "zipf", "a": 2.0, "scale": 10})
+    assert (zipf % 10 == 0).all() and np.mean(zipf == 10) == pytest.approx(0.608, abs=0.01)
+
+
+def test_arrival_processes():
+    rng = np.random.default_rng(1)
+    gaps = np.diff(PoissonArrivals(process="poisson", rate=5).sample(rng, N))
+    assert gaps.mean() == pytest.approx(0.2, rel=0.02)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.02)
+    for cv in (0.5, 2.0, 4.0):
+        gaps = np.diff(GammaArrivals(process="gamma", rate=5, cv=cv).sample(rng, N))
+        assert gaps.mean() == pytest.approx(0.2, rel=0.05)
+        assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.07)
+
+
+def synthetic(**extra) -> dict:
+    return {"arrival": {"process": "poisson", "rate": 10},
+            "prompt_len": {"dist": "lognormal", "mean": 200, "sigma": 1.0},
+            "output_len": {"dist": "lognormal", "mean": 150, "sigma": 1.0}, **extra}
+
+
+def test_generation_is_deterministic_and_fits_the_context():
+    spec = WORKLOAD.validate_python(synthetic(prefix_groups={"groups": 3, "length": 100}))
+    a = build_trace(spec, seed=7, max_model_len=2048, num_requests=5000)
+    b = build_trace(spec, seed=7, max_model_len=2048, num_requests=5000)
+    c = build_trace(spec, seed=8, max_model_len=2048, num_requests=5000)
+    assert a.to_frame().equals(b.to_frame())
+    assert not a.to_frame().equals(c.to_frame())
+    assert (a.prompt_len + a.output_len <= 2048).all()
+    assert (a.prompt_len > 100).all()  # every request carries its 100-token system prompt
+
+
+def test_prefix_groups_follow_zipf_popularity():
+    spec = WORKLOAD.validate_python(
+        synthetic(prefix_groups={"groups": 4, "length": 64, "fraction": 0.5, "zipf_s": 1.0}))
+    trace = build_trace(spec, seed=0, max_model_len=4096, num_requests=20_000)
+    first = np.array([trace.own_segments(i)[0][0] for i in range(len(trace))])
+    shared = first < (1 << 52)
+    assert shared.mean() == pytest.approx(0.5, abs=0.02)
+    counts = np.bincount(first[shared] - first[shared].min())
+    weights = 1 / np.arange(1, 5)
+    assert counts / counts.sum() == pytest.approx(weights / weights.sum(), abs=0.02)
+
+
+def test_sessions_grow_their_prefix():
+    spec = WORKLOAD.validate_python(synthetic(
+        sessions={"turns": {"dist": "constant", "value": 3}, "think_time_s": 2.0}))
+    trace = build_trace(spec, seed=1, max_model_len=100_000, num_requests=300)
+    second = int(np.flatnonzero(trace.turn == 1)[0])
+    first = int(trace.after[second])
+    assert trace.context_parent[second] == first
+    assert trace.prompt_len[second] > trace.prompt_len[first] + trace.output_len[first]
+    segments = trace.prompt_segments(second)
+    assert segments[: len(trace.prompt_segments(first))] == trace.prompt_segments(first)
+    assert (trace.think_s[trace.turn > 0] > 0).all()
+
+
+def test_closed_loop_chains_requests_per_user():
+    spec = WORKLOAD.validate_python({**synthetic(), "arrival": {
+        "process": "closed_loop", "users": 4, "think_time_s": 1.0}})
+    trace = build_trace(spec, seed=0, max_model_len=4096, num_requests=20)
+    assert (trace.after[:4] == -1).all()
+    assert (trace.after[4:] == np.arange(16)).all()
+
+
+ROWS = {
+    "azure_llm_2023_code.csv": 8_819,
+    "azure_llm_2023_conv.csv": 19_366,
+    "mooncake_fast25_conversation_trace.jsonl": 12_031,
+    "mooncake_fast25_synthetic_trace.jsonl": 3_993,
+}
+
+
+@pytest.mark.parametrize(("name", "rows"), ROWS.items())
+def test_public_traces_import(name, rows):
+    trace = build_trace(TraceWorkload(path=f"builtin:{name}"), seed=0,
+                        max_model_len=1 << 20)
+    assert len(trace) == rows
+    assert trace.arrival_s[0] == 0 and (np.diff(trace.arrival_s) >= 0).all()
+    assert not trace.notes
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16, 64, 128, 256, 512])
+def test_mooncake_shared_hash_ids_share_exactly_k_blocks(block_size):
+    trace = build_trace(TraceWorkload(path="builtin:mooncake_fast25_conversation_trace.jsonl"),
+                        seed=0, max_model_len=1 << 20).head(40)
+    # Requests 0 and 1 share their first hash id (0), then differ.
+    for i, j, k in ((0, 1, 1), (0, 2, 1)):
+        a = BlockHasher(trace.prompt_segments(i), block_size)
+        b = BlockHasher(trace.prompt_segments(j), block_size)
+        blocks = min(trace.prompt_len[i], trace.prompt_len[j]) // block_size
+        ha, hb = a.hash_upto(blocks), b.hash_upto(blocks)
+        common = next((n for n in range(blocks) if ha[n] != hb[n]), blocks)
+        assert common * block_size == k * 512
+
+
+def write(tmp_path: Path, text: str, name: str = "t.csv") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("TIMESTAMP,ContextTokens\n2023-11-16 18:00:00,10\n", "missing column 'GeneratedTokens'"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,10,5\n"
+     "2023-11-16 18:00:01,-4,5\n", ":3: column 'ContextTokens': expected an integer >= 1, "
+     "got '-4'"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,ten,5\n",
+     ":2: column 'ContextTokens': expected an integer >= 1, got 'ten'"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:05,10,5\n"
+     "2023-11-16 18:00:01,10,5\n", ":3: column 'TIMESTAMP': timestamps must not decrease"),
+])
+def test_bad_rows_name_file_row_and_column(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(TraceImportError) as err:
+        build_trace(TraceWorkload(path=str(path)), seed=0, max_model_len=4096)
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_skip_invalid_counts_and_reports(tmp_path):
+    path = write(tmp_path, "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 "2023-11-16 18:00:00,10,5\n2023-11-16 18:00:01,x,5\n"
+                 "2023-11-16 18:00:02,10,0\n2023-11-16 18:00:03,12,3\n")
+    trace = build_trace(TraceWorkload(path=str(path), skip_invalid=True), seed=0,
+                        max_model_len=4096)
+    assert len(trace) == 2
+    assert any("skipped 1 rows with bad 'ContextTokens'" in n for n in trace.notes)
+    assert any("skipped 1 rows with bad 'GeneratedTokens'" in n for n in trace.notes)
+
+
+def test_generic_jsonl_and_burstgpt(tmp_path):
+    path = write(tmp_path, '{"t": 0, "in": 5, "out": 7}\n{"t": 1500, "in": 9, "out": 2}\n',
+                 "g.jsonl")
+    trace = build_trace(TraceWorkload(path=str(path), format="jsonl", time_unit="ms",
+                                      columns={"arrival": "t", "prompt_len": "in",
+                                               "output_len": "out"}),
+                        seed=0, max_model_len=4096)
+    assert trace.arrival_s.tolist() == [0.0, 1.5] and trace.prompt_len.tolist() == [5, 9]
+    path = write(tmp_path, "Timestamp,Model,Request tokens,Response tokens,Total tokens,"
+                 "Log Type\n5,ChatGPT,100,20,120,Conversation log\n"
+                 "7,GPT-4,50,0,50,Conversation log\n", "burst.csv")
+    trace = build_trace(TraceWorkload(path=str(path), skip_invalid=True), seed=0,
+                        max_model_len=4096)
+    assert len(trace) == 1 and trace.notes
+    bad = write(tmp_path, '{"t": 0, "in": 5}\n', "bad.jsonl")
+    with pytest.raises(TraceImportError, match=r"bad.jsonl:1: missing column 'out'"):
+        build_trace(TraceWorkload(path=str(bad), format="jsonl", columns={
+            "arrival": "t", "prompt_len": "in", "output_len": "out"}), seed=0,
+            max_model_len=4096)
+
+
+def test_trace_speed_and_frame_round_trip():
+    base = build_trace(TraceWorkload(path="builtin:azure_llm_2023_code.csv"), seed=0,
+                       max_model_len=8192)
+    fast = build_trace(TraceWorkload(path="builtin:azure_llm_2023_code.csv",
+                                     arrival={"process": "trace", "speed": 2}), seed=0,
+                       max_model_len=8192)
+    assert fast.arrival_s[-1] == pytest.approx(base.arrival_s[-1] / 2)
+    again = Trace.from_frame(base.head(100).to_frame())
+    assert again.to_frame().equals(base.head(100).to_frame())
+
+
+def test_trace_stats_figures():
+    spec = WORKLOAD.validate_python(synthetic(prefix_groups={"groups": 1, "length": 320}))
+    trace = build_trace(spec, seed=0, max_model_len=100_000, num_requests=200)
+    stats = trace_stats(trace, 16)
+    assert stats["requests"] == 200
+    assert stats["rate_req_s"] == pytest.approx(10, rel=0.25)
+    shared = 320 * 200 / trace.prompt_len.sum()
+    assert stats["sharing_potential_bs16"] == pytest.approx(shared, rel=1e-9)
+    unique = build_trace(WORKLOAD.validate_python(synthetic()), seed=0, max_model_len=100_000,
+                         num_requests=50)
+    assert sharing_potential(unique, 16) == 0.0
+
+
+def test_million_requests_vectorised():
+    spec = WORKLOAD.validate_python(synthetic(prefix_groups={"groups": 8, "length": 128,
+                                                             "fraction": 0.3}))
+    trace = build_trace(spec, seed=0, max_model_len=4096, num_requests=1_000_000)
+    assert len(trace) == 1_000_000
+    assert trace.seg_ids.nbytes < 32 * 1024 * 1024
