@@ -130,12 +130,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _write_report(out: Path) -> Path | None:
-    try:
-        from reports.html import write_report
-    except ImportError:
-        return None
+def _write_report(out: Path) -> Path:
+    from reports.html import write_report
+
     return write_report(out)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from reports import write_any_report
+
+    path = Path(args.run_dir)
+    if not (path / "summary.json").is_file() and not (path / "sweep.json").is_file():
+        raise BadInput(f"{path}: not a kvsim run or sweep folder (no summary.json or "
+                       "sweep.json)")
+    report = write_any_report(path, x=args.x, y=args.y)
+    print(f"report: {report}")
+    return EXIT_OK
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -238,6 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--no-report", action="store_true", help="skip the HTML report")
     run.set_defaults(func=cmd_run)
+
+    report = sub.add_parser("report", help="figures and report.html for a run or sweep folder")
+    report.add_argument("run_dir", metavar="RUN_OR_SWEEP_DIR")
+    report.add_argument("--x", help="sweep: swept field for the x axis (e.g. "
+                        "workload.arrival.rate)")
+    report.add_argument("--y", help="sweep: summary metric for the y axis (e.g. "
+                        "throughput_tok_s)")
+    report.set_defaults(func=cmd_report)
 
     validate = sub.add_parser("validate", help="check a scenario file without running it")
     validate.add_argument("scenario")

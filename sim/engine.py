@@ -81,8 +81,8 @@ class _Recorder:
         self._last_sample = -math.inf
 
     def record(self, replica: int, start_s: float, duration_s: float, steps: int, batch: Batch,
-               running: int, waiting: int, snap: dict[str, int], snap_end: dict[str, int],
-               preemptions: int) -> None:
+               sched: Scheduler, snap: dict[str, int], snap_end: dict[str, int]) -> None:
+        running, waiting = len(sched.running), len(sched.waiting)
         self.steps.append((replica, start_s, duration_s, steps, batch.decode_seqs,
                            batch.context_tokens, batch.prefill_tokens, len(batch.prefill),
                            batch.preempted, running, waiting))
@@ -93,7 +93,8 @@ class _Recorder:
         if start_s - self._last_sample >= self.sample_interval_s:
             self._last_sample = start_s
             self.memory.append((replica, start_s, *(snap[k] for k in MEMORY_COLUMNS), running,
-                                waiting, batch.decode_seqs, preemptions))
+                                waiting, batch.decode_seqs, sched.num_preemptions,
+                                sched.hit_tokens, sched.lookup_tokens))
 
     def averages(self, replicas: int) -> dict[str, float]:
         """Time-averaged slots per replica (and running requests in all)."""
@@ -210,9 +211,8 @@ class _Replica:
                                                  self.rho)
                 steps = 1
                 finished = sched.finish_step(batch, clock)
-            sim.recorder.record(self.index, start, clock - start, steps, batch,
-                                len(sched.running), len(sched.waiting), snap, snap_end,
-                                sched.num_preemptions)
+            sim.recorder.record(self.index, start, clock - start, steps, batch, sched, snap,
+                                snap_end)
             self.clock = clock
             for request in finished:
                 self._account_finish(request)
@@ -314,12 +314,12 @@ class _SystemRun:
         for column in ("admitted_s", "first_token_s", "finished_s"):
             requests[column] = requests[column].where(requests[column] >= 0)
         requests["finished_s"] = requests["finished_s"].astype(float)
-        steps = pd.DataFrame(self.recorder.steps, columns=[
+        steps = _typed_frame(self.recorder.steps, [
             "replica", "time_s", "duration_s", "steps", "decode_seqs", "context_tokens",
             "prefill_tokens", "prefill_requests", "preempted", "running", "waiting"])
-        memory = pd.DataFrame(self.recorder.memory, columns=[
+        memory = _typed_frame(self.recorder.memory, [
             "replica", "time_s", *MEMORY_COLUMNS, "running", "waiting", "decode_seqs",
-            "preemptions"])
+            "preemptions", "hit_tokens", "lookup_tokens"])
         capacity = self.replicas[0].allocator.capacity_slots
         lookup = sum(r.scheduler.lookup_tokens for r in self.replicas)
         hits = sum(r.scheduler.hit_tokens for r in self.replicas)
@@ -331,6 +331,12 @@ class _SystemRun:
         summary = summarize(summary_requests, steps,
                             self.recorder.averages(len(self.replicas)), capacity, extra)
         return RunResult(self.system.name, requests, memory, steps, summary)
+
+
+def _typed_frame(rows: list[tuple], columns: list[str]) -> pd.DataFrame:
+    """Rows as a DataFrame: times float, counts int (also when there are no rows)."""
+    frame = pd.DataFrame(rows, columns=columns)
+    return frame.astype({c: float if c.endswith("_s") else np.int64 for c in columns})
 
 
 def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: StepTimeModel,

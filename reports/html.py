@@ -1,0 +1,105 @@
+"""A self-contained HTML report of a run folder: figures embedded, tables, scenario, versions.
+
+``report.html`` loads nothing from anywhere — images are inline PNG data — so it can be
+mailed or opened offline. The same figures are written beside it as PNG and SVG files.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import platform
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+from matplotlib.figure import Figure
+
+from reports.run_figures import RUN_FIGURES
+from reports.style import close
+from sim.results import ScenarioResult, load_run
+
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+h1 { font-size: 1.6em; } h2 { font-size: 1.2em; margin-top: 2em; }
+table { border-collapse: collapse; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+pre { background: #f6f6f6; padding: 1em; overflow-x: auto; font-size: 0.85em; }
+img { max-width: 100%; }
+.note { color: #555; }
+"""
+
+
+def save_figure(fig: Figure, folder: Path, name: str) -> bytes:
+    """Write ``name``.png and .svg into ``folder``; return the PNG bytes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    png = buffer.getvalue()
+    (folder / f"{name}.png").write_bytes(png)
+    fig.savefig(folder / f"{name}.svg", format="svg", metadata={"Date": None})
+    close(fig)
+    return png
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for package in ("kvsim", "numpy", "pandas", "simpy", "matplotlib", "pydantic"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "not installed"
+    return versions
+
+
+def _summary_table(result: ScenarioResult) -> str:
+    from sim.cli import SUMMARY_ROWS, _fmt
+
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in result.systems)
+    rows = []
+    for key, label, fmt in SUMMARY_ROWS:
+        cells = "".join(f"<td>{_fmt(r.summary.get(key), fmt)}</td>"
+                        for r in result.systems.values())
+        rows.append(f"<tr><td>{html.escape(label)}</td>{cells}</tr>")
+    return f"<table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table>"
+
+
+def render_html(title: str, sections: list[tuple[str, str]], scenario: dict,
+                notes: list[str]) -> str:
+    """The report page from (heading, HTML body) sections."""
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
+             f"</title><style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
+    if scenario.get("description"):
+        parts.append(f"<p>{html.escape(scenario['description'])}</p>")
+    for note in notes:
+        parts.append(f"<p class='note'>note: {html.escape(note)}</p>")
+    for heading, body in sections:
+        parts.append(f"<h2>{html.escape(heading)}</h2>{body}")
+    parts.append("<h2>Resolved scenario</h2><pre>"
+                 + html.escape(yaml.safe_dump(scenario, sort_keys=False)) + "</pre>")
+    versions = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
+                       for k, v in _versions().items())
+    parts.append(f"<h2>Versions</h2><table>{versions}</table></body></html>")
+    return "".join(parts)
+
+
+def img_tag(png: bytes, alt: str) -> str:
+    return (f"<img alt='{html.escape(alt)}' "
+            f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+
+
+def write_report(run_dir: Path) -> Path:
+    """Figures (PNG, SVG) into ``run_dir/figures`` and ``run_dir/report.html``."""
+    result = load_run(run_dir)
+    figures = run_dir / "figures"
+    sections = [("Summary", _summary_table(result))]
+    for name, build in RUN_FIGURES.items():
+        png = save_figure(build(result), figures, name)
+        sections.append((name.replace("_", " ").capitalize(), img_tag(png, name)))
+    page = render_html(f"kvsim report: {result.scenario['name']}", sections, result.scenario,
+                       result.trace_notes)
+    out = run_dir / "report.html"
+    out.write_text(page)
+    return out

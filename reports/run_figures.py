@@ -1,0 +1,182 @@
+"""Figures of one run: memory over time, waste breakdown, batch and queue, latency, hits.
+
+Each function takes a :class:`~sim.results.ScenarioResult` and returns a matplotlib figure;
+the tables it plotted are attached as ``fig.kvsim_data`` (name → DataFrame) so tests and
+users can check exactly what is drawn.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from reports.style import TAXONOMY_COLORS, TAXONOMY_LABELS, new_figure, system_color
+from sim.memory import TAXONOMY
+from sim.results import ScenarioResult
+from sim.scenario import scenario_from_dict
+
+GIB = 1024**3
+
+
+def kv_bytes_per_token(result: ScenarioResult) -> int:
+    return scenario_from_dict(result.scenario).model_spec().kv_bytes_per_token
+
+
+def _first_replica(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[frame["replica"] == 0] if "replica" in frame else frame
+
+
+def memory_over_time(result: ScenarioResult) -> Figure:
+    """Stacked areas of the taxonomy per system (GiB on the left, % of the pool on the right)."""
+    names = list(result.systems)
+    fig, axes = new_figure(len(names), 1, height=2.8, sharex=True)
+    per_token = kv_bytes_per_token(result)
+    data = {}
+    for ax, name in zip(axes, names, strict=True):
+        run = result.systems[name]
+        memory = _first_replica(run.memory)
+        capacity = run.summary["capacity_slots"]
+        gib = memory[list(TAXONOMY)] * per_token / GIB
+        data[name] = pd.concat([memory["time_s"], gib], axis=1)
+        lower = np.zeros(len(memory))
+        t = memory["time_s"].to_numpy()
+        for category in TAXONOMY:
+            upper = lower + gib[category].to_numpy()
+            ax.fill_between(t, lower, upper, step="post", color=TAXONOMY_COLORS[category],
+                            label=TAXONOMY_LABELS[category], linewidth=0)
+            lower = upper
+        ax.set_ylabel("KV memory (GiB)")
+        ax.set_ylim(0, capacity * per_token / GIB)
+        ax.set_title(f"{name}: KV pool over time"
+                     + (" (replica 0)" if run.summary.get("replicas", 1) > 1 else ""),
+                     loc="left", fontsize=10)
+        pct = ax.secondary_yaxis("right", functions=(
+            lambda g, c=capacity: g * GIB / per_token / c * 100,
+            lambda p, c=capacity: p / 100 * c * per_token / GIB))
+        pct.set_ylabel("% of pool")
+    axes[-1].set_xlabel("simulated time (s)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside upper center", ncol=3,
+               fontsize=8, frameon=False)
+    fig.suptitle(f"{result.scenario['name']}: KV memory taxonomy over time", fontsize=11)
+    fig.kvsim_data = data  # type: ignore[attr-defined]
+    return fig
+
+
+def waste_breakdown(result: ScenarioResult) -> Figure:
+    """Time-averaged share of the pool per category, one bar per system (cf. vLLM Fig. 2)."""
+    names = list(result.systems)
+    table = pd.DataFrame({c: [result.systems[n].summary[f"{c}_frac"] * 100 for n in names]
+                          for c in TAXONOMY}, index=names)
+    fig, (ax,) = new_figure(1, 1, height=1.6 + 0.6 * len(names))
+    left = np.zeros(len(names))
+    for category in TAXONOMY:
+        values = table[category].to_numpy()
+        ax.barh(names, values, left=left, color=TAXONOMY_COLORS[category],
+                label=TAXONOMY_LABELS[category], edgecolor="white", linewidth=0.5)
+        for y, (x0, v) in enumerate(zip(left, values, strict=True)):
+            if v >= 6:
+                ax.text(x0 + v / 2, y, f"{v:.0f}%", ha="center", va="center", fontsize=8,
+                        color="white" if category in ("token", "external") else "black")
+        left += values
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("time-averaged share of the KV pool (%)")
+    ax.invert_yaxis()
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=3,
+               fontsize=8, frameon=False)
+    ax.set_title(f"{result.scenario['name']}: where the KV memory goes", loc="left",
+                 fontsize=11)
+    fig.kvsim_data = {"breakdown_pct": table}  # type: ignore[attr-defined]
+    return fig
+
+
+def batch_and_queue(result: ScenarioResult) -> Figure:
+    """Decode batch size and waiting-queue length over time, one line per system."""
+    fig, axes = new_figure(2, 1, height=2.6, sharex=True)
+    data = {}
+    for i, (name, run) in enumerate(result.systems.items()):
+        steps = _first_replica(run.steps)
+        data[name] = steps[["time_s", "decode_seqs", "waiting"]]
+        axes[0].step(steps["time_s"], steps["decode_seqs"], where="post",
+                     color=system_color(i), label=name, linewidth=1)
+        axes[1].step(steps["time_s"], steps["waiting"], where="post", color=system_color(i),
+                     label=name, linewidth=1)
+    axes[0].set_ylabel("decode batch (sequences)")
+    axes[1].set_ylabel("waiting requests")
+    axes[1].set_xlabel("simulated time (s)")
+    axes[0].legend(fontsize=8, frameon=False)
+    axes[0].set_title(f"{result.scenario['name']}: batch size and queue length", loc="left",
+                      fontsize=11)
+    fig.kvsim_data = data  # type: ignore[attr-defined]
+    return fig
+
+
+def latency_cdfs(result: ScenarioResult) -> Figure:
+    """CDFs of TTFT, TPOT and end-to-end latency per system."""
+    fig, axes = new_figure(1, 3, width=11, height=3.2)
+    data: dict[str, pd.DataFrame] = {}
+    metrics = {
+        "TTFT (s)": lambda r: r["first_token_s"] - r["arrival_s"],
+        "TPOT (ms)": lambda r: ((r["finished_s"] - r["first_token_s"])
+                                / (r["output_len"] - 1)).where(r["output_len"] > 1) * 1000,
+        "E2E latency (s)": lambda r: r["finished_s"] - r["arrival_s"],
+    }
+    for ax, (label, metric) in zip(axes, metrics.items(), strict=True):
+        columns = {}
+        for i, (name, run) in enumerate(result.systems.items()):
+            values = np.sort(metric(run.requests).dropna().to_numpy(dtype=float))
+            columns[name] = pd.Series(values)
+            if len(values):
+                ax.plot(values, np.arange(1, len(values) + 1) / len(values),
+                        color=system_color(i), label=name, linewidth=1.2)
+        data[label] = pd.DataFrame(columns)
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, frameon=False)
+    fig.suptitle(f"{result.scenario['name']}: latency distributions", fontsize=11)
+    fig.kvsim_data = data  # type: ignore[attr-defined]
+    return fig
+
+
+def hits_and_preemptions(result: ScenarioResult, bins: int = 40) -> Figure:
+    """Prefix-cache hit rate per time window and cumulative preemptions, per system."""
+    fig, axes = new_figure(2, 1, height=2.6, sharex=True)
+    data = {}
+    for i, (name, run) in enumerate(result.systems.items()):
+        memory = _first_replica(run.memory)
+        if memory.empty:
+            continue
+        edges = np.linspace(memory["time_s"].min(), memory["time_s"].max() + 1e-9, bins + 1)
+        idx = np.searchsorted(memory["time_s"].to_numpy(), edges, side="right") - 1
+        idx = np.clip(idx, 0, len(memory) - 1)
+        hits = memory["hit_tokens"].to_numpy()[idx]
+        lookups = memory["lookup_tokens"].to_numpy()[idx]
+        d_hits, d_look = np.diff(hits), np.diff(lookups)
+        rate = np.where(d_look > 0, d_hits / np.maximum(d_look, 1) * 100, np.nan)
+        centers = (edges[:-1] + edges[1:]) / 2
+        data[name] = pd.DataFrame({"time_s": centers, "hit_rate_pct": rate,
+                                   "preemptions": memory["preemptions"].to_numpy()[idx][1:]})
+        axes[0].plot(centers, rate, marker="o", markersize=2, color=system_color(i),
+                     label=name, linewidth=1)
+        axes[1].step(memory["time_s"], memory["preemptions"], where="post",
+                     color=system_color(i), label=name, linewidth=1)
+    axes[0].set_ylabel("prefix hit rate (%)")
+    axes[0].set_ylim(0, 100)
+    axes[1].set_ylabel("preemptions (cumulative)")
+    axes[1].set_xlabel("simulated time (s)")
+    axes[0].legend(fontsize=8, frameon=False)
+    axes[0].set_title(f"{result.scenario['name']}: prefix-cache hits and preemptions",
+                      loc="left", fontsize=11)
+    fig.kvsim_data = data  # type: ignore[attr-defined]
+    return fig
+
+
+RUN_FIGURES = {
+    "memory_over_time": memory_over_time,
+    "waste_breakdown": waste_breakdown,
+    "batch_and_queue": batch_and_queue,
+    "latency_cdfs": latency_cdfs,
+    "hits_and_preemptions": hits_and_preemptions,
+}

@@ -1,0 +1,112 @@
+"""Figures show the right series with units; report.html embeds them and loads no URL."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from reports.html import write_report
+from reports.run_figures import (
+    batch_and_queue,
+    hits_and_preemptions,
+    latency_cdfs,
+    memory_over_time,
+    waste_breakdown,
+)
+from reports.style import TAXONOMY_COLORS, close
+from sim.api import run
+from sim.memory import TAXONOMY
+
+SCENARIO = {
+    "name": "report-test",
+    "memory": {"kv_memory_gib": 1.5},
+    "workload": {"arrival": {"process": "poisson", "rate": 30},
+                 "prompt_len": {"dist": "uniform", "low": 20, "high": 300},
+                 "output_len": {"dist": "uniform", "low": 5, "high": 150, "max": 150},
+                 "prefix_groups": {"groups": 2, "length": 64, "fraction": 0.6}},
+    "systems": [{"name": "contiguous", "allocator": {"kind": "contiguous",
+                                                     "reserve_policy": "request_max"}},
+                {"name": "paged", "allocator": {"kind": "paged"}}],
+    "stop": {"num_requests": 120},
+}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    res = run(SCENARIO, out=out)
+    res.out = out
+    return res
+
+
+def test_memory_figure_stacks_every_category_in_gib(result):
+    fig = memory_over_time(result)
+    axes = [a for a in fig.axes if a.get_ylabel() == "KV memory (GiB)"]
+    assert len(axes) == 2
+    assert axes[0].get_title(loc="left").startswith("contiguous")
+    assert axes[-1].get_xlabel() == "simulated time (s)"
+    collections = axes[1].collections
+    assert len(collections) == len(TAXONOMY)
+    for coll, category in zip(collections, TAXONOMY, strict=True):
+        assert np.allclose(coll.get_facecolor()[0][:3],
+                           tuple(int(TAXONOMY_COLORS[category][i:i + 2], 16) / 255
+                                 for i in (1, 3, 5)))
+    data = fig.kvsim_data["paged"]
+    pool_gib = result.systems["paged"].summary["capacity_slots"] * 524_288 / 1024**3
+    assert np.allclose(data[list(TAXONOMY)].sum(axis=1), pool_gib)
+    assert all(a.child_axes[0].get_ylabel() == "% of pool" for a in axes)
+    legend_texts = {t.get_text() for t in fig.legends[0].get_texts()}
+    assert "internal fragmentation" in legend_texts and "cached prefix (evictable)" in legend_texts
+    close(fig)
+
+
+def test_waste_bars_match_the_summary(result):
+    fig = waste_breakdown(result)
+    table = fig.kvsim_data["breakdown_pct"]
+    for name in ("contiguous", "paged"):
+        assert table.loc[name].sum() == pytest.approx(100)
+        assert table.loc[name, "internal"] == pytest.approx(
+            result.systems[name].summary["internal_frac"] * 100)
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "time-averaged share of the KV pool (%)"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["contiguous", "paged"]
+    assert len(ax.patches) == 2 * len(TAXONOMY)
+    close(fig)
+
+
+def test_batch_latency_and_hit_figures(result):
+    fig = batch_and_queue(result)
+    assert [a.get_ylabel() for a in fig.axes] == ["decode batch (sequences)", "waiting requests"]
+    lines = fig.axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["contiguous", "paged"]
+    steps = result.systems["paged"].steps
+    assert np.array_equal(lines[1].get_ydata(), steps["decode_seqs"].to_numpy())
+    close(fig)
+    fig = latency_cdfs(result)
+    assert [a.get_xlabel() for a in fig.axes] == ["TTFT (s)", "TPOT (ms)", "E2E latency (s)"]
+    ttft = fig.kvsim_data["TTFT (s)"]["paged"].dropna().to_numpy()
+    requests = result.systems["paged"].requests
+    assert np.allclose(ttft, np.sort(requests["first_token_s"] - requests["arrival_s"]))
+    assert fig.axes[0].get_lines()[0].get_ydata()[-1] == 1.0
+    close(fig)
+    fig = hits_and_preemptions(result)
+    data = fig.kvsim_data["paged"]
+    assert np.nanmax(data["hit_rate_pct"]) > 0
+    assert np.all(np.nan_to_num(fig.kvsim_data["contiguous"]["hit_rate_pct"]) == 0)
+    assert fig.axes[0].get_ylabel() == "prefix hit rate (%)"
+    close(fig)
+
+
+def test_report_html_embeds_every_figure_offline(result):
+    report = write_report(result.out)
+    text = report.read_text()
+    assert text.count("<img ") == 5
+    assert len(re.findall(r"src='data:image/png;base64,", text)) == 5
+    assert not re.search(r"(src|href)=['\"]?(https?:)?//", text)
+    assert "url(" not in text and "@import" not in text
+    assert "Resolved scenario" in text and "report-test" in text and "matplotlib" in text
+    for name in ("memory_over_time", "waste_breakdown", "latency_cdfs"):
+        assert (result.out / "figures" / f"{name}.png").stat().st_size > 1000
+        assert (result.out / "figures" / f"{name}.svg").is_file()
