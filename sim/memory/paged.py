@@ -321,9 +321,11 @@ class PagedAllocator(KVAllocator):
         bs = self.block_size
         refs: Counter[int] = Counter()
         for seq in self._seqs.values():
-            assert len(seq.blocks) == self.blocks_for(
-                max(self._admit_len(seq.spec), seq.num_tokens)
-            ), "block table length != blocks for max(prompt + 1, written)"
+            # Admission claims prompt + 1 slots; a fork inherits only its parent's table.
+            written = max(seq.spec.prompt_len, seq.num_tokens)
+            assert (self.blocks_for(written) <= len(seq.blocks)
+                    <= self.blocks_for(max(self._admit_len(seq.spec), seq.num_tokens))), (
+                "block table length does not match the tokens written")
             for block in seq.blocks:
                 refs[block.block_id] += 1
         token_slots = 0
