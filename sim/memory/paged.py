@@ -324,7 +324,7 @@ class PagedAllocator(KVAllocator):
             # Admission claims prompt + 1 slots; a fork inherits only its parent's table.
             written = max(seq.spec.prompt_len, seq.num_tokens)
             assert (self.blocks_for(written) <= len(seq.blocks)
-                    <= self.blocks_for(max(self._admit_len(seq.spec), seq.num_tokens))), (
+                    <= self.blocks_for(max(seq.spec.prompt_len + 1, seq.num_tokens))), (
                 "block table length does not match the tokens written")
             for block in seq.blocks:
                 refs[block.block_id] += 1
