@@ -48,11 +48,12 @@ class BadInput(Exception):
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from sim.presets import SizingError
     from sim.scenario import ScenarioError
+    from sim.sweep import SweepError
     from sim.timing import CalibrationError
     from workloads import TraceError, TraceImportError, WorkloadError
 
     return (BadInput, ScenarioError, SizingError, CalibrationError, TraceError,
-            TraceImportError, WorkloadError)
+            TraceImportError, WorkloadError, SweepError)
 
 
 def _fmt(value: Any, fmt: str) -> str:
@@ -134,6 +135,54 @@ def _write_report(out: Path) -> Path:
     from reports.html import write_report
 
     return write_report(out)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from sim.sweep import run_sweep
+
+    def progress(total: int, skipped: int) -> Callable[[int], None]:
+        from tqdm import tqdm
+
+        if skipped:
+            print(f"resuming: {skipped} finished points skipped")
+        bar = tqdm(total=total, desc="sweep", unit="run", disable=None if not args.quiet
+                   else True, file=sys.stderr)
+
+        def update(n: int) -> None:
+            bar.update(n)
+            if bar.n >= total:
+                bar.close()
+
+        return update
+
+    outcome = run_sweep(Path(args.scenario), out_dir=Path(args.out) if args.out else None,
+                        jobs=args.jobs, executor=args.executor, address=args.address,
+                        quick=args.quick, progress=progress)
+    table = outcome.table
+    print(f"sweep: {outcome.ran} points ran, {outcome.skipped} already done, "
+          f"{outcome.failed} failed; {len(table)} rows in {outcome.out_dir / 'results.parquet'}")
+    if not table.empty and "throughput_tok_s" in table:
+        params = [c for c in table.columns if c.startswith("param:")]
+        view = table[table["status"] == "ok"]
+        cols = [*params, "system", "throughput_tok_s", "e2e_p90_s", "waste_frac",
+                "prefix_hit_rate"]
+        grouped = view[cols].groupby([*params, "system"], sort=False).mean(numeric_only=True)
+        with _pandas_display():
+            print(grouped.to_string(float_format=lambda v: f"{v:,.4g}"))
+    if table is not None and (table.get("status") == "failed").any():
+        for error in table.loc[table["status"] == "failed", "error"].unique()[:5]:
+            print(f"failed: {error}", file=sys.stderr)
+    if not args.no_report and not table.empty:
+        from reports import write_any_report
+
+        print(f"report: {write_any_report(outcome.out_dir)}")
+    return EXIT_FAILED if outcome.failed else EXIT_OK
+
+
+def _pandas_display():  # type: ignore[no-untyped-def]
+    import pandas as pd
+
+    return pd.option_context("display.max_rows", 200, "display.width", 160)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -249,6 +298,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-report", action="store_true", help="skip the HTML report")
     run.set_defaults(func=cmd_run)
 
+    sweep = sub.add_parser("sweep", help="run a scenario's sweep: grid × seeds, resumable")
+    sweep.add_argument("scenario", help="scenario YAML file with a sweep: section")
+    sweep.add_argument("--jobs", type=int, help="parallel runs (default: all cores)")
+    sweep.add_argument("--executor", choices=["local", "ray"], default="local")
+    sweep.add_argument("--address", help="Ray cluster address ('auto', 'ray://host:10001'); "
+                       "default: start a local Ray")
+    sweep.add_argument("--out", help="sweep folder (default: output_dir or runs/NAME)")
+    sweep.add_argument("--quick", action="store_true",
+                       help="a quarter of the requests, ≤3 values per numeric axis, one seed")
+    sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+    sweep.add_argument("--no-report", action="store_true", help="skip the figures and report")
+    sweep.set_defaults(func=cmd_sweep)
+
     report = sub.add_parser("report", help="figures and report.html for a run or sweep folder")
     report.add_argument("run_dir", metavar="RUN_OR_SWEEP_DIR")
     report.add_argument("--x", help="sweep: swept field for the x axis (e.g. "
@@ -298,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
+    except BrokenPipeError:  # output piped into head & co.
+        sys.stderr.close()
+        return EXIT_OK
     except KeyboardInterrupt:
         print("kvsim: interrupted", file=sys.stderr)
         return EXIT_FAILED

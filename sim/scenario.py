@@ -150,7 +150,8 @@ class Scenario(ConfigModel):
     timing: TimingConfig = TimingConfig()
     engine: EngineConfig = EngineConfig()
     output_dir: str | None = None
-    sweep: dict[str, Any] | None = None
+    sweep: dict[str, Any] | None = Field(
+        default=None, description="grid/zip/seeds for kvsim sweep (see sim/sweep.py)")
 
     @field_validator("model")
     @classmethod

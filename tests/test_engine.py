@@ -135,7 +135,9 @@ def test_python_api_returns_dataframes(tmp_path):
 
 
 def test_shipped_scenarios_validate():
-    for path in sorted((ROOT / "scenarios").glob("*.yaml")):
+    paths = sorted((ROOT / "scenarios").rglob("*.yaml"))
+    assert len(paths) >= 7
+    for path in paths:
         load_scenario(path)
 
 

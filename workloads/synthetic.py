@@ -85,9 +85,17 @@ def generate(
             f"shared prefixes ({shared_len} tokens) leave no room in the model's context "
             f"limit ({max_model_len})"
         )
-    rng = np.random.default_rng(seed)
     if spec.sessions is not None:
-        return _generate_sessions(spec, num_requests, rng, max_model_len, base_dir)
+        # A conversation that reaches the context limit ends early; draw more sessions
+        # until there are enough turns (each attempt from the same seed: deterministic).
+        for factor in (1.5, 3, 6, 12, 24):
+            trace = _generate_sessions(spec, num_requests, np.random.default_rng(seed),
+                                       max_model_len, base_dir, factor)
+            if trace is not None:
+                return trace
+        raise WorkloadError("sessions end too early to reach num_requests; raise the "
+                            "model's context limit or shorten the turns")
+    rng = np.random.default_rng(seed)
     size = num_requests
     own = spec.prompt_len.sample(rng, size, base_dir)
     output = spec.output_len.sample(rng, size, base_dir)
@@ -135,12 +143,13 @@ def _generate_sessions(
     rng: np.random.Generator,
     max_model_len: int,
     base_dir: Path,
-) -> Trace:
-    """Conversations: turn t's prompt = turn t-1's prompt and answer + new user text."""
+    factor: float,
+) -> Trace | None:
+    """Conversations: turn t's prompt = turn t-1's prompt and answer + new user text.
+    None if ``factor`` × the expected number of sessions does not give enough turns."""
     sessions = spec.sessions
     assert sessions is not None
-    # Draw more sessions than needed; a conversation that hits the context limit ends early.
-    estimate = max(8, int(num_requests / max(1.0, _mean_turns(sessions, rng, base_dir)) * 1.5))
+    estimate = max(8, int(num_requests / max(1.0, _mean_turns(sessions, base_dir)) * factor))
     starts = spec.arrival.sample(rng, estimate)  # type: ignore[union-attr]
     turns = sessions.turns.sample(rng, estimate, base_dir)
     first_own = spec.prompt_len.sample(rng, estimate, base_dir)
@@ -162,8 +171,7 @@ def _generate_sessions(
     session = 0
     while len(rows["prompt_len"]) < num_requests:
         if session == estimate:
-            raise WorkloadError("sessions ended too early to reach num_requests; raise the "
-                                "model's context limit or shorten turns")
+            return None
         context = 0
         prev = -1
         for turn in range(int(turns[session])):
@@ -207,6 +215,6 @@ def _generate_sessions(
     )
 
 
-def _mean_turns(sessions, rng, base_dir) -> float:  # type: ignore[no-untyped-def]
+def _mean_turns(sessions, base_dir) -> float:  # type: ignore[no-untyped-def]
     probe = np.random.default_rng(0)
     return float(sessions.turns.sample(probe, 1000, base_dir).mean())

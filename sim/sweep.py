@@ -1,0 +1,388 @@
+"""Parameter sweeps: a grid of scenario variants, run in parallel, resumable.
+
+A sweep is a mail merge: the scenario is the letter, the ``sweep:`` section the address list.
+Each combination of values (a *point*) times each seed becomes one complete scenario, checked
+before anything runs, and keyed by a hash of its resolved configuration. A point whose run
+folder already holds a ``summary.json`` is done and never recomputed, so a killed sweep
+resumes where it stopped. Points run in a local process pool or as Ray tasks; the results
+table is the same either way.
+
+::
+
+    sweep:
+      grid:                                   # every combination
+        workload.arrival.rate: [2, 4, 8]
+        systems[paged].allocator.block_size: [8, 16, 32]
+      zip:                                    # advanced together (equal lengths)
+        memory.kv_memory_gib: [10, 20]
+        systems[*].scheduler.max_num_seqs: [64, 128]
+      seeds: [0, 1]
+
+Paths are dotted field names; ``[NAME]`` picks a list item by its ``name``, ``[2]`` by index,
+``[*]`` every item.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import os
+import re
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from pydantic import Field, field_validator, model_validator
+
+from sim.results import write_json, write_table
+from sim.scenario import ScenarioError, scenario_from_dict
+from workloads.distributions import ConfigModel
+
+_SEGMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\[[^\]]+\])*)$")
+
+
+class SweepError(ValueError):
+    """A sweep section, path or value that cannot work (reported before any run)."""
+
+
+class SweepConfig(ConfigModel):
+    """The ``sweep:`` section of a scenario."""
+
+    grid: dict[str, list[Any]] = Field(default_factory=dict)
+    zip: dict[str, list[Any]] = Field(default_factory=dict)
+    seeds: list[int] | None = None
+
+    @field_validator("grid", "zip")
+    @classmethod
+    def _non_empty_lists(cls, axes: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for path, values in axes.items():
+            if not values:
+                raise ValueError(f"{path}: needs at least one value")
+        return axes
+
+    @model_validator(mode="after")
+    def _zip_lengths(self):  # type: ignore[no-untyped-def]
+        lengths = {len(v) for v in self.zip.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"zip: all lists must have the same length, got "
+                             f"{ {k: len(v) for k, v in self.zip.items()} }")
+        return self
+
+
+def _parse_path(path: str) -> list[str | int | tuple[str, str]]:
+    """``systems[paged].allocator.block_size`` → ['systems', ('name', 'paged'), ...]."""
+    steps: list[str | int | tuple[str, str]] = []
+    for segment in path.split("."):
+        match = _SEGMENT.match(segment)
+        if not match:
+            raise SweepError(f"sweep path {path!r}: cannot read {segment!r}")
+        steps.append(match.group(1))
+        for selector in re.findall(r"\[([^\]]+)\]", match.group(2)):
+            if selector == "*":
+                steps.append(("*", ""))
+            elif selector.lstrip("-").isdigit():
+                steps.append(int(selector))
+            else:
+                steps.append(("name", selector))
+    return steps
+
+
+def set_path(data: dict[str, Any], path: str, value: Any) -> None:
+    """Set ``path`` in the raw scenario dict ``data`` (intermediate mappings are created)."""
+    steps = _parse_path(path)
+
+    def walk(node: Any, rest: list, trail: str) -> None:
+        step, tail = rest[0], rest[1:]
+        if isinstance(step, str):
+            if not isinstance(node, dict):
+                raise SweepError(f"sweep path {path!r}: {trail or 'the scenario'} is not a "
+                                 "mapping")
+            if not tail:
+                node[step] = copy.deepcopy(value)
+                return
+            walk(node.setdefault(step, {}), tail, f"{trail}.{step}" if trail else step)
+            return
+        if not isinstance(node, list):
+            raise SweepError(f"sweep path {path!r}: {trail} is not a list")
+        if isinstance(step, int):
+            if not -len(node) <= step < len(node):
+                raise SweepError(f"sweep path {path!r}: {trail} has {len(node)} items, no "
+                                 f"[{step}]")
+            targets = [step]
+        elif step[0] == "*":
+            targets = list(range(len(node)))
+        else:
+            targets = [i for i, item in enumerate(node)
+                       if isinstance(item, dict) and item.get("name") == step[1]]
+            if not targets:
+                names = [item.get("name") for item in node if isinstance(item, dict)]
+                raise SweepError(f"sweep path {path!r}: no item named {step[1]!r} in {trail} "
+                                 f"(names: {', '.join(map(str, names))})")
+        for i in targets:
+            if not tail:
+                node[i] = copy.deepcopy(value)
+            else:
+                walk(node[i], tail, f"{trail}[{i}]")
+
+    walk(data, steps, "")
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One run of a sweep: a parameter combination and a seed."""
+
+    point: int
+    seed: int
+    params: dict[str, Any]
+    scenario: dict[str, Any]  # resolved, validated (as JSON-compatible data)
+    key: str
+
+
+def config_key(resolved: dict[str, Any]) -> str:
+    """Stable hash of a resolved scenario (names and output folder excluded)."""
+    material = {k: v for k, v in resolved.items()
+                if k not in ("name", "description", "output_dir", "sweep")}
+    text = json.dumps(material, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _combinations(config: SweepConfig) -> Iterator[dict[str, Any]]:
+    grid_paths = list(config.grid)
+    zip_rows = ([dict(zip(config.zip, row, strict=True))
+                 for row in zip(*config.zip.values(), strict=True)] if config.zip else [{}])
+    for values in itertools.product(*config.grid.values()):
+        for zipped in zip_rows:
+            yield {**dict(zip(grid_paths, values, strict=True)), **zipped}
+
+
+def expand(raw: dict[str, Any], source: str, *, quick: bool = False) -> list[SweepPoint]:
+    """Every point of the sweep, each validated as a full scenario."""
+    if "sweep" not in raw or not raw["sweep"]:
+        raise SweepError(f"{source}: no sweep section (use kvsim run for a single run)")
+    try:
+        config = SweepConfig.model_validate(raw["sweep"])
+    except Exception as exc:  # pydantic's message, made one line
+        first = str(exc).splitlines()
+        raise SweepError(f"{source}: sweep: {' '.join(first[1:3]).strip()}") from None
+    base = {k: v for k, v in raw.items() if k != "sweep"}
+    if quick:
+        base, config = _shrink(base, config)
+    seeds = config.seeds or [int(base.get("seed", 0))]
+    points: list[SweepPoint] = []
+    for index, params in enumerate(_combinations(config)):
+        for seed in seeds:
+            data = copy.deepcopy(base)
+            for path, value in params.items():
+                set_path(data, path, value)
+            data["seed"] = seed
+            try:
+                scenario = scenario_from_dict(data, source)
+            except ScenarioError as exc:
+                where = ", ".join(f"{p}={v!r}" for p, v in params.items())
+                raise SweepError(f"{exc} [at sweep point {where}]") from None
+            resolved = scenario.model_dump(mode="json")
+            points.append(SweepPoint(index, seed, params, resolved, config_key(resolved)))
+    keys = [p.key for p in points]
+    if len(set(keys)) != len(keys):
+        raise SweepError(f"{source}: sweep: two points resolve to the same scenario (a path "
+                         "that does not change anything?)")
+    return points
+
+
+def _shrink(base: dict[str, Any], config: SweepConfig) -> tuple[dict[str, Any], SweepConfig]:
+    """``--quick``: a quarter of the requests, at most three values per numeric axis, one
+    seed."""
+    base = copy.deepcopy(base)
+    stop = base.get("stop", {})
+    if isinstance(stop, dict) and isinstance(stop.get("num_requests"), int):
+        stop["num_requests"] = max(20, stop["num_requests"] // 4)
+    if isinstance(stop, dict) and isinstance(stop.get("duration_s"), int | float):
+        stop["duration_s"] = stop["duration_s"] / 4
+
+    def thin(values: list[Any]) -> list[Any]:
+        numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+        if len(values) <= 3 or not numeric:  # every policy/name is kept
+            return values
+        return [values[0], values[len(values) // 2], values[-1]]
+
+    grid = {k: thin(v) for k, v in config.grid.items()}
+    zipped = config.zip
+    if zipped:
+        length = len(next(iter(zipped.values())))
+        keep = sorted({0, length // 2, length - 1})
+        zipped = {k: [v[i] for i in keep] for k, v in zipped.items()}
+    seeds = (config.seeds or [int(base.get("seed", 0))])[:1]
+    return base, SweepConfig(grid=grid, zip=zipped, seeds=seeds)
+
+
+# ---------------------------------------------------------------------- running
+def run_point(scenario: dict[str, Any], base_dir: str, run_dir: str) -> dict[str, Any]:
+    """Run one point into ``run_dir`` (in a worker); never raises."""
+    from sim.engine import run_scenario
+    from sim.results import write_run
+
+    start = time.perf_counter()
+    try:
+        result = run_scenario(scenario_from_dict(scenario), Path(base_dir))
+        write_run(result, Path(run_dir))
+        return {"status": "ok", "summaries": {n: r.summary for n, r in result.systems.items()},
+                "wall_s": time.perf_counter() - start}
+    except Exception as exc:  # recorded with the point; the sweep goes on
+        error = f"{type(exc).__name__}: {exc}"
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        write_json({"error": error, "traceback": traceback.format_exc()},
+                   Path(run_dir) / "error.json")
+        return {"status": "failed", "error": error, "wall_s": time.perf_counter() - start}
+
+
+@dataclass
+class SweepOutcome:
+    """What a sweep did: the table, and how many points ran, were skipped or failed."""
+
+    table: pd.DataFrame
+    ran: int
+    skipped: int
+    failed: int
+    out_dir: Path
+
+
+def _load_done(run_dir: Path) -> dict[str, Any] | None:
+    summary = run_dir / "summary.json"
+    if not summary.is_file():
+        return None
+    try:
+        data = json.loads(summary.read_text())
+    except json.JSONDecodeError:
+        return None  # a torn write from a killed run: rerun the point
+    return {"status": "ok", "summaries": data["systems"]}
+
+
+def results_table(points: list[SweepPoint], outcomes: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """One row per (point, system, seed): the point's parameters and every summary metric."""
+    rows = []
+    for point in points:
+        outcome = outcomes.get(point.key)
+        if outcome is None:
+            continue
+        base = {"point": point.point, "seed": point.seed, "key": point.key,
+                **{f"param:{p}": v for p, v in point.params.items()}}
+        if outcome["status"] == "ok":
+            for system, summary in outcome["summaries"].items():
+                rows.append({**base, "system": system, "status": "ok", "error": "",
+                             **summary})
+        else:
+            for system in (s["name"] for s in point.scenario["systems"]):
+                rows.append({**base, "system": system, "status": "failed",
+                             "error": outcome["error"]})
+    table = pd.DataFrame(rows)
+    if not table.empty:
+        # Column order must not depend on where a summary came from (memory or JSON).
+        ids = ["point", "seed", "key", *sorted(c for c in table if c.startswith("param:")),
+               "system", "status", "error"]
+        table = table[ids + sorted(c for c in table.columns if c not in ids)]
+        order = {s["name"]: i for i, s in enumerate(points[0].scenario["systems"])}
+        table["_order"] = table["system"].map(order).fillna(len(order))
+        table = table.sort_values(["point", "_order", "seed"], kind="stable").drop(
+            columns="_order").reset_index(drop=True)
+        for column in table.columns:
+            if table[column].dtype == object and column.startswith("param:"):
+                table[column] = table[column].map(
+                    lambda v: json.dumps(v) if isinstance(v, dict | list) else v)
+    return table
+
+
+def _local_executor(jobs: int) -> Callable[[list[tuple[SweepPoint, str, str]]],
+                                           Iterator[tuple[SweepPoint, dict[str, Any]]]]:
+    def execute(tasks):  # type: ignore[no-untyped-def]
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            pending: dict[Future, SweepPoint] = {
+                pool.submit(run_point, p.scenario, base, run): p for p, base, run in tasks}
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    yield pending.pop(future), future.result()
+
+    return execute
+
+
+def _ray_executor(jobs: int, address: str | None):  # type: ignore[no-untyped-def]
+    try:
+        import ray
+    except ImportError:
+        raise SweepError("--executor ray needs Ray: pip install 'kvsim[ray]'") from None
+
+    def execute(tasks):  # type: ignore[no-untyped-def]
+        started_here = not ray.is_initialized()
+        if started_here:
+            if address:
+                ray.init(address=address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=jobs, log_to_driver=False, include_dashboard=False)
+        remote = ray.remote(num_cpus=1)(run_point)
+        try:
+            pending = {remote.remote(p.scenario, base, run): p for p, base, run in tasks}
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                for ref in done:
+                    yield pending.pop(ref), ray.get(ref)
+        finally:
+            if started_here:
+                ray.shutdown()
+
+    return execute
+
+
+def run_sweep(
+    path: Path,
+    *,
+    out_dir: Path | None = None,
+    jobs: int | None = None,
+    executor: str = "local",
+    address: str | None = None,
+    quick: bool = False,
+    progress: Callable[[int, int], Callable[[int], None]] | None = None,
+) -> SweepOutcome:
+    """Expand, skip finished points, run the rest, and write ``results.parquet``."""
+    from sim.scenario import load_scenario
+
+    scenario = load_scenario(path)  # the base must be valid on its own
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
+    points = expand(raw, str(path), quick=quick)
+    out_dir = out_dir or Path(scenario.output_dir or Path("runs") / scenario.name)
+    if quick:
+        out_dir = out_dir.with_name(out_dir.name + "-quick")
+    runs = out_dir / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    write_json({"scenario": str(path), "points": len(points), "quick": quick,
+                "params": sorted({p for pt in points for p in pt.params})},
+               out_dir / "sweep.json")
+    outcomes: dict[str, dict[str, Any]] = {}
+    todo = []
+    for point in points:
+        done = _load_done(runs / point.key)
+        if done is not None:
+            outcomes[point.key] = done
+        else:
+            todo.append((point, str(path.parent.resolve()), str(runs / point.key)))
+    skipped = len(points) - len(todo)
+    jobs = jobs or os.cpu_count() or 1
+    execute = (_ray_executor(jobs, address) if executor == "ray" else _local_executor(jobs))
+    tick = progress(len(todo), skipped) if progress and todo else None
+    failed = 0
+    for point, outcome in execute(todo):
+        outcomes[point.key] = outcome
+        failed += outcome["status"] != "ok"
+        if tick:
+            tick(1)
+    table = results_table(points, outcomes)
+    write_table(table, out_dir / "results.parquet")
+    return SweepOutcome(table, ran=len(todo), skipped=skipped, failed=failed, out_dir=out_dir)

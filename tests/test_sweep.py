@@ -1,0 +1,170 @@
+"""Sweeps: expansion and validation, local vs Ray, failures, resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from reports.sweep_report import saturation_knee, sweep_figures
+from sim.sweep import SweepError, expand, run_sweep, set_path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {
+    "name": "mini",
+    "memory": {"kv_memory_gib": 2},
+    "workload": {"arrival": {"process": "poisson", "rate": 20},
+                 "prompt_len": {"dist": "uniform", "low": 20, "high": 300},
+                 "output_len": {"dist": "uniform", "low": 5, "high": 100, "max": 100}},
+    "systems": [{"name": "contiguous", "allocator": {"kind": "contiguous",
+                                                     "reserve_policy": "request_max"}},
+                {"name": "paged", "allocator": {"kind": "paged"}}],
+    "stop": {"num_requests": 40},
+    "sweep": {"grid": {"workload.arrival.rate": [5, 50],
+                       "systems[paged].allocator.block_size": [8, 32]},
+              "seeds": [0, 1]},
+}
+
+
+def write(tmp_path: Path, data: dict, name: str = "sweep.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_set_path_selectors():
+    data = {"systems": [{"name": "a", "allocator": {}}, {"name": "b", "allocator": {}}]}
+    set_path(data, "systems[b].allocator.block_size", 32)
+    set_path(data, "systems[*].scheduler.max_num_seqs", 8)
+    set_path(data, "memory.kv_memory_gib", 3)
+    assert data["systems"][1]["allocator"]["block_size"] == 32
+    assert "block_size" not in data["systems"][0]["allocator"]
+    assert all(s["scheduler"]["max_num_seqs"] == 8 for s in data["systems"])
+    assert data["memory"] == {"kv_memory_gib": 3}
+    with pytest.raises(SweepError, match="no item named 'c'"):
+        set_path(data, "systems[c].allocator.block_size", 1)
+
+
+def test_expand_grid_zip_seeds():
+    data = dict(BASE, sweep={"grid": {"workload.arrival.rate": [1, 2, 3]},
+                             "zip": {"memory.kv_memory_gib": [2, 4],
+                                     "systems[*].scheduler.max_num_seqs": [8, 16]},
+                             "seeds": [0, 1]})
+    points = expand(data, "x.yaml")
+    assert len(points) == 3 * 2 * 2
+    assert len({p.key for p in points}) == 12
+    assert {p.params["memory.kv_memory_gib"] for p in points} == {2, 4}
+    first = points[0].scenario
+    assert first["systems"][1]["scheduler"]["max_num_seqs"] == 8
+
+
+@pytest.mark.parametrize(("sweep", "message"), [
+    ({"grid": {"systems[paged].allocator.block_size": [16, 0]}},
+     "systems[1].allocator.block_size: Input should be greater than or equal to 1"),
+    ({"grid": {"workload.arrival.rat": [1]}}, "workload.arrival.rat: unknown key"),
+    ({"grid": {"systems[nope].allocator.block_size": [8]}}, "no item named 'nope'"),
+    ({"zip": {"memory.kv_memory_gib": [1, 2], "seed": [1]}}, "same length"),
+])
+def test_invalid_points_are_reported_before_any_run(tmp_path, sweep, message):
+    path = write(tmp_path, dict(BASE, sweep=sweep))
+    proc = subprocess.run([sys.executable, "-m", "sim.cli", "sweep", str(path), "--out",
+                           str(tmp_path / "out"), "--quiet"], capture_output=True, text=True,
+                          check=False, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out" / "runs").exists() or not any(
+        (tmp_path / "out" / "runs").iterdir())
+
+
+def test_local_and_ray_give_identical_tables(tmp_path):
+    pytest.importorskip("ray")  # part of the [test] extra; absent only in a bare install
+    path = write(tmp_path, BASE)
+    local = run_sweep(path, out_dir=tmp_path / "local", jobs=2)
+    ray = run_sweep(path, out_dir=tmp_path / "ray", jobs=2, executor="ray")
+    assert local.ran == ray.ran == 8 and local.failed == ray.failed == 0
+    assert len(local.table) == 16
+    pd.testing.assert_frame_equal(local.table, ray.table)
+    again = run_sweep(path, out_dir=tmp_path / "local", jobs=2)
+    assert again.ran == 0 and again.skipped == 8
+    pd.testing.assert_frame_equal(again.table, local.table)
+
+
+def test_failing_point_is_recorded_and_the_rest_runs(tmp_path):
+    data = dict(BASE, sweep={"grid": {"memory.kv_memory_gib": [2, 0.000001]}})
+    path = write(tmp_path, data)
+    proc = subprocess.run([sys.executable, "-m", "sim.cli", "sweep", str(path), "--out",
+                           str(tmp_path / "out"), "--quiet", "--no-report", "--jobs", "2"],
+                          capture_output=True, text=True, check=False, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr
+    table = pd.read_parquet(tmp_path / "out" / "results.parquet")
+    assert (table.groupby("param:memory.kv_memory_gib")["status"].first().to_dict()
+            == {2.0: "ok", 1e-06: "failed"})
+    assert table.loc[table["status"] == "failed", "error"].str.contains("smaller than one").all()
+
+
+def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
+    data = dict(BASE, stop={"num_requests": 150},
+                sweep={"grid": {"workload.arrival.rate": [5, 10, 20, 40, 80, 160]},
+                       "seeds": [0, 1, 2]})
+    path = write(tmp_path, data)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "sim.cli", "sweep", str(path), "--out", str(out), "--quiet",
+           "--no-report", "--jobs", "2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    runs = out / "runs"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        done = list(runs.glob("*/summary.json")) if runs.exists() else []
+        if len(done) >= 4:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    finished = {p.parent.name: p.stat().st_mtime_ns for p in runs.glob("*/summary.json")}
+    assert 4 <= len(finished) < 18
+    for summary in runs.glob("*/summary.json"):
+        json.loads(summary.read_text())  # no torn file where a summary exists
+    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{18 - len(finished)} points ran, {len(finished)} already done" in rerun.stdout
+    table = pd.read_parquet(out / "results.parquet")
+    assert len(table) == 18 * 2
+    assert not table.duplicated(["point", "seed", "system"]).any()
+    for key, mtime in finished.items():
+        assert (runs / key / "summary.json").stat().st_mtime_ns == mtime  # not recomputed
+    assert not list(out.rglob(".*.tmp"))
+
+
+@pytest.mark.parametrize("name", ["block_size_sweep", "length_variance", "prefix_sharing",
+                                  "eviction_pressure", "rate_sweep"])
+def test_shipped_sweeps_run_quick(tmp_path, name):
+    outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
+                        out_dir=tmp_path / name, jobs=2, quick=True)
+    assert outcome.failed == 0 and outcome.ran > 0
+    figures = sweep_figures(outcome.out_dir)
+    assert figures
+    if name == "block_size_sweep":
+        data = figures["block_size_tradeoff"].kvsim_data["tradeoff"]
+        assert data["internal_waste_pct"].is_monotonic_increasing
+        assert data["overhead_pct"].is_monotonic_decreasing
+    if name == "rate_sweep":
+        assert "rate_sweep" in figures
+    if name == "eviction_pressure":
+        series = figures["eviction_pressure"].kvsim_data["series"]
+        assert set(series["param:systems[paged].allocator.eviction"]) == {
+            "lru", "lfu", "fifo", "sharing_aware"}
+
+
+def test_knee_definition():
+    part = pd.DataFrame({"rate": [1, 2, 4, 8], "throughput_req_s": [1.0, 1.95, 3.7, 4.0]})
+    assert saturation_knee(part, "rate") == 4
+    assert saturation_knee(part.assign(throughput_req_s=0.1), "rate") is None
