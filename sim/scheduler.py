@@ -57,6 +57,7 @@ class Request:
         "recomputed_tokens",
         "rejected",
         "resumed",
+        "spec_cache",
         "tok_sync",
         "version",
     )
@@ -87,6 +88,7 @@ class Request:
         self.rejected = False
         self.resumed = False  # re-admitted after a preemption that discarded computed KV
         self.computed = False  # some step has computed KV for it
+        self.spec_cache: SeqSpec | None = None
 
     @property
     def final_len(self) -> int:
@@ -97,12 +99,19 @@ class Request:
         return [base + s for s in range(self.num_seqs)]
 
     def spec(self, sample: int = 0) -> SeqSpec:
-        """Sequence ``sample``: the prompt, then its own generated text."""
+        """Sequence ``sample``: the prompt, then its own generated text (sample 0's prompt
+        includes what it generated before a preemption)."""
+        if sample == 0 and self.spec_cache is not None and (
+                self.spec_cache.prompt_len == self.prompt_len + self.gen_sync):
+            return self.spec_cache
         segments = (*self.prompt_segments,
                     (output_segment_id(self.index, sample), self.output_len))
         prompt = self.prompt_len + (self.gen_sync if sample == 0 else 0)
-        return SeqSpec(self.index * MAX_SAMPLES + sample, segments, prompt, self.final_len,
+        spec = SeqSpec(self.index * MAX_SAMPLES + sample, segments, prompt, self.final_len,
                        max(self.max_len, self.final_len))
+        if sample == 0:
+            self.spec_cache = spec
+        return spec
 
     @property
     def in_prefill(self) -> bool:
@@ -149,6 +158,11 @@ class Scheduler:
         self._g_sync_sum = 0
         self.head_blocked = False  # the last admission attempt failed; nothing freed since
         self.prefilling = 0
+        self._contiguous = isinstance(allocator, ContiguousAllocator)
+        self._append = allocator.append
+        # Paged tables grow a block at a time: a decoding sequence holding t tokens holds
+        # ceil(t / bs) blocks. Contiguous extents never grow (cap stays the reservation).
+        self._block_size: int | None = getattr(allocator, "block_size", None)
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> bool:
@@ -178,6 +192,10 @@ class Scheduler:
     def head_spec(self) -> SeqSpec | None:
         return self.waiting[0].spec() if self.waiting else None
 
+    def _snapshot_head(self) -> SeqSpec | None:
+        # Only contiguous memory has external fragmentation, defined by the waiting head.
+        return self.head_spec if self._contiguous else None
+
     def generated(self, request: Request) -> int:
         if request.decoding:
             return request.gen_sync + self.steps - request.g_sync
@@ -190,7 +208,7 @@ class Scheduler:
 
     def snapshot(self) -> MemorySnapshot:
         """The allocator's taxonomy with lazily-written decode tokens moved to ``token``."""
-        snap = self.allocator.snapshot(self.head_spec)
+        snap = self.allocator.snapshot(self._snapshot_head())
         pending = self._pending()
         if not pending:
             return snap
@@ -200,12 +218,12 @@ class Scheduler:
     def _sync(self, request: Request, include_current: bool) -> bool:
         """Tell the allocator the request's lazily written tokens (and, with
         ``include_current``, the one this step writes); False if memory is short."""
-        target = self.steps + (1 if include_current else 0)
+        target = self.steps + 1 if include_current else self.steps
         count = target - request.g_sync
         if count <= 0:
             return True
         if request.num_seqs == 1:
-            if not self.allocator.append(request.index * MAX_SAMPLES, count):
+            if not self._append(request.index * MAX_SAMPLES, count):
                 return False
         else:
             seq_ids = request.seq_ids()
@@ -249,7 +267,10 @@ class Scheduler:
         if start:
             heapq.heappush(self._events[FINISH], (finish, request.admit_seq, request.version,
                                                   request))
-        cap = self.allocator.allocated_slots(request.index * MAX_SAMPLES)
+        bs = self._block_size
+        if bs is None:
+            return  # a contiguous extent is reserved to the final length: it never grows
+        cap = -(-request.tok_sync // bs) * bs
         grow = request.g_sync + cap - request.tok_sync
         if grow < finish:
             heapq.heappush(self._events[GROW], (grow, request.admit_seq, request.version,

@@ -28,10 +28,11 @@ from sim.memory.content import BlockHasher, DuplicateCounter
 class _PagedSeq:
     """One sequence's view: its block table and how far it has written."""
 
-    __slots__ = ("blocks", "hasher", "internal", "num_tokens", "spec")
+    __slots__ = ("blocks", "final_len", "hasher", "internal", "num_tokens", "spec")
 
     def __init__(self, spec: SeqSpec, blocks: list[KVBlock], hasher: BlockHasher) -> None:
         self.spec = spec
+        self.final_len = spec.final_len
         self.blocks = blocks
         self.hasher = hasher
         self.num_tokens = 0
@@ -164,17 +165,18 @@ class PagedAllocator(KVAllocator):
         bs = self.block_size
         start = seq.num_tokens
         end = start + num_tokens
-        if end > seq.spec.final_len:
+        if end > seq.final_len:
             raise AllocatorError(
                 f"sequence {seq_id}: writing to {end} tokens, past its final length "
-                f"{seq.spec.final_len}"
+                f"{seq.final_len}"
             )
         blocks = seq.blocks
         pool = self.pool
         first = start // bs
+        nblocks = len(blocks)
         # Copy-on-write: the block we write into first is shared with a fork.
-        cow = first < len(blocks) and blocks[first].ref_cnt > 1
-        grow = -(-end // bs) - len(blocks)
+        cow = first < nblocks and blocks[first].ref_cnt > 1
+        grow = -(-end // bs) - nblocks
         if grow > 0 or cow:
             if grow + cow > pool.num_free:
                 return False
@@ -191,29 +193,38 @@ class PagedAllocator(KVAllocator):
                 pool.release(old)  # still referenced by the fork, so never freed here
                 blocks[first] = new
                 self.num_cow_copies += 1
-            for _ in range(grow):
+            if grow == 1:
                 blocks.append(pool.take())
-            self._set_internal(seq)
+            elif grow > 1:
+                blocks.extend([pool.take() for _ in range(grow)])
+            cap = len(blocks) * bs
+            seq.internal = cap - seq.final_len if cap > seq.final_len else 0
+            self._internal_exclusive += seq.internal
         # Write: fill blocks first..last; hash the ones that become full.
-        pos = start
-        while pos < end:
-            idx = pos // bs
+        duplicates = self._duplicates
+        idx = first
+        room = bs - (start - first * bs)
+        remaining = num_tokens
+        while remaining:
             block = blocks[idx]
-            take = min(bs - pos % bs, end - pos)
-            block.num_filled += take
-            pos += take
-            if block.num_filled == bs:
+            take = room if room < remaining else remaining
+            filled = block.num_filled + take
+            block.num_filled = filled
+            remaining -= take
+            if filled == bs:
                 hashes = seq.hasher.hashes
                 block_hash = hashes[idx] if idx < len(hashes) else seq.hasher.advance()
                 pool.register(block, block_hash)
-                self._duplicates.add(block_hash)
+                duplicates.add(block_hash)
+            idx += 1
+            room = bs
         self._token_slots += num_tokens
         seq.num_tokens = end
         return True
 
     def _set_internal(self, seq: _PagedSeq) -> None:
         cap = len(seq.blocks) * self.block_size
-        seq.internal = cap - seq.spec.final_len if cap > seq.spec.final_len else 0
+        seq.internal = cap - seq.final_len if cap > seq.final_len else 0
         self._internal_exclusive += seq.internal
 
     def free(self, seq_id: int) -> None:
