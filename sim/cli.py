@@ -332,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--mode", choices=["jump", "step"], default="jump")
     bench.set_defaults(func=cmd_bench)
 
+    # Listed for --help only: main() hands "calibrate ..." to gpu_validate's parser.
+    sub.add_parser("calibrate", help="GPU: check and time real kernels, fit the step-time "
+                   "model (kvsim calibrate --help)")
+
     trace = sub.add_parser("trace", help="inspect, list and export traces")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
     common = _Parser(add_help=False)
@@ -356,6 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"]:  # its options belong to gpu_validate's own parser
+        from gpu_validate.__main__ import main as calibrate_main
+
+        return calibrate_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,1 @@
+"""CuPy harness: real paged vs contiguous decode attention, timings, calibration fit."""
