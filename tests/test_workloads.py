@@ -233,3 +233,45 @@ def test_million_requests_vectorised():
     trace = build_trace(spec, seed=0, max_model_len=4096, num_requests=1_000_000)
     assert len(trace) == 1_000_000
     assert trace.seg_ids.nbytes < 32 * 1024 * 1024
+
+
+@pytest.mark.parametrize("name", ["azure_code", "azure_conv", "mooncake_conversation",
+                                  "mooncake_synthetic"])
+def test_shipped_trace_scenarios_run(name):
+    import yaml
+
+    import sim
+
+    root = Path(__file__).resolve().parents[1]
+    data = yaml.safe_load((root / "scenarios" / "traces" / f"{name}.yaml").read_text())
+    data["stop"] = {"num_requests": 150}  # the full traces run in minutes: see -m slow
+    result = sim.run(data)
+    for system in ("contiguous-req", "paged-16"):
+        summary = result.systems[system].summary
+        assert summary["completed"] + summary["rejected"] == 150
+        assert summary["completed"] > 0
+    paged = result.systems["paged-16"].summary
+    contiguous = result.systems["contiguous-req"].summary
+    assert paged["waste_frac"] < contiguous["waste_frac"]
+    if name.startswith("mooncake"):
+        assert paged["prefix_hit_rate"] > 0  # shared hash_ids become cache hits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["azure_code", "azure_conv", "mooncake_conversation",
+                                  "mooncake_synthetic"])
+def test_shipped_trace_scenarios_run_in_full(name):
+    import sim
+
+    root = Path(__file__).resolve().parents[1]
+    result = sim.run(root / "scenarios" / "traces" / f"{name}.yaml")
+    assert all(r.summary["completed"] + r.summary["rejected"] == ROWS_BY_SCENARIO[name]
+               for r in result.systems.values())
+
+
+ROWS_BY_SCENARIO = {
+    "azure_code": ROWS["azure_llm_2023_code.csv"],
+    "azure_conv": ROWS["azure_llm_2023_conv.csv"],
+    "mooncake_conversation": ROWS["mooncake_fast25_conversation_trace.jsonl"],
+    "mooncake_synthetic": ROWS["mooncake_fast25_synthetic_trace.jsonl"],
+}
