@@ -19,6 +19,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -153,20 +154,14 @@ class Scenario(ConfigModel):
     sweep: dict[str, Any] | None = Field(
         default=None, description="grid/zip/seeds for kvsim sweep (see sim/sweep.py)")
 
-    @field_validator("model")
+    @field_validator("model", "gpu")
     @classmethod
-    def _known_model(cls, value: str | ModelConfig) -> str | ModelConfig:
-        if isinstance(value, str) and value.lower() not in MODEL_PRESETS:
-            raise ValueError(f"unknown preset {value!r}; known: {', '.join(MODEL_PRESETS)} "
-                             "(or give the model's shape)")
-        return value
-
-    @field_validator("gpu")
-    @classmethod
-    def _known_gpu(cls, value: str | GpuConfig) -> str | GpuConfig:
-        if isinstance(value, str) and value.lower() not in GPU_PRESETS:
-            raise ValueError(f"unknown preset {value!r}; known: {', '.join(GPU_PRESETS)} "
-                             "(or give the GPU's figures)")
+    def _known_preset(cls, value: Any, info: ValidationInfo) -> Any:
+        presets, explicit = ((MODEL_PRESETS, "the model's shape") if info.field_name == "model"
+                             else (GPU_PRESETS, "the GPU's figures"))
+        if isinstance(value, str) and value.lower() not in presets:
+            raise ValueError(f"unknown preset {value!r}; known: {', '.join(presets)} "
+                             f"(or give {explicit})")
         return value
 
     @field_validator("systems")
