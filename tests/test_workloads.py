@@ -109,6 +109,30 @@ def test_sessions_grow_their_prefix():
     assert (trace.think_s[trace.turn > 0] > 0).all()
 
 
+def test_empirical_lengths_and_few_shot_templates():
+    values = draw({"dist": "empirical", "path": "builtin:azure_llm_2023_code.csv",
+                   "column": "prompt_len"})
+    assert values.mean() == pytest.approx(2047.85, rel=0.02)
+    spec = WORKLOAD.validate_python(synthetic(
+        few_shot={"templates": 3, "shots": 4, "shot_len": 50, "fraction": 1.0}))
+    trace = build_trace(spec, seed=2, max_model_len=100_000, num_requests=300)
+    heads = {tuple(trace.own_segments(i)[:4]) for i in range(len(trace))}
+    assert len(heads) == 3  # three templates, each four 50-token shots
+    assert all(len(h) == 4 and all(n == 50 for _, n in h) for h in heads)
+    assert (trace.prompt_len > 200).all()
+
+
+def test_beam_width_forks_and_onoff_bursts():
+    spec = WORKLOAD.validate_python({**synthetic(sampling={"n": 2, "beam_width": 4}),
+                                     "arrival": {"process": "onoff", "rate": 100,
+                                                 "on_s": 1.0, "off_s": 9.0}})
+    trace = build_trace(spec, seed=0, max_model_len=4096, num_requests=2000)
+    assert (trace.n == 4).all()
+    phase = np.mod(trace.arrival_s, 10.0)
+    assert (phase < 1.0).all()  # nothing arrives in the 9-second silences
+    assert trace.arrival_s[-1] == pytest.approx(200, rel=0.1)
+
+
 def test_closed_loop_chains_requests_per_user():
     spec = WORKLOAD.validate_python({**synthetic(), "arrival": {
         "process": "closed_loop", "users": 4, "think_time_s": 1.0}})
@@ -134,7 +158,7 @@ def test_public_traces_import(name, rows):
     assert not trace.notes
 
 
-@pytest.mark.parametrize("block_size", [1, 2, 16, 64, 128, 256, 512])
+@pytest.mark.parametrize("block_size", [2**k for k in range(10)])  # every divisor of 512
 def test_mooncake_shared_hash_ids_share_exactly_k_blocks(block_size):
     trace = build_trace(TraceWorkload(path="builtin:mooncake_fast25_conversation_trace.jsonl"),
                         seed=0, max_model_len=1 << 20).head(40)
