@@ -18,7 +18,6 @@ No SimPy here: the engine asks for a :class:`Batch`, times it, and reports it do
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -65,10 +64,11 @@ class Request:
     def __init__(self, trace: Trace, index: int, arrival_s: float) -> None:
         self.index = index
         self.arrival_s = arrival_s
-        self.prompt_len = int(trace.prompt_len[index])
-        self.output_len = int(trace.output_len[index])
-        self.max_len = self.prompt_len + int(trace.max_tokens[index])
-        self.n = int(trace.n[index])
+        columns = trace.column_lists()
+        self.prompt_len = columns["prompt_len"][index]
+        self.output_len = columns["output_len"][index]
+        self.max_len = self.prompt_len + columns["max_tokens"][index]
+        self.n = columns["n"][index]
         self.prompt_segments = tuple(trace.prompt_segments(index))
         self.gen_sync = 0  # generated tokens as of step g_sync (exact unless decoding)
         self.prefilled = 0  # tokens of the current admission's prompt already in KV
@@ -149,9 +149,10 @@ class Scheduler:
         self.lookup_tokens = 0  # prompt tokens looked up in the prefix cache, all admissions
         self.hit_tokens = 0
         self._admit_counter = 0
-        # Per event kind, a heap of (step, admit_seq, version, request); stale when the
-        # request's version moved on.
-        self._events: tuple[list, list] = ([], [])
+        # Per event kind, step -> [(admit_seq, version, request)]; an entry is stale once
+        # the request's version moved on. Buckets, not a heap: every step is visited in
+        # order, so a dict lookup finds its events in O(1).
+        self._events: tuple[dict[int, list], dict[int, list]] = ({}, {})
         # Lazy decode sums over decoding requests (each weighted by its sequences).
         self.decode_seqs = 0
         self._tok_sync_sum = 0
@@ -264,28 +265,26 @@ class Scheduler:
         """Queue the request's next block crossing (and, when it starts decoding, its
         finish: syncing moves tokens and generated count together, so that step holds)."""
         finish = request.g_sync + request.output_len - request.gen_sync
+        entry = (request.admit_seq, request.version, request)
         if start:
-            heapq.heappush(self._events[FINISH], (finish, request.admit_seq, request.version,
-                                                  request))
+            self._events[FINISH].setdefault(finish, []).append(entry)
         bs = self._block_size
         if bs is None:
             return  # a contiguous extent is reserved to the final length: it never grows
         cap = -(-request.tok_sync // bs) * bs
         grow = request.g_sync + cap - request.tok_sync
         if grow < finish:
-            heapq.heappush(self._events[GROW], (grow, request.admit_seq, request.version,
-                                                request))
+            self._events[GROW].setdefault(grow, []).append(entry)
 
     def _due(self, kind: int, step: int) -> list[Request]:
-        """Pop the valid events of ``kind`` at ``step`` (in admission order)."""
-        due = []
-        events = self._events[kind]
-        while events and events[0][0] <= step:
-            at, _, version, request = heapq.heappop(events)
-            if version == request.version and request.decoding:
-                assert at == step, f"missed an event of request {request.index} at step {at}"
-                due.append(request)
-        return due
+        """Take the valid events of ``kind`` at ``step``, in admission order."""
+        bucket = self._events[kind].pop(step, None)
+        if bucket is None:
+            return []
+        if len(bucket) > 1:
+            bucket.sort()  # by admit_seq (unique), so requests are never compared
+        return [request for _, version, request in bucket
+                if version == request.version and request.decoding]
 
     # ------------------------------------------------------------------ preemption
     def _victim(self) -> Request:
@@ -345,9 +344,8 @@ class Scheduler:
         if not isinstance(self.allocator, ContiguousAllocator):
             needed = sum(r.num_seqs for r in due)
             if needed > self.allocator.num_free_blocks:  # type: ignore[attr-defined]
-                for request in due:  # put them back for schedule() to handle
-                    heapq.heappush(self._events[GROW], (self.steps, request.admit_seq,
-                                                        request.version, request))
+                # Put them back for schedule() to handle with preemption.
+                self._events[GROW][self.steps] = [(r.admit_seq, r.version, r) for r in due]
                 return False
         for request in due:
             assert self._sync(request, include_current=True)
@@ -470,6 +468,8 @@ class Scheduler:
             finished.append(request)
         if self.debug:
             self.allocator.check_invariants()
+            for events in self._events:  # every step is visited: nothing may be left behind
+                assert all(step >= self.steps for step in events), "an event was missed"
         return finished
 
     def _finish(self, request: Request, end_s: float) -> None:

@@ -169,22 +169,36 @@ class Trace:
                   "prompt_len != parent's prompt + output + own segment lengths")
 
     # ------------------------------------------------------------------ content
+    def column_lists(self) -> dict[str, list]:
+        """The columns as Python lists (cached): faster than numpy for one row at a time."""
+        lists = self.__dict__.get("_column_lists")
+        if lists is None:
+            lists = {name: getattr(self, name).tolist() for name in COLUMNS}
+            self.__dict__["_column_lists"] = lists
+        return lists
+
     def own_segments(self, i: int) -> list[tuple[int, int]]:
-        lo, hi = self.seg_offsets[i], self.seg_offsets[i + 1]
-        return list(zip(self.seg_ids[lo:hi].tolist(), self.seg_lens[lo:hi].tolist(), strict=True))
+        lists = self.__dict__.get("_segment_lists")
+        if lists is None:  # Python lists: the engine asks once per request, numpy is slow here
+            lists = (self.seg_offsets.tolist(), self.seg_ids.tolist(), self.seg_lens.tolist())
+            self.__dict__["_segment_lists"] = lists
+        offsets, ids, lens = lists
+        lo, hi = offsets[i], offsets[i + 1]
+        return list(zip(ids[lo:hi], lens[lo:hi], strict=True))
 
     def prompt_segments(self, i: int) -> list[tuple[int, int]]:
         """Every segment of request ``i``'s prompt, parent content first."""
-        chain = []
-        j = i
+        parents = self.column_lists()["context_parent"]
+        chain = [i]
+        j = parents[i]
         while j >= 0:
             chain.append(j)
-            j = int(self.context_parent[j])
+            j = parents[j]
         segments: list[tuple[int, int]] = []
         for k, j in enumerate(reversed(chain)):
             segments += self.own_segments(j)
             if k < len(chain) - 1:
-                segments.append((output_segment_id(j), int(self.output_len[j])))
+                segments.append((output_segment_id(j), self.column_lists()["output_len"][j]))
         return segments
 
     # ------------------------------------------------------------------ tables

@@ -32,6 +32,7 @@ class KVBlock:
         "block_hash",
         "block_id",
         "cached_seq",
+        "counted",
         "num_filled",
         "peak_ref_cnt",
         "ref_cnt",
@@ -47,6 +48,7 @@ class KVBlock:
         self.peak_ref_cnt = 0
         self.cached_seq = 0
         self.release_seq = 0
+        self.counted = False  # in the allocator's duplicate count
 
     def __repr__(self) -> str:
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
@@ -243,6 +245,7 @@ class BlockPool:
         # Inlined KVBlock.reset(): this is the allocator's hottest line.
         block.block_hash = None
         block.num_filled = 0
+        block.counted = False
         block.acquire_count = block.peak_ref_cnt = block.ref_cnt = 1
         return block
 

@@ -28,11 +28,17 @@ from sim.memory.content import BlockHasher, DuplicateCounter
 class _PagedSeq:
     """One sequence's view: its block table and how far it has written."""
 
-    __slots__ = ("blocks", "final_len", "hasher", "internal", "num_tokens", "spec")
+    __slots__ = ("blocks", "final_len", "hasher", "internal", "num_tokens", "shared_blocks",
+                 "spec")
 
-    def __init__(self, spec: SeqSpec, blocks: list[KVBlock], hasher: BlockHasher) -> None:
+    def __init__(self, spec: SeqSpec, blocks: list[KVBlock], hasher: BlockHasher,
+                 block_size: int) -> None:
         self.spec = spec
         self.final_len = spec.final_len
+        # Full blocks inside the prompt may repeat another sequence's content; a block that
+        # reaches past it holds text this sequence generated, unique to it, so it can never
+        # be a duplicate and is left out of the duplicate count.
+        self.shared_blocks = spec.prompt_len // block_size
         self.blocks = blocks
         self.hasher = hasher
         self.num_tokens = 0
@@ -147,9 +153,10 @@ class PagedAllocator(KVAllocator):
             if block.ref_cnt == 0:
                 self._token_slots += block.num_filled
                 self._duplicates.add(block.block_hash)  # type: ignore[arg-type]
+                block.counted = True
             self.pool.touch(block)
         blocks = hits + [self.pool.take() for _ in range(need)]
-        seq = _PagedSeq(spec, blocks, hasher)
+        seq = _PagedSeq(spec, blocks, hasher, self.block_size)
         seq.num_tokens = len(hits) * self.block_size
         self._seqs[spec.seq_id] = seq
         self._set_internal(seq)
@@ -215,7 +222,9 @@ class PagedAllocator(KVAllocator):
                 hashes = seq.hasher.hashes
                 block_hash = hashes[idx] if idx < len(hashes) else seq.hasher.advance()
                 pool.register(block, block_hash)
-                duplicates.add(block_hash)
+                if idx < seq.shared_blocks:
+                    duplicates.add(block_hash)
+                    block.counted = True
             idx += 1
             room = bs
         self._token_slots += num_tokens
@@ -238,8 +247,9 @@ class PagedAllocator(KVAllocator):
         for block in reversed(seq.blocks):  # deepest first: the tail is evicted first
             if block.ref_cnt == 1:
                 self._token_slots -= block.num_filled
-                if block.block_hash is not None:
-                    self._duplicates.remove(block.block_hash)
+                if block.counted:
+                    self._duplicates.remove(block.block_hash)  # type: ignore[arg-type]
+                    block.counted = False
             self.pool.release(block)
 
     def fork(self, parent_id: int, child: SeqSpec) -> bool:
@@ -250,7 +260,8 @@ class PagedAllocator(KVAllocator):
             raise AllocatorError(f"sequence {child.seq_id} is already admitted")
         for block in parent.blocks:
             self.pool.touch(block)
-        seq = _PagedSeq(child, list(parent.blocks), parent.hasher.copy(child.segments))
+        seq = _PagedSeq(child, list(parent.blocks), parent.hasher.copy(child.segments),
+                        self.block_size)
         seq.num_tokens = parent.num_tokens
         self._seqs[child.seq_id] = seq
         if parent.num_tokens < len(parent.blocks) * self.block_size:
