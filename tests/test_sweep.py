@@ -168,3 +168,30 @@ def test_knee_definition():
     part = pd.DataFrame({"rate": [1, 2, 4, 8], "throughput_req_s": [1.0, 1.95, 3.7, 4.0]})
     assert saturation_knee(part, "rate") == 4
     assert saturation_knee(part.assign(throughput_req_s=0.1), "rate") is None
+
+
+def test_sweep_figures_show_labelled_series(tmp_path):
+    outcome = run_sweep(ROOT / "scenarios" / "sweeps" / "rate_sweep.yaml",
+                        out_dir=tmp_path / "rate", jobs=2, quick=True)
+    figures = sweep_figures(outcome.out_dir)
+    fig = figures["rate_sweep"]
+    top, bottom = fig.axes[:2]
+    assert top.get_ylabel() == "output throughput (tokens/s)"
+    assert bottom.get_ylabel() == "E2E latency p90 (s)"
+    assert bottom.get_xlabel() == "offered load (requests/s)"
+    names = [line.get_label() for line in top.get_lines() if not line.get_label().startswith("_")]
+    assert names == ["contiguous-max", "contiguous-req", "contiguous-pow2", "contiguous-oracle",
+                     "paged-16"]
+    table = outcome.table
+    paged = table[table["system"] == "paged-16"].sort_values("param:workload.arrival.rate")
+    (paged_line,) = [line for line in top.get_lines() if line.get_label() == "paged-16"]
+    assert list(paged_line.get_ydata()) == pytest.approx(list(paged["throughput_tok_s"]))
+    knees = fig.kvsim_data["knees"]
+    assert set(knees.index) == set(names)
+    custom = sweep_figures(outcome.out_dir, x="workload.arrival.rate", y="waste_frac")
+    (only,) = custom.values()
+    ax = only.axes[0]
+    assert ax.get_xlabel() == "workload.arrival.rate"
+    assert ax.get_ylabel() == "waste (share of memory in use)"
+    series = only.kvsim_data["series"]
+    assert set(series["system"]) == set(names) and (series["mean"] >= 0).all()
