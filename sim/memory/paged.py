@@ -188,7 +188,7 @@ class PagedAllocator(KVAllocator):
             if grow + cow > pool.num_free:
                 return False
             # The table changes shape: take the sequence out of the internal-slot sums.
-            if seq_id in self._shared_tail:
+            if self._shared_tail and seq_id in self._shared_tail:
                 self._shared_tail.discard(seq_id)
             else:
                 self._internal_exclusive -= seq.internal
