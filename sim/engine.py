@@ -187,19 +187,10 @@ class _Replica:
                 batch = Batch()
                 sched.fill_decode(batch)
                 snap = sched.snapshot().as_dict()
-                clock = start
-                steps = 0
-                step_batch = Batch()
-                while True:
-                    sched.fill_decode(step_batch)
-                    clock += timing.step_time(step_batch.decode_seqs,
-                                              step_batch.context_tokens, 0, 0, self.rho)
-                    steps += 1
-                    finished = sched.finish_step(None, clock)
-                    if finished or (not sched.waiting and self.next_arrival() <= clock):
-                        break
-                    if not sched.fast_step():
-                        break
+                # An arrival matters only to an empty queue (behind a blocked head it waits).
+                stop_at = self.next_arrival() if not sched.waiting else math.inf
+                steps, clock, finished = sched.decode_quietly(
+                    timing.decode_step_time(batch.decode_seqs, self.rho), start, stop_at)
                 snap_end = sched.snapshot().as_dict() if steps > 1 else snap
             else:
                 batch = sched.schedule(start)

@@ -19,6 +19,7 @@ No SimPy here: the engine asks for a :class:`Batch`, times it, and reports it do
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim.memory import ContiguousAllocator, KVAllocator, MemorySnapshot, SeqSpec
@@ -461,6 +462,12 @@ class Scheduler:
                 finished.append(request)
             else:
                 self._start_decoding(request)
+        finished += self._finish_due(end_s)
+        return finished
+
+    def _finish_due(self, end_s: float) -> list[Request]:
+        """Finish the decoding requests whose last token was this step's."""
+        finished = []
         for request in self._due(FINISH, self.steps):
             self._sync(request, include_current=False)
             self._stop_decoding(request)
@@ -471,6 +478,34 @@ class Scheduler:
             for events in self._events:  # every step is visited: nothing may be left behind
                 assert all(step >= self.steps for step in events), "an event was missed"
         return finished
+
+    def decode_quietly(self, step_time: Callable[[int], float], clock_s: float,
+                       stop_at_s: float) -> tuple[int, float, list[Request]]:
+        """Run pure-decode steps (the first one's block crossings already claimed by
+        :meth:`fast_step`) until a step ends with a finish, the clock reaches ``stop_at_s``,
+        or the next step's crossings would need a preemption.
+
+        Exactly :meth:`finish_step` and :meth:`fast_step` step after step, without the
+        per-step calls: context tokens grow by the batch each step (syncing only moves
+        tokens from pending to synced). Returns (steps run, clock, finished requests).
+        """
+        seqs = self.decode_seqs
+        context = self._tok_sync_sum + self._pending() + seqs
+        grows, finishes = self._events
+        steps = 0
+        while True:
+            clock_s += step_time(context)
+            steps += 1
+            self.steps += 1
+            context += seqs
+            if self.steps in finishes or self.debug:
+                finished = self._finish_due(clock_s)
+                if finished:
+                    return steps, clock_s, finished
+            if clock_s >= stop_at_s:
+                return steps, clock_s, []
+            if self.steps in grows and not self.fast_step():
+                return steps, clock_s, []
 
     def _finish(self, request: Request, end_s: float) -> None:
         request.finished_s = end_s

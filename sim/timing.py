@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +70,13 @@ class StepTimeModel:
         """Seconds for one step of the given shape (ρ already chosen for the allocator)."""
         return (self.a + self.b * decode_seqs + rho * self.c * context_tokens
                 + self.d * prefill_tokens + self.e * prefill_pairs)
+
+    def decode_step_time(self, decode_seqs: int, rho: float) -> Callable[[int], float]:
+        """``step_time`` of a pure-decode step as a function of context tokens alone, with
+        bit-identical results (adding the zero prefill terms changes no float)."""
+        fixed = self.a + self.b * decode_seqs
+        per_context = rho * self.c
+        return lambda context_tokens: fixed + per_context * context_tokens
 
 
 def roofline(model: ModelSpec, gpu: GpuSpec,
