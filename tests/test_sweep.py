@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -158,6 +159,11 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         assert data["overhead_pct"].is_monotonic_decreasing
     if name == "rate_sweep":
         assert "rate_sweep" in figures
+    if name == "length_variance":  # the seed's claim: paged gains most when lengths vary
+        t = outcome.table.pivot_table(index="param:workload.output_len.sigma",
+                                      columns="system", values="throughput_tok_s")
+        gain = (t["paged-16"] / t["contiguous-req"]).to_numpy()
+        assert (np.diff(gain) > 0).all() and gain[-1] > 1.5
     if name == "eviction_pressure":
         series = figures["eviction_pressure"].kvsim_data["series"]
         assert set(series["param:systems[paged].allocator.eviction"]) == {
