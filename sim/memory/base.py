@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from sim.memory.content import Segments
 
@@ -46,12 +47,12 @@ class SeqSpec:
             )
 
 
-@dataclass(frozen=True, slots=True)
-class MemorySnapshot:
+class MemorySnapshot(NamedTuple):
     """Every slot of the pool in exactly one category, plus ``duplicate`` token slots.
 
     ``duplicate`` counts token slots whose KV is identical to another live sequence's — sharing
-    that did not happen; it is a subset of ``token``, not a separate category.
+    that did not happen; it is a subset of ``token``, not a separate category. (A named tuple:
+    the engine takes one at every scheduling point.)
     """
 
     token: int
@@ -69,9 +70,7 @@ class MemorySnapshot:
         )
 
     def as_dict(self) -> dict[str, int]:
-        return {"token": self.token, "reserved": self.reserved, "internal": self.internal,
-                "external": self.external, "cached": self.cached, "free": self.free,
-                "duplicate": self.duplicate}
+        return self._asdict()
 
 
 class KVAllocator(ABC):
