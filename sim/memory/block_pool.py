@@ -286,6 +286,3 @@ class BlockPool:
 
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self.cached.get(block_hash)
-
-    def is_free_unhashed(self, block: KVBlock) -> bool:
-        return block in self._unhashed

@@ -82,11 +82,6 @@ class BlockHasher:
         return self._hashes
 
 
-def content_length(segments: Segments) -> int:
-    """Total tokens described by ``segments``."""
-    return sum(length for _, length in segments)
-
-
 class DuplicateCounter:
     """Counts live copies of each content hash; ``duplicate_units`` are copies beyond the first.
 
@@ -113,6 +108,3 @@ class DuplicateCounter:
             self._copies[content_hash] = n
         else:
             del self._copies[content_hash]
-
-    def copies(self, content_hash: int) -> int:
-        return self._copies.get(content_hash, 0)
