@@ -62,7 +62,7 @@ class Kernels:
         out = dev["out"]
         out.fill(cp.nan)
         seqs, heads, head_dim = dev["q"].shape
-        kv_heads = dev["k"].shape[1]
+        kv_heads = dev["k_pages" if paged else "k"].shape[1]
         grid, block = (heads, seqs), (THREADS,)
         scale = np.float32(1.0 / np.sqrt(head_dim))
         if paged:
@@ -89,6 +89,33 @@ def to_device(inputs, cp) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         "block_size": inputs.block_size,
         "out": cp.empty((seqs, heads, head_dim), dtype=cp.float32),
     }
+
+
+def random_device_inputs(cp, rng: np.random.Generator, model: ModelSpec, batch: int,  # type: ignore[no-untyped-def]
+                         context: int, block_size: int | None) -> dict[str, Any]:
+    """Timing inputs drawn on the device (gigabytes: no host copy), contiguous when
+    ``block_size`` is None, else paged through a shuffled block table."""
+    heads, kv_heads, head_dim = model.num_heads, model.num_kv_heads, model.head_dim
+
+    def draw(*shape: int):  # type: ignore[no-untyped-def]
+        return (cp.random.random(shape, dtype=cp.float32) + 0.05).astype(cp.float16)
+
+    dev: dict[str, Any] = {
+        "q": draw(batch, heads, head_dim),
+        "context_lens": cp.full(batch, context, dtype=cp.int32),
+        "out": cp.empty((batch, heads, head_dim), dtype=cp.float32),
+        "block_size": block_size or 0,
+    }
+    if block_size is None:
+        dev["k"] = draw(batch, kv_heads, context, head_dim)
+        dev["v"] = draw(batch, kv_heads, context, head_dim)
+        return dev
+    per_seq = -(-context // block_size)
+    tables = rng.permutation(batch * per_seq).astype(np.int32).reshape(batch, per_seq)
+    dev["block_tables"] = cp.asarray(tables)
+    dev["k_pages"] = draw(batch * per_seq, kv_heads, block_size, head_dim)
+    dev["v_pages"] = draw(batch * per_seq, kv_heads, block_size, head_dim)
+    return dev
 
 
 def check_correctness(kernels: Kernels, seed: int = 0) -> pd.DataFrame:
@@ -169,23 +196,14 @@ def run_timings(kernels: Kernels, model: ModelSpec, *, quick: bool = False,
                 continue  # would sit in L2: not what a serving GPU sees
             if batch * context * per_token_bytes > 24 * 1024**3:
                 continue
-            inputs = make_inputs(rng, seqs=batch, num_heads=model.num_heads,
-                                 num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                                 context_lens=np.full(batch, context), block_size=16,
-                                 spare_blocks=0)
-            dev = to_device(inputs, cp)
+            dev = random_device_inputs(cp, rng, model, batch, context, block_size=None)
             kv_bytes = batch * context * per_token_bytes
             seconds = time_it(cp, lambda d=dev: kernels.run(d, paged=False))
             rows.append({"kind": "attention", "layout": "contiguous", "block_size": 0,
                          "batch": batch, "context_len": context, "time_s": seconds,
                          "bytes": kv_bytes, "gbps": kv_bytes / seconds / 1e9})
             for block_size in block_sizes:
-                paged_inputs = make_inputs(rng, seqs=batch, num_heads=model.num_heads,
-                                           num_kv_heads=model.num_kv_heads,
-                                           head_dim=model.head_dim,
-                                           context_lens=np.full(batch, context),
-                                           block_size=block_size, spare_blocks=0)
-                pdev = to_device(paged_inputs, cp)
+                pdev = random_device_inputs(cp, rng, model, batch, context, block_size)
                 seconds = time_it(cp, lambda d=pdev: kernels.run(d, paged=True))
                 rows.append({"kind": "attention", "layout": "paged",
                              "block_size": block_size, "batch": batch, "context_len": context,
