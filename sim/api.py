@@ -29,7 +29,7 @@ def run(
     elif isinstance(scenario, dict):
         scenario = scenario_from_dict(scenario)
     if seed is not None:
-        scenario = scenario.model_copy(update={"seed": seed})
+        scenario = scenario_from_dict({**scenario.model_dump(), "seed": seed}, f"seed={seed}")
     result = run_scenario(scenario, base_dir)
     if out is not None:
         write_run(result, Path(out))

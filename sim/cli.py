@@ -106,12 +106,13 @@ def _progress_factory(quiet: bool) -> Callable[[str, int], Callable[[int], None]
 def cmd_run(args: argparse.Namespace) -> int:
     from sim.engine import run_scenario
     from sim.results import write_run
-    from sim.scenario import load_scenario
+    from sim.scenario import load_scenario, scenario_from_dict
 
     path = Path(args.scenario)
     scenario = load_scenario(path)
     if args.seed is not None:
-        scenario = scenario.model_copy(update={"seed": args.seed})
+        scenario = scenario_from_dict({**scenario.model_dump(), "seed": args.seed},
+                                          f"--seed {args.seed}")
     out = Path(args.out or scenario.output_dir or Path("runs") / scenario.name)
     try:
         result = run_scenario(scenario, path.parent, progress=_progress_factory(args.quiet))
