@@ -31,7 +31,7 @@ from sim.memory import TAXONOMY, ContiguousAllocator, KVAllocator, PagedAllocato
 from sim.presets import SizingError, kv_pool_slots
 from sim.results import RunResult, ScenarioResult, summarize
 from sim.scenario import ContiguousConfig, Scenario, SystemConfig
-from sim.scheduler import MAX_SAMPLES, Batch, Request, Scheduler
+from sim.scheduler import Batch, Request, Scheduler
 from sim.timing import Calibration, StepTimeModel, roofline
 from workloads import Trace, build_trace
 
@@ -382,5 +382,5 @@ def run_scenario(scenario: Scenario, base_dir: Path = Path(),
                           trace_notes=list(trace.notes))
 
 
-__all__ = ["MAX_SAMPLES", "SimulationError", "build_allocator", "build_timing", "run_scenario",
+__all__ = ["SimulationError", "build_allocator", "build_timing", "run_scenario",
            "run_system", "scenario_trace"]

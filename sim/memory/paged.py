@@ -204,6 +204,7 @@ class PagedAllocator(KVAllocator):
                 blocks.append(pool.take())
             elif grow > 1:
                 blocks.extend([pool.take() for _ in range(grow)])
+            # _set_internal, inlined: this branch runs at every block crossing.
             cap = len(blocks) * bs
             seq.internal = cap - seq.final_len if cap > seq.final_len else 0
             self._internal_exclusive += seq.internal
