@@ -127,7 +127,9 @@ def _times(raw: pd.Series, unit: str) -> np.ndarray:
     return pd.to_numeric(raw, errors="coerce").to_numpy(dtype=float) * scale
 
 
-def read_table(workload: TraceWorkload, base_dir: Path) -> tuple[pd.DataFrame, list[str]]:
+def read_trace_table(
+    workload: TraceWorkload, base_dir: Path
+) -> tuple[pd.DataFrame, list[str]]:
     """The trace as a clean table (arrival_s from 0, prompt_len, output_len[, hash_ids]) and
     notes on what was skipped."""
     path = resolve_path(workload.path, base_dir)
@@ -198,7 +200,7 @@ def read_table(workload: TraceWorkload, base_dir: Path) -> tuple[pd.DataFrame, l
 
 def read_length_column(path: str, column: str, base_dir: Path, fmt: str | None) -> np.ndarray:
     """One length column of a trace file (for empirical distributions)."""
-    table, _ = read_table(TraceWorkload(path=path, format=fmt, skip_invalid=True), base_dir)  # type: ignore[arg-type]
+    table, _ = read_trace_table(TraceWorkload(path=path, format=fmt, skip_invalid=True), base_dir)  # type: ignore[arg-type]
     return table[column].to_numpy()
 
 
@@ -206,7 +208,7 @@ def import_trace(
     workload: TraceWorkload, base_dir: Path, max_model_len: int, seed: int = 0
 ) -> Trace:
     """Read ``workload.path`` into a trace; lengths beyond the context limit are clipped."""
-    table, notes = read_table(workload, base_dir)
+    table, notes = read_trace_table(workload, base_dir)
     size = len(table)
     prompt = table["prompt_len"].to_numpy()
     clipped = int((prompt > max_model_len - 1).sum())
