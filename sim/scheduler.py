@@ -160,7 +160,6 @@ class Scheduler:
         self._g_sync_sum = 0
         self.head_blocked = False  # the last admission attempt failed; nothing freed since
         self.prefilling = 0
-        self._contiguous = isinstance(allocator, ContiguousAllocator)
         self._append = allocator.append
         # Paged tables grow a block at a time: a decoding sequence holding t tokens holds
         # ceil(t / bs) blocks. Contiguous extents never grow (cap stays the reservation).
@@ -190,13 +189,11 @@ class Scheduler:
         self.waiting.append(request)
         return True
 
-    @property
-    def head_spec(self) -> SeqSpec | None:
-        return self.waiting[0].spec() if self.waiting else None
-
     def _snapshot_head(self) -> SeqSpec | None:
         # Only contiguous memory has external fragmentation, defined by the waiting head.
-        return self.head_spec if self._contiguous else None
+        if self._block_size is None and self.waiting:
+            return self.waiting[0].spec()
+        return None
 
     def generated(self, request: Request) -> int:
         if request.decoding:
@@ -342,7 +339,7 @@ class Scheduler:
         due = self._due(GROW, self.steps)
         if not due:
             return True
-        if not isinstance(self.allocator, ContiguousAllocator):
+        if self._block_size is not None:
             needed = sum(r.num_seqs for r in due)
             if needed > self.allocator.num_free_blocks:  # type: ignore[attr-defined]
                 # Put them back for schedule() to handle with preemption.
