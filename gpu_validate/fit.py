@@ -12,6 +12,7 @@ FLOP per token pair at the best FLOP rate the GEMMs reached.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,10 +53,27 @@ def decode_points(timings: pd.DataFrame, num_layers: int) -> pd.DataFrame:
 
 
 def fit_linear_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares on relative error: minimise Σ((x·β − y)/y)²."""
+    """Least squares on relative error, coefficients ≥ 0: minimise Σ((x·β − y)/y)², β ≥ 0.
+
+    A negative seconds-per-unit is not physical (and a calibration file refuses it), yet noise
+    can push a small term below zero, e.g. GEMMs that are flat in batch size. The constrained
+    optimum is the unconstrained fit on some subset of the columns, so with three columns every
+    subset is tried and the best one whose fit is non-negative wins.
+    """
     weighted = x / y[:, None]
-    beta, *_ = np.linalg.lstsq(weighted, np.ones(len(y)), rcond=None)
-    return beta
+    ones = np.ones(len(y))
+    best, best_residual = np.zeros(x.shape[1]), float(ones @ ones)
+    for size in range(1, x.shape[1] + 1):
+        for columns in itertools.combinations(range(x.shape[1]), size):
+            part, *_ = np.linalg.lstsq(weighted[:, columns], ones, rcond=None)
+            if (part < 0).any():
+                continue
+            residual = ones - weighted[:, columns] @ part
+            if float(residual @ residual) < best_residual - 1e-15:
+                best = np.zeros(x.shape[1])
+                best[list(columns)] = part
+                best_residual = float(residual @ residual)
+    return best
 
 
 def fit_rho(timings: pd.DataFrame) -> dict[int, float]:
@@ -98,6 +116,9 @@ def fit_calibration(timings: pd.DataFrame, model: ModelSpec, *, device: str = ""
     if len(wide) >= 2:
         slope = np.polyfit(wide["tokens"].to_numpy(dtype=float),
                            wide["time_s"].to_numpy(), 1)[0]
+        if slope <= 0:
+            raise FitError(f"GEMM time does not grow with tokens from {PREFILL_MIN_TOKENS} "
+                           "tokens up: these timings cannot give a prefill cost")
         d = model.num_layers * float(slope)
     else:
         d = float(b)

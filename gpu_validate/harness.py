@@ -10,23 +10,18 @@ copy.
 from __future__ import annotations
 
 import datetime as dt
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
 
-from gpu_validate.reference import (
-    MAX_RELATIVE_ERROR,
-    attention_reference,
-    make_inputs,
-    relative_error,
-)
+from gpu_validate.launch import KERNEL_SOURCE, THREADS, check_problem, launch_args
 from sim.presets import ModelSpec
 
-KERNEL_SOURCE = Path(__file__).with_name("decode_attention.cu")
 MIN_WORKING_SET_BYTES = 256 * 1024**2
-THREADS = 128  # 4 warps per (head, sequence)
 
 
 def cuda_status() -> tuple[bool, str]:
@@ -46,49 +41,28 @@ def cuda_status() -> tuple[bool, str]:
 
 
 class Kernels:
-    """The compiled module's two entry points, with numpy-friendly launchers."""
+    """The compiled module's two entry points on the CUDA device (CuPy ``RawModule``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = THREADS) -> None:
         import cupy
 
-        self.cp = cupy
+        self.xp = cupy
+        self.threads = threads
+        # CuPy adds the device's -arch; the source needs no CUDA headers (NVRTC-safe).
         module = cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=("--std=c++17",))
         self.contiguous = module.get_function("decode_contiguous")
         self.paged = module.get_function("decode_paged")
 
     def run(self, dev: dict[str, Any], paged: bool) -> Any:
         """Launch once on device arrays ``dev``; the output is poisoned (NaN) first."""
-        cp = self.cp
-        out = dev["out"]
-        out.fill(cp.nan)
-        seqs, heads, head_dim = dev["q"].shape
-        kv_heads = dev["k_pages" if paged else "k"].shape[1]
-        grid, block = (heads, seqs), (THREADS,)
-        scale = np.float32(1.0 / np.sqrt(head_dim))
-        if paged:
-            self.paged(grid, block, (out, dev["q"], dev["k_pages"], dev["v_pages"],
-                                     dev["block_tables"], dev["context_lens"], np.int32(heads),
-                                     np.int32(kv_heads), np.int32(head_dim),
-                                     np.int32(dev["block_size"]),
-                                     np.int32(dev["block_tables"].shape[1]), scale))
-        else:
-            self.contiguous(grid, block, (out, dev["q"], dev["k"], dev["v"],
-                                          dev["context_lens"], np.int32(heads),
-                                          np.int32(kv_heads), np.int32(head_dim),
-                                          np.int32(dev["k"].shape[2]), scale))
-        return out
+        dev["out"].fill(self.xp.nan)
+        grid, block, args = launch_args(dev, paged, self.threads)
+        (self.paged if paged else self.contiguous)(grid, block, args)
+        return dev["out"]
 
-
-def to_device(inputs, cp) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    seqs, heads, head_dim = inputs.q.shape
-    return {
-        "q": cp.asarray(inputs.q), "k": cp.asarray(inputs.k), "v": cp.asarray(inputs.v),
-        "k_pages": cp.asarray(inputs.k_pages), "v_pages": cp.asarray(inputs.v_pages),
-        "block_tables": cp.asarray(np.maximum(inputs.block_tables, 0)),
-        "context_lens": cp.asarray(inputs.context_lens),
-        "block_size": inputs.block_size,
-        "out": cp.empty((seqs, heads, head_dim), dtype=cp.float32),
-    }
+    def to_host(self, array: Any) -> np.ndarray:
+        """Copy a device array to the host (synchronises)."""
+        return self.xp.asnumpy(array)
 
 
 def random_device_inputs(cp, rng: np.random.Generator, model: ModelSpec, batch: int,  # type: ignore[no-untyped-def]
@@ -96,6 +70,8 @@ def random_device_inputs(cp, rng: np.random.Generator, model: ModelSpec, batch: 
     """Timing inputs drawn on the device (gigabytes: no host copy), contiguous when
     ``block_size`` is None, else paged through a shuffled block table."""
     heads, kv_heads, head_dim = model.num_heads, model.num_kv_heads, model.head_dim
+    check_problem(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                  context_lens=[context], block_size=block_size)
 
     def draw(*shape: int):  # type: ignore[no-untyped-def]
         return (cp.random.random(shape, dtype=cp.float32) + 0.05).astype(cp.float16)
@@ -118,35 +94,16 @@ def random_device_inputs(cp, rng: np.random.Generator, model: ModelSpec, batch: 
     return dev
 
 
-def check_correctness(kernels: Kernels, seed: int = 0) -> pd.DataFrame:
-    """Both entry points against float64 numpy on fresh random inputs, per block size."""
-    rows = []
-    rng = np.random.default_rng(seed)
-    for block_size in (8, 16, 32, 64, 128):
-        for heads, kv_heads in ((8, 8), (8, 2)):
-            inputs = make_inputs(rng, seqs=5, num_heads=heads, num_kv_heads=kv_heads,
-                                 head_dim=128, context_lens=[1, 17, 255, 1000, 2049],
-                                 block_size=block_size)
-            reference = attention_reference(inputs)
-            dev = to_device(inputs, kernels.cp)
-            contiguous = kernels.cp.asnumpy(kernels.run(dev, paged=False)).copy()
-            paged = kernels.cp.asnumpy(kernels.run(dev, paged=True)).copy()
-            rows.append({
-                "block_size": block_size, "num_heads": heads, "num_kv_heads": kv_heads,
-                "unwritten": int(np.isnan(contiguous).sum() + np.isnan(paged).sum()),
-                "rel_error_contiguous": relative_error(contiguous, reference),
-                "rel_error_paged": relative_error(paged, reference),
-                "paged_equals_contiguous": bool(np.array_equal(contiguous, paged)),
-            })
-    table = pd.DataFrame(rows)
-    table["ok"] = ((table["unwritten"] == 0) & table["paged_equals_contiguous"]
-                   & (table[["rel_error_contiguous", "rel_error_paged"]].max(axis=1)
-                      <= MAX_RELATIVE_ERROR))
-    return table
+class Timing(NamedTuple):
+    """A median time and how much the repeats spread around it."""
+
+    median_s: float
+    spread: float  # (90th − 10th percentile) / median
 
 
-def time_it(cp, fn, repeats: int = 30, warmup: int = 5) -> float:  # type: ignore[no-untyped-def]
-    """Median seconds of ``fn()`` by CUDA events."""
+def time_it(cp, fn, repeats: int = 30, warmup: int = 5) -> Timing:  # type: ignore[no-untyped-def]
+    """Median seconds of ``fn()`` by CUDA events, after ``warmup`` untimed calls (module
+    load, cuBLAS handles and clocks settle there)."""
     for _ in range(warmup):
         fn()
     start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -155,17 +112,18 @@ def time_it(cp, fn, repeats: int = 30, warmup: int = 5) -> float:  # type: ignor
         start.record()
         fn()
         end.record()
-        end.synchronize()
+        end.synchronize()  # raises here if the launch failed
         samples.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-    return float(np.median(samples))
+    p10, median, p90 = np.percentile(samples, [10, 50, 90])
+    return Timing(float(median), float((p90 - p10) / median))
 
 
 def copy_bandwidth(cp, nbytes: int = 2 * 1024**3) -> float:  # type: ignore[no-untyped-def]
     """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
     src = cp.empty(nbytes, dtype=cp.uint8)
     dst = cp.empty_like(src)
-    seconds = time_it(cp, lambda: dst.data.copy_from_device(src.data, nbytes), repeats=20)
-    return 2 * nbytes / seconds
+    timing = time_it(cp, lambda: dst.data.copy_from_device(src.data, nbytes), repeats=20)
+    return 2 * nbytes / timing.median_s
 
 
 def layer_gemm_shapes(model: ModelSpec) -> list[tuple[int, int]]:
@@ -177,61 +135,91 @@ def layer_gemm_shapes(model: ModelSpec) -> list[tuple[int, int]]:
     return [(hidden, qkv), (hidden, hidden), (hidden, 2 * intermediate), (intermediate, hidden)]
 
 
-def run_timings(kernels: Kernels, model: ModelSpec, *, quick: bool = False,
-                device: str = "") -> pd.DataFrame:
-    """Attention (both layouts, every block size) and GEMM timings, per layer."""
-    cp = kernels.cp
-    rng = np.random.default_rng(1)
-    copy_bps = copy_bandwidth(cp)
-    stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    driver = cp.cuda.runtime.driverGetVersion()
-    rows: list[dict[str, Any]] = [{"kind": "copy", "time_s": np.nan, "gbps": copy_bps / 1e9}]
+def driver_version() -> str:
+    """The NVIDIA driver's version as nvidia-smi prints it, or "" where it cannot be read."""
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout else ""
+
+
+def attention_shapes(model: ModelSpec, quick: bool) -> list[tuple[int, int]]:
+    """(batch, context) points whose per-layer KV working set streams from HBM: at least
+    :data:`MIN_WORKING_SET_BYTES` (several times any L2) and at most 24 GiB."""
     batches = (8, 32, 128) if quick else (4, 8, 16, 32, 64, 128, 256)
     contexts = (512, 2048, 8192) if quick else (256, 512, 1024, 2048, 4096, 8192)
-    block_sizes = (8, 16, 32, 64, 128)
     per_token_bytes = 2 * model.num_kv_heads * model.head_dim * 2  # K and V, one layer, fp16
-    for batch in batches:
-        for context in contexts:
-            if batch * context * per_token_bytes < MIN_WORKING_SET_BYTES:
-                continue  # would sit in L2: not what a serving GPU sees
-            if batch * context * per_token_bytes > 24 * 1024**3:
-                continue
-            dev = random_device_inputs(cp, rng, model, batch, context, block_size=None)
-            kv_bytes = batch * context * per_token_bytes
-            seconds = time_it(cp, lambda d=dev: kernels.run(d, paged=False))
-            rows.append({"kind": "attention", "layout": "contiguous", "block_size": 0,
-                         "batch": batch, "context_len": context, "time_s": seconds,
-                         "bytes": kv_bytes, "gbps": kv_bytes / seconds / 1e9})
-            for block_size in block_sizes:
-                pdev = random_device_inputs(cp, rng, model, batch, context, block_size)
-                seconds = time_it(cp, lambda d=pdev: kernels.run(d, paged=True))
-                rows.append({"kind": "attention", "layout": "paged",
-                             "block_size": block_size, "batch": batch, "context_len": context,
-                             "time_s": seconds, "bytes": kv_bytes,
-                             "gbps": kv_bytes / seconds / 1e9})
-                del pdev
+    return [(b, c) for b in batches for c in contexts
+            if MIN_WORKING_SET_BYTES <= b * c * per_token_bytes <= 24 * 1024**3]
+
+
+def run_timings(kernels: Kernels, model: ModelSpec, *, quick: bool = False, device: str = "",
+                partial_csv: Path | None = None,
+                log: Callable[[str], None] = print) -> pd.DataFrame:
+    """Attention (both layouts, every block size) and GEMM timings, per layer.
+
+    With ``partial_csv`` the table so far is rewritten after every point, so a run cut short
+    keeps what it measured; ``log`` gets one line per point.
+    """
+    cp = kernels.xp
+    rng = np.random.default_rng(1)
+    copy_bps = copy_bandwidth(cp)
+    log(f"device-to-device copy: {copy_bps / 1e9:.0f} GB/s (read + write)")
+    context = {"copy_gbps": copy_bps / 1e9, "device": device, "driver": driver_version(),
+               "cuda_driver_api": cp.cuda.runtime.driverGetVersion(),
+               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "model": model.name}
+    rows: list[dict[str, Any]] = [{"kind": "copy", "time_s": np.nan, "gbps": copy_bps / 1e9}]
+
+    def table() -> pd.DataFrame:
+        frame = pd.DataFrame(rows).assign(**context)
+        frame["pct_of_copy"] = frame["gbps"] / frame["copy_gbps"] * 100
+        return frame
+
+    def record(row: dict[str, Any]) -> None:
+        rows.append(row)
+        if partial_csv is not None:
+            table().to_csv(partial_csv, index=False)
+
+    per_token_bytes = 2 * model.num_kv_heads * model.head_dim * 2
+    shapes = attention_shapes(model, quick)
+    for i, (batch, context_len) in enumerate(shapes, 1):
+        kv_bytes = batch * context_len * per_token_bytes
+        for block_size in (None, 8, 16, 32, 64, 128):
+            dev = random_device_inputs(cp, rng, model, batch, context_len, block_size)
+            timing = time_it(cp, lambda d=dev, p=block_size is not None: kernels.run(d, p))
+            record({"kind": "attention", "layout": "contiguous" if block_size is None
+                    else "paged", "block_size": block_size or 0, "batch": batch,
+                    "context_len": context_len, "time_s": timing.median_s,
+                    "spread": timing.spread, "bytes": kv_bytes,
+                    "gbps": kv_bytes / timing.median_s / 1e9})
             del dev
             cp.get_default_memory_pool().free_all_blocks()
-    shapes = layer_gemm_shapes(model)
+        base = rows[-6]["time_s"]
+        log(f"[{i}/{len(shapes)}] attention batch {batch} x context {context_len}: "
+            f"contiguous {base * 1e6:.0f} us ({rows[-6]['gbps']:.0f} GB/s), paged/contiguous "
+            + " ".join(f"{r['block_size']}:{r['time_s'] / base:.3f}" for r in rows[-5:]))
+    layer_shapes = layer_gemm_shapes(model)
+    weights = [(cp.random.random(s, dtype=cp.float32) - 0.5).astype(cp.float16)
+               for s in layer_shapes]
+    batches = sorted({b for b, _ in shapes})
     for tokens in sorted({*batches, 256, 512, 1024, 2048, 4096}):
-        weights = [cp.asarray(rng.uniform(-1, 1, s).astype(np.float16)) for s in shapes]
-        acts = [cp.asarray(rng.uniform(-1, 1, (tokens, s[0])).astype(np.float16))
-                for s in shapes]
+        acts = [(cp.random.random((tokens, s[0]), dtype=cp.float32) - 0.5).astype(cp.float16)
+                for s in layer_shapes]
 
-        def layer(ws=weights, xs=acts):  # type: ignore[no-untyped-def]
-            for w, x in zip(ws, xs, strict=True):
+        def layer(xs=acts):  # type: ignore[no-untyped-def]
+            for w, x in zip(weights, xs, strict=True):
                 cp.matmul(x, w)
 
-        seconds = time_it(cp, layer)
-        flops = sum(2.0 * tokens * i * o for i, o in shapes)
-        rows.append({"kind": "gemm", "tokens": tokens, "time_s": seconds, "flops": flops,
-                     "tflops": flops / seconds / 1e12,
-                     "bytes": sum(2 * i * o for i, o in shapes)})
-    table = pd.DataFrame(rows)
-    table["copy_gbps"] = copy_bps / 1e9
-    table["pct_of_copy"] = table["gbps"] / table["copy_gbps"] * 100
-    table["device"] = device
-    table["driver"] = driver
-    table["date"] = stamp
-    table["model"] = model.name
-    return table
+        timing = time_it(cp, layer)
+        flops = sum(2.0 * tokens * i * o for i, o in layer_shapes)
+        record({"kind": "gemm", "tokens": tokens, "time_s": timing.median_s,
+                "spread": timing.spread, "flops": flops,
+                "tflops": flops / timing.median_s / 1e12,
+                "bytes": sum(2 * i * o for i, o in layer_shapes)})
+        log(f"layer GEMMs at {tokens} tokens: {timing.median_s * 1e6:.0f} us "
+            f"({flops / timing.median_s / 1e12:.0f} TFLOP/s)")
+    return table()

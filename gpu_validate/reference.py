@@ -1,10 +1,9 @@
 """Numpy twins of the CUDA kernel: inputs, the paged layout, and float64 attention.
 
-Everything the GPU harness checks against lives here and runs without a GPU: building random
+Everything the kernel is checked against lives here and runs without a GPU: building random
 fp16 inputs (never zeros), scattering a contiguous cache into blocks through a random block
-table, reading it back exactly as the kernel addresses it, and decode attention in float64
-(the reference) or float32 with the kernel's online softmax (the emulation whose error bound
-the tests pin down).
+table, reading it back exactly as the kernel addresses it, and decode attention in float64 (the
+reference). The kernel itself runs on the CPU under :mod:`gpu_validate.emulation`.
 """
 
 from __future__ import annotations
@@ -111,41 +110,6 @@ def attention_reference(inputs: DecodeInputs, *, paged: bool = False) -> np.ndar
             scores = keys @ inputs.q[s, h].astype(np.float64) * inputs.scale
             weights = np.exp(scores - scores.max())
             out[s, h] = weights @ values / weights.sum()
-    return out
-
-
-def attention_online_fp32(inputs: DecodeInputs, num_warps: int = 4) -> np.ndarray:
-    """The kernel's arithmetic in float32: per-warp online softmax, then the warp merge."""
-    seqs, num_heads, head_dim = inputs.q.shape
-    group = num_heads // inputs.k.shape[1]
-    out = np.empty((seqs, num_heads, head_dim), dtype=np.float32)
-    scale = np.float32(inputs.scale)
-    for s in range(seqs):
-        n = int(inputs.context_lens[s])
-        for h in range(num_heads):
-            q = inputs.q[s, h].astype(np.float32)
-            keys = inputs.k[s, h // group, :n].astype(np.float32)
-            values = inputs.v[s, h // group, :n].astype(np.float32)
-            ms, ls, accs = [], [], []
-            for w in range(num_warps):
-                m, lsum = np.float32(-np.inf), np.float32(0)
-                acc = np.zeros(head_dim, dtype=np.float32)
-                for t in range(w, n, num_warps):
-                    score = np.float32(keys[t] @ q) * scale
-                    m_new = max(m, score)
-                    correction = np.exp(np.float32(m - m_new))
-                    p = np.exp(np.float32(score - m_new))
-                    lsum = lsum * correction + p
-                    acc = acc * correction + p * values[t]
-                    m = m_new
-                ms.append(m)
-                ls.append(lsum)
-                accs.append(acc)
-            big = max(ms)
-            live = [i for i in range(num_warps) if ls[i] > 0]
-            total = sum(ls[i] * np.exp(np.float32(ms[i] - big)) for i in live)
-            value = sum(accs[i] * np.exp(np.float32(ms[i] - big)) for i in live)
-            out[s, h] = value / total
     return out
 
 
