@@ -92,12 +92,37 @@ def fit_rho(timings: pd.DataFrame) -> dict[int, float]:
     return rho
 
 
+REQUIRED_COLUMNS = {"attention": ("layout", "block_size", "batch", "context_len", "time_s"),
+                    "gemm": ("tokens", "time_s", "flops")}
+
+
+def check_timings(timings: pd.DataFrame) -> None:
+    """Raise FitError naming the missing column or the first bad row (rows count from 2, as
+    in the CSV file with its header)."""
+    if "kind" not in timings:
+        raise FitError("no 'kind' column; expected a timings.csv written by gpu_validate")
+    for kind, columns in REQUIRED_COLUMNS.items():
+        rows = timings[timings["kind"] == kind]
+        if rows.empty:
+            raise FitError(f"timings have no {kind!r} rows")
+        missing = [c for c in columns if c not in timings]
+        if missing:
+            raise FitError(f"{kind} rows need column(s) {', '.join(missing)}")
+        for column in columns:
+            if column == "layout":
+                continue
+            values = pd.to_numeric(rows[column], errors="coerce")
+            bad = values.isna() | (values < 0) | ((values == 0) & (column != "block_size"))
+            if bad.any():
+                row = int(rows.index[bad.to_numpy()][0]) + 2
+                raise FitError(f"row {row}: {column} {rows[column][bad].iloc[0]}: expected "
+                               "a positive number")
+
+
 def fit_calibration(timings: pd.DataFrame, model: ModelSpec, *, device: str = "",
                     holdout_every: int = 4) -> FitResult:
     """Fit the step-time model and ρ(bs) to ``timings`` (see the module docstring)."""
-    for kind in ("attention", "gemm"):
-        if not (timings["kind"] == kind).any():
-            raise FitError(f"timings have no {kind!r} rows")
+    check_timings(timings)
     points = decode_points(timings, model.num_layers)
     if len(points) < 4:
         raise FitError(f"need at least 4 decode points, got {len(points)}")

@@ -231,6 +231,27 @@ def test_cli_without_gpu_says_so_and_fits_a_csv(tmp_path):
     assert "held-out MAPE" in proc.stdout
 
 
+@pytest.mark.parametrize(("spoil", "message"), [
+    (lambda t: t.drop(columns=["kind"]), "no 'kind' column"),
+    (lambda t: t[t["kind"] != "attention"], "no 'attention' rows"),
+    (lambda t: t.drop(columns=["flops"]), "gemm rows need column(s) flops"),
+    (lambda t: t.assign(batch=t["batch"].where(t.index != 30, -4)), "row 32: batch -4"),
+    (lambda t: t.assign(time_s=t["time_s"].astype(object).where(t.index != 20, "abc")),
+     "row 22: time_s abc: expected a positive number"),
+])
+def test_a_bad_timings_csv_gets_one_line_naming_file_and_row(tmp_path, spoil, message):
+    csv = tmp_path / "timings.csv"
+    spoil(synthetic_timings(2e-4, 1.3e-6, 7.5e-9, {16: 1.1}, noise=0.0)).to_csv(csv,
+                                                                                index=False)
+    proc = subprocess.run([sys.executable, "-m", "gpu_validate", "--from-csv", str(csv),
+                           "--out", str(tmp_path / "cal")], capture_output=True, text=True,
+                          cwd=ROOT, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"gpu_validate: error: {csv}: ")
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "cal" / "calibration.yaml").exists()
+
+
 def test_gpu_side_runs_with_only_numpy_pandas_yaml_matplotlib(tmp_path):
     """A lent GPU machine has CuPy and the scientific stack but no simpy or pydantic, and
     nothing can be installed there: ``python -m gpu_validate`` must run from the source tree
