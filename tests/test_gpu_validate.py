@@ -3,6 +3,7 @@ CUDA machine — the real kernels."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -12,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpu_validate import launch
 from gpu_validate.correctness import Case, check_correctness
@@ -82,6 +85,20 @@ def test_kernel_source_on_the_cpu_matches_float64(host_kernels):
 def test_kernel_is_right_for_any_number_of_warps(host_kernels, threads):
     kernels = HostKernels(cache_dir=host_kernels.library_dir, threads=threads)
     table = check_correctness(kernels, cases=EMULATED_CASES[:2], seed=threads)
+    assert table["ok"].all(), table.to_string()
+
+
+@settings(max_examples=int(os.environ.get("KVSIM_HYPOTHESIS_EXAMPLES", "12")),
+          deadline=None, derandomize="KVSIM_HYPOTHESIS_EXAMPLES" not in os.environ)
+@given(group=st.sampled_from([1, 2, 4]), num_kv_heads=st.integers(1, 2),
+       head_dim=st.integers(1, 64).map(lambda n: 4 * n),
+       block_size=st.integers(1, 130),
+       context_lens=st.lists(st.integers(1, 300), min_size=1, max_size=3),
+       seed=st.integers(0, 2**32 - 1))
+def test_kernel_is_right_for_any_shape_it_accepts(host_kernels, group, num_kv_heads, head_dim,
+                                                  block_size, context_lens, seed):
+    case = Case(group * num_kv_heads, num_kv_heads, head_dim, block_size, tuple(context_lens))
+    table = check_correctness(host_kernels, cases=(case,), seed=seed)
     assert table["ok"].all(), table.to_string()
 
 
