@@ -1,7 +1,7 @@
 """The GPU side: compile the kernel with CuPy, check it, time it, time the layer's GEMMs.
 
-Needs CuPy and a CUDA device (``pip install 'kvsim[gpu]'``); :func:`cuda_status` says plainly
-why not when either is missing. Timings are CUDA-event medians after warm-up; every KV
+Needs CuPy and a CUDA device (``pip install 'kvsim[gpu]'``, or ``'kvsim[gpu-cuda13]'``);
+:func:`cuda_status` says plainly why not when either is missing. Timings are CUDA-event medians after warm-up; every KV
 working set is at least :data:`MIN_WORKING_SET_BYTES` (several times any current L2) so the
 kernel streams from HBM, and achieved GB/s are reported against a measured device-to-device
 copy.
@@ -29,7 +29,8 @@ def cuda_status() -> tuple[bool, str]:
     try:
         import cupy
     except ImportError:
-        return False, "CuPy is not installed (pip install 'kvsim[gpu]')"
+        return False, ("CuPy is not installed (pip install 'kvsim[gpu]', or 'kvsim[gpu-cuda13]' "
+                       "for a CUDA 13 driver)")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver, no device
