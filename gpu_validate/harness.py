@@ -1,10 +1,10 @@
 """The GPU side: compile the kernel with CuPy, check it, time it, time the layer's GEMMs.
 
 Needs CuPy and a CUDA device (``pip install 'kvsim[gpu]'``, or ``'kvsim[gpu-cuda13]'``);
-:func:`cuda_status` says plainly why not when either is missing. Timings are CUDA-event medians after warm-up; every KV
-working set is at least :data:`MIN_WORKING_SET_BYTES` (several times any current L2) so the
-kernel streams from HBM, and achieved GB/s are reported against a measured device-to-device
-copy.
+:func:`cuda_status` says plainly why not when either is missing. Timings are CUDA-event
+medians after warm-up; every KV working set is at least :data:`MIN_WORKING_SET_BYTES` (several
+times any current L2) so the kernel streams from HBM, and achieved GB/s are reported against a
+measured device-to-device copy.
 """
 
 from __future__ import annotations
