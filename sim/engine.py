@@ -32,7 +32,7 @@ from sim.presets import SizingError, kv_pool_slots
 from sim.results import RunResult, ScenarioResult, summarize
 from sim.scenario import ContiguousConfig, Scenario, SystemConfig
 from sim.scheduler import Batch, Request, Scheduler
-from sim.timing import Calibration, StepTimeModel, roofline
+from sim.timing import Calibration, CalibrationError, StepTimeModel, roofline
 from workloads import Trace, build_trace
 
 MEMORY_COLUMNS = (*TAXONOMY, "duplicate")
@@ -63,7 +63,10 @@ def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
         path = Path(scenario.timing.calibration)
         path = path if path.is_absolute() else base_dir / path
         calibration = Calibration.load(path)
-        return calibration.to_model(source=str(path))
+        if calibration.model != model.name:
+            raise CalibrationError(f"{path}: model: calibrated for {calibration.model!r}, but "
+                                   f"the scenario runs {model.name!r}")
+        return calibration.to_model(str(path), scenario.timing.step_overhead_s)
     base = roofline(model, scenario.gpu_spec(), scenario.timing.step_overhead_s)
     return StepTimeModel(base.a, base.b, base.c, base.d, base.e,
                          paged_alpha=scenario.timing.paged_alpha, source=base.source)

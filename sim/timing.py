@@ -105,7 +105,7 @@ class Calibration:
     ::
 
         kvsim_calibration: 1          # format version
-        model: llama-2-7b             # the model the timings are for (checked)
+        model: llama-2-7b             # the model the timings are for (a scenario must match)
         device: NVIDIA H200           # free text: device, driver, date
         coefficients: {a: 0.0071, b: 4.1e-5, c: 1.9e-7, d: 4.3e-5, e: 1.1e-9}   # seconds
         rho: {8: 1.21, 16: 1.12, 32: 1.07, 64: 1.04, 128: 1.03}               # optional
@@ -134,6 +134,9 @@ class Calibration:
         for key, value in coefficients.items():
             if not isinstance(value, int | float) or value < 0:
                 raise CalibrationError(f"{path}: coefficients.{key}: expected a number >= 0")
+        if not isinstance(data.get("model"), str) or not data["model"]:
+            raise CalibrationError(f"{path}: model: expected the model preset the timings are "
+                                   "for (e.g. llama-2-7b)")
         rho = data.get("rho") or {}
         if not isinstance(rho, dict) or not all(
             isinstance(k, int) and isinstance(v, int | float) and v > 0 for k, v in rho.items()
@@ -157,7 +160,10 @@ class Calibration:
             "fit": self.fit,
         }, sort_keys=False))
 
-    def to_model(self, source: str) -> StepTimeModel:
+    def to_model(self, source: str, step_overhead_s: float = 0.0) -> StepTimeModel:
+        """The step-time model; ``step_overhead_s`` is added to ``a``: the timings are GPU
+        kernels only, and a serving engine also spends CPU time per step (scheduling, sampling,
+        launches), the same term the roofline adds."""
         c = self.coefficients
-        return StepTimeModel(a=c["a"], b=c["b"], c=c["c"], d=c["d"], e=c["e"],
-                             rho_table=dict(self.rho), source=source)
+        return StepTimeModel(a=c["a"] + step_overhead_s, b=c["b"], c=c["c"], d=c["d"],
+                             e=c["e"], rho_table=dict(self.rho), source=source)

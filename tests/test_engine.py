@@ -13,7 +13,7 @@ from sim.engine import MEMORY_COLUMNS, build_timing, run_scenario
 from sim.memory import TAXONOMY
 from sim.presets import lookup_gpu, lookup_model
 from sim.scenario import load_scenario, scenario_from_dict
-from sim.timing import Calibration, roofline
+from sim.timing import Calibration, CalibrationError, roofline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +102,14 @@ def test_calibration_file_changes_step_times(tmp_path):
     assert loaded == calibration
     scenario = scenario_from_dict(small(timing={"calibration": "cal.yaml"}))
     timing = build_timing(scenario, tmp_path)
+    # Kernel times from the file, plus the engine's per-step CPU overhead (default 1 ms).
+    overhead = scenario.timing.step_overhead_s
+    assert overhead == 1e-3
     assert timing.step_time(10, 1000, 50, 2500, 1.0) == pytest.approx(
+        2 * roof.step_time(10, 1000, 50, 2500, 1.0) + overhead)
+    bare = build_timing(scenario_from_dict(small(timing={"calibration": "cal.yaml",
+                                                         "step_overhead_s": 0})), tmp_path)
+    assert bare.step_time(10, 1000, 50, 2500, 1.0) == pytest.approx(
         2 * roof.step_time(10, 1000, 50, 2500, 1.0))
     assert timing.rho(8) == 1.5 and timing.rho(64) == 1.0
     assert timing.rho(16) == pytest.approx(1.5 - 0.5 / 3)  # log2-interpolated
@@ -118,6 +125,19 @@ def test_calibration_file_changes_step_times(tmp_path):
     assert mask.sum() > 5
     assert np.allclose(steps["duration_s"].to_numpy()[mask], np.array(expected)[mask])
     assert slow.summary["makespan_s"] > fast.summary["makespan_s"]
+
+
+def test_a_calibration_for_another_model_is_refused(tmp_path):
+    Calibration(model="llama-2-13b", device="test", coefficients=dict.fromkeys("abcde", 1e-4),
+                rho={}, fit={}).dump(tmp_path / "cal.yaml")
+    scenario = scenario_from_dict(small(timing={"calibration": "cal.yaml"}))
+    with pytest.raises(CalibrationError, match="calibrated for 'llama-2-13b', but the scenario "
+                       "runs 'llama-2-7b'"):
+        build_timing(scenario, tmp_path)
+    (tmp_path / "nomodel.yaml").write_text("kvsim_calibration: 1\ncoefficients: "
+                                           "{a: 1, b: 1, c: 1, d: 1, e: 1}\n")
+    with pytest.raises(CalibrationError, match="model: expected the model preset"):
+        Calibration.load(tmp_path / "nomodel.yaml")
 
 
 def test_python_api_returns_dataframes(tmp_path):
