@@ -26,7 +26,9 @@
 #define SLICE (32 * LANE_ELEMS)      // elements one warp-wide load covers
 #define MAX_SLICES 2                 // head_dim <= 256
 #define MAX_WARPS 8                  // blockDim.x <= 256
+#ifndef TOKENS_PER_WARP               // a build option (-DTOKENS_PER_WARP=N) for tuning
 #define TOKENS_PER_WARP 4            // rows of K and of V in flight per lane
+#endif
 
 typedef unsigned short fp16_bits;
 

@@ -18,7 +18,14 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-from gpu_validate.launch import KERNEL_SOURCE, THREADS, check_problem, launch_args
+from gpu_validate.launch import (
+    KERNEL_SOURCE,
+    THREADS,
+    TOKENS_PER_WARP,
+    build_defines,
+    check_problem,
+    launch_args,
+)
 from sim.presets import ModelSpec
 
 MIN_WORKING_SET_BYTES = 256 * 1024**2
@@ -44,13 +51,15 @@ def cuda_status() -> tuple[bool, str]:
 class Kernels:
     """The compiled module's two entry points on the CUDA device (CuPy ``RawModule``)."""
 
-    def __init__(self, threads: int = THREADS) -> None:
+    def __init__(self, threads: int = THREADS, tokens_per_warp: int = TOKENS_PER_WARP) -> None:
         import cupy
 
         self.xp = cupy
         self.threads = threads
+        self.tokens_per_warp = tokens_per_warp
         # CuPy adds the device's -arch; the source needs no CUDA headers (NVRTC-safe).
-        module = cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=("--std=c++17",))
+        module = cupy.RawModule(code=KERNEL_SOURCE.read_text(),
+                                options=("--std=c++17", *build_defines(tokens_per_warp)))
         self.contiguous = module.get_function("decode_contiguous")
         self.paged = module.get_function("decode_paged")
 
@@ -158,9 +167,10 @@ def attention_shapes(model: ModelSpec, quick: bool) -> list[tuple[int, int]]:
 
 
 def run_timings(kernels: Kernels, model: ModelSpec, *, quick: bool = False, device: str = "",
-                partial_csv: Path | None = None,
-                log: Callable[[str], None] = print) -> pd.DataFrame:
-    """Attention (both layouts, every block size) and GEMM timings, per layer.
+                partial_csv: Path | None = None, log: Callable[[str], None] = print,
+                variants: tuple[int, ...] = (1, 2, 8)) -> pd.DataFrame:
+    """Attention (both layouts, every block size) and GEMM timings, per layer, and a few
+    points for kernel builds with other ``variants`` of rows in flight per warp.
 
     With ``partial_csv`` the table so far is rewritten after every point, so a run cut short
     keeps what it measured; ``log`` gets one line per point.
@@ -203,6 +213,27 @@ def run_timings(kernels: Kernels, model: ModelSpec, *, quick: bool = False, devi
         log(f"[{i}/{len(shapes)}] attention batch {batch} x context {context_len}: "
             f"contiguous {base * 1e6:.0f} us ({rows[-6]['gbps']:.0f} GB/s), paged/contiguous "
             + " ".join(f"{r['block_size']}:{r['time_s'] / base:.3f}" for r in rows[-5:]))
+    # Tuning data for the next kernel version: other numbers of rows in flight per warp, at
+    # a small, a middle and the largest batch of the sweep (kind "variant": not fitted).
+    picks = sorted({shapes[0], shapes[len(shapes) // 2], shapes[-1]})
+    for tokens_per_warp in variants:
+        variant = Kernels(kernels.threads, tokens_per_warp)
+        for batch, context_len in picks:
+            kv_bytes = batch * context_len * per_token_bytes
+            for block_size in (None, 16):
+                dev = random_device_inputs(cp, rng, model, batch, context_len, block_size)
+                timing = time_it(cp, lambda d=dev, p=block_size is not None, k=variant: k.run(d, p))
+                record({"kind": "variant", "tokens_per_warp": tokens_per_warp,
+                        "layout": "contiguous" if block_size is None else "paged",
+                        "block_size": block_size or 0, "batch": batch,
+                        "context_len": context_len, "time_s": timing.median_s,
+                        "spread": timing.spread, "bytes": kv_bytes,
+                        "gbps": kv_bytes / timing.median_s / 1e9})
+                del dev
+                cp.get_default_memory_pool().free_all_blocks()
+            log(f"variant tokens_per_warp={tokens_per_warp}, batch {batch} x context "
+                f"{context_len}: contiguous {rows[-2]['gbps']:.0f} GB/s, paged-16 "
+                f"{rows[-1]['gbps']:.0f} GB/s")
     layer_shapes = layer_gemm_shapes(model)
     weights = [(cp.random.random(s, dtype=cp.float32) - 0.5).astype(cp.float16)
                for s in layer_shapes]

@@ -22,6 +22,14 @@ LANE_ELEMS = 4  # head_dim must be a multiple of this: one 8-byte load per lane
 MAX_HEAD_DIM = 256  # MAX_SLICES * SLICE
 MAX_THREADS = 256  # 32 * MAX_WARPS
 THREADS = 128  # 4 warps per (query head, sequence)
+TOKENS_PER_WARP = 4  # the kernel's default; other values are a build option for tuning
+
+
+def build_defines(tokens_per_warp: int = TOKENS_PER_WARP) -> tuple[str, ...]:
+    """Compiler options that set the kernel's tuning knobs (both backends pass them)."""
+    if not 1 <= tokens_per_warp <= 16:
+        raise ValueError(f"tokens_per_warp {tokens_per_warp}: expected 1..16")
+    return (f"-DTOKENS_PER_WARP={tokens_per_warp}",)
 
 
 class KernelBackend(Protocol):

@@ -81,10 +81,14 @@ def test_kernel_source_on_the_cpu_matches_float64(host_kernels):
     assert table["ok"].all()
 
 
-@pytest.mark.parametrize("threads", [32, 256])
-def test_kernel_is_right_for_any_number_of_warps(host_kernels, threads):
-    kernels = HostKernels(cache_dir=host_kernels.library_dir, threads=threads)
-    table = check_correctness(kernels, cases=EMULATED_CASES[:2], seed=threads)
+@pytest.mark.parametrize(("threads", "tokens_per_warp"), [(32, 4), (256, 4), (128, 1),
+                                                          (64, 8)])
+def test_kernel_is_right_for_any_warps_and_tokens_in_flight(host_kernels, threads,
+                                                            tokens_per_warp):
+    kernels = HostKernels(cache_dir=host_kernels.library_dir, threads=threads,
+                          tokens_per_warp=tokens_per_warp)
+    table = check_correctness(kernels, cases=EMULATED_CASES[:2] + EMULATED_CASES[4:5],
+                              seed=threads)
     assert table["ok"].all(), table.to_string()
 
 

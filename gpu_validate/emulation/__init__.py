@@ -21,7 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from gpu_validate.launch import KERNEL_SOURCE, THREADS, launch_args
+from gpu_validate.launch import (
+    KERNEL_SOURCE,
+    THREADS,
+    TOKENS_PER_WARP,
+    build_defines,
+    launch_args,
+)
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cuda_on_host.h", HERE / "entry.cpp", KERNEL_SOURCE)
@@ -43,22 +49,24 @@ def find_compiler() -> str | None:
     return None
 
 
-def build(cache_dir: Path | None = None) -> Path:
-    """Compile the emulation once per source version; returns the shared library's path."""
+def build(cache_dir: Path | None = None, tokens_per_warp: int = TOKENS_PER_WARP) -> Path:
+    """Compile the emulation once per source version and options; returns the shared
+    library's path."""
     compiler = find_compiler()
     if compiler is None:
         raise EmulationError("no C++ compiler found (set CXX, or install g++)")
+    flags = (*COMPILE_FLAGS, *build_defines(tokens_per_warp))
     digest = hashlib.sha256()
     for path in SOURCES:
         digest.update(path.read_bytes())
-    digest.update(" ".join((compiler, *COMPILE_FLAGS)).encode())
+    digest.update(" ".join((compiler, *flags)).encode())
     cache = Path(cache_dir or Path(tempfile.gettempdir()) / "kvsim-emulation")
     cache.mkdir(parents=True, exist_ok=True)
     library = cache / f"decode_attention-{digest.hexdigest()[:16]}.so"
     if library.is_file():
         return library
     partial = library.with_suffix(f".{os.getpid()}.tmp")
-    proc = subprocess.run([compiler, *COMPILE_FLAGS, "-o", str(partial),
+    proc = subprocess.run([compiler, *flags, "-o", str(partial),
                            str(HERE / "entry.cpp")], capture_output=True, text=True,
                           check=False)
     if proc.returncode != 0:
@@ -84,8 +92,9 @@ class HostKernels:
 
     xp = np
 
-    def __init__(self, cache_dir: Path | None = None, threads: int = THREADS) -> None:
-        path = build(cache_dir)
+    def __init__(self, cache_dir: Path | None = None, threads: int = THREADS,
+                 tokens_per_warp: int = TOKENS_PER_WARP) -> None:
+        path = build(cache_dir, tokens_per_warp)
         self.library_dir = path.parent
         self.library = ctypes.CDLL(str(path))
         self.threads = threads
