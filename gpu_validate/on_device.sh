@@ -14,7 +14,7 @@
 set -u
 out=${1:?usage: bash gpu_validate/on_device.sh OUT_DIR [ARGS...]}
 shift
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2  # absolute: we change folder next
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python=${PYTHON:-python3}
