@@ -56,7 +56,6 @@ class Kernels:
 
         self.xp = cupy
         self.threads = threads
-        self.tokens_per_warp = tokens_per_warp
         # CuPy adds the device's -arch; the source needs no CUDA headers (NVRTC-safe).
         module = cupy.RawModule(code=KERNEL_SOURCE.read_text(),
                                 options=("--std=c++17", *build_defines(tokens_per_warp)))
@@ -196,44 +195,43 @@ def run_timings(kernels: Kernels, model: ModelSpec, *, quick: bool = False, devi
             table().to_csv(partial_csv, index=False)
 
     per_token_bytes = 2 * model.num_kv_heads * model.head_dim * 2
+
+    def attention(backend: Kernels, batch: int, context_len: int,
+                  block_size: int | None, **extra: Any) -> dict[str, Any]:
+        """Time one layout on fresh device inputs and record the row."""
+        kv_bytes = batch * context_len * per_token_bytes
+        dev = random_device_inputs(cp, rng, model, batch, context_len, block_size)
+        timing = time_it(cp, lambda: backend.run(dev, block_size is not None))
+        row = {"kind": "attention", **extra,
+               "layout": "contiguous" if block_size is None else "paged",
+               "block_size": block_size or 0, "batch": batch, "context_len": context_len,
+               "time_s": timing.median_s, "spread": timing.spread, "bytes": kv_bytes,
+               "gbps": kv_bytes / timing.median_s / 1e9}
+        dev = None  # drop the inputs, then hand their memory back to the device
+        cp.get_default_memory_pool().free_all_blocks()
+        record(row)
+        return row
+
     shapes = attention_shapes(model, quick)
     for i, (batch, context_len) in enumerate(shapes, 1):
-        kv_bytes = batch * context_len * per_token_bytes
-        for block_size in (None, 8, 16, 32, 64, 128):
-            dev = random_device_inputs(cp, rng, model, batch, context_len, block_size)
-            timing = time_it(cp, lambda d=dev, p=block_size is not None: kernels.run(d, p))
-            record({"kind": "attention", "layout": "contiguous" if block_size is None
-                    else "paged", "block_size": block_size or 0, "batch": batch,
-                    "context_len": context_len, "time_s": timing.median_s,
-                    "spread": timing.spread, "bytes": kv_bytes,
-                    "gbps": kv_bytes / timing.median_s / 1e9})
-            del dev
-            cp.get_default_memory_pool().free_all_blocks()
-        base = rows[-6]["time_s"]
+        base, *paged = [attention(kernels, batch, context_len, bs)
+                        for bs in (None, 8, 16, 32, 64, 128)]
         log(f"[{i}/{len(shapes)}] attention batch {batch} x context {context_len}: "
-            f"contiguous {base * 1e6:.0f} us ({rows[-6]['gbps']:.0f} GB/s), paged/contiguous "
-            + " ".join(f"{r['block_size']}:{r['time_s'] / base:.3f}" for r in rows[-5:]))
+            f"contiguous {base['time_s'] * 1e6:.0f} us ({base['gbps']:.0f} GB/s), "
+            "paged/contiguous " + " ".join(
+                f"{r['block_size']}:{r['time_s'] / base['time_s']:.3f}" for r in paged))
     # Tuning data for the next kernel version: other numbers of rows in flight per warp, at
     # a small, a middle and the largest batch of the sweep (kind "variant": not fitted).
     picks = sorted({shapes[0], shapes[len(shapes) // 2], shapes[-1]})
     for tokens_per_warp in variants:
         variant = Kernels(kernels.threads, tokens_per_warp)
         for batch, context_len in picks:
-            kv_bytes = batch * context_len * per_token_bytes
-            for block_size in (None, 16):
-                dev = random_device_inputs(cp, rng, model, batch, context_len, block_size)
-                timing = time_it(cp, lambda d=dev, p=block_size is not None, k=variant: k.run(d, p))
-                record({"kind": "variant", "tokens_per_warp": tokens_per_warp,
-                        "layout": "contiguous" if block_size is None else "paged",
-                        "block_size": block_size or 0, "batch": batch,
-                        "context_len": context_len, "time_s": timing.median_s,
-                        "spread": timing.spread, "bytes": kv_bytes,
-                        "gbps": kv_bytes / timing.median_s / 1e9})
-                del dev
-                cp.get_default_memory_pool().free_all_blocks()
+            contiguous, paged16 = [
+                attention(variant, batch, context_len, bs, kind="variant",
+                          tokens_per_warp=tokens_per_warp) for bs in (None, 16)]
             log(f"variant tokens_per_warp={tokens_per_warp}, batch {batch} x context "
-                f"{context_len}: contiguous {rows[-2]['gbps']:.0f} GB/s, paged-16 "
-                f"{rows[-1]['gbps']:.0f} GB/s")
+                f"{context_len}: contiguous {contiguous['gbps']:.0f} GB/s, paged-16 "
+                f"{paged16['gbps']:.0f} GB/s")
     layer_shapes = layer_gemm_shapes(model)
     weights = [(cp.random.random(s, dtype=cp.float32) - 0.5).astype(cp.float16)
                for s in layer_shapes]
