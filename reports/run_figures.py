@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from reports.style import TAXONOMY_COLORS, TAXONOMY_LABELS, new_figure, system_color
 from sim.memory import TAXONOMY
@@ -56,7 +57,9 @@ def memory_over_time(result: ScenarioResult) -> Figure:
             lambda p, c=capacity: p / 100 * c * per_token / GIB))
         pct.set_ylabel("% of pool")
     axes[-1].set_xlabel("simulated time (s)")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside upper center", ncol=3,
+    # Below the axes: constrained layout does not keep an "outside upper" legend clear of
+    # the suptitle, and the two overlapped.
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3,
                fontsize=8, frameon=False)
     fig.suptitle(f"{result.scenario['name']}: KV memory taxonomy over time", fontsize=11)
     fig.kvsim_data = data  # type: ignore[attr-defined]
@@ -158,15 +161,22 @@ def hits_and_preemptions(result: ScenarioResult, bins: int = 40) -> Figure:
         centers = (edges[:-1] + edges[1:]) / 2
         data[name] = pd.DataFrame({"time_s": centers, "hit_rate_pct": rate,
                                    "preemptions": memory["preemptions"].to_numpy()[idx][1:]})
-        axes[0].plot(centers, rate, marker="o", markersize=2, color=system_color(i),
-                     label=name, linewidth=1)
+        if run.summary.get("prefix_hit_rate") is not None:  # None: no prefix cache to plot
+            axes[0].plot(centers, rate, marker="o", markersize=2, color=system_color(i),
+                         label=name, linewidth=1)
         axes[1].step(memory["time_s"], memory["preemptions"], where="post",
                      color=system_color(i), label=name, linewidth=1)
+    if not axes[0].lines:
+        axes[0].text(0.5, 0.5, "no system here has a prefix cache", ha="center",
+                     va="center", transform=axes[0].transAxes, fontsize=9, color="0.4")
     axes[0].set_ylabel("prefix hit rate (%)")
     axes[0].set_ylim(0, 100)
     axes[1].set_ylabel("preemptions (cumulative)")
+    # A count: whole-number ticks from 0 (with none at all, matplotlib would centre on ±0.04).
+    axes[1].set_ylim(bottom=0, top=max(axes[1].get_ylim()[1], 1))
+    axes[1].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[1].set_xlabel("simulated time (s)")
-    axes[0].legend(fontsize=8, frameon=False)
+    axes[1].legend(fontsize=8, frameon=False)
     axes[0].set_title(f"{result.scenario['name']}: prefix-cache hits and preemptions",
                       loc="left", fontsize=11)
     fig.kvsim_data = data  # type: ignore[attr-defined]

@@ -8,7 +8,6 @@ Every figure averages over seeds (bars show the min–max range) and attaches it
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +98,7 @@ def rate_figure(table: pd.DataFrame, field: str = "workload.arrival.rate") -> Fi
     x = _param(table, field)
     fig, axes = new_figure(2, 1, height=3.0, sharex=True)
     knees = {}
+    labelled: dict[float, float] = {}  # knee -> the lowest throughput labelled there
     for i, (name, part) in enumerate(table.groupby("system", sort=False)):
         mean = part.groupby(x).mean(numeric_only=True).reset_index().sort_values(x)
         color = system_color(i)
@@ -112,8 +112,12 @@ def rate_figure(table: pd.DataFrame, field: str = "workload.arrival.rate") -> Fi
             for ax in axes:
                 ax.axvline(knee, color=color, linestyle="--", linewidth=0.8, alpha=0.8)
             y = float(mean.loc[mean[x] == knee, "throughput_tok_s"].iloc[0])
+            # Labels of systems that saturate at the same rate stack instead of overprinting.
+            y = min(y, labelled.get(knee, y))
+            stacked = sum(1 for k in knees.values() if k == knee) - 1
+            labelled[knee] = y
             axes[0].annotate(f"knee {knee:g}", (knee, y), textcoords="offset points",
-                             xytext=(4, -12 - 9 * i), fontsize=7, color=color)
+                             xytext=(4, -12 - 10 * stacked), fontsize=7, color=color)
     axes[0].set_ylabel("output throughput (tokens/s)")
     axes[1].set_ylabel("E2E latency p90 (s)")
     axes[1].set_yscale("log")
@@ -239,8 +243,8 @@ def write_sweep_report(sweep_dir: Path, x: str | None = None, y: str | None = No
     cols = [*params, "system", "seed", "throughput_tok_s", "e2e_p90_s", "waste_frac",
             "internal_frac_of_allocated", "prefix_hit_rate", "preemptions"]
     cols = [c for c in cols if c in table]
-    body = table[cols].to_html(index=False, float_format=lambda v: "" if math.isnan(v)
-                               else f"{v:,.4g}", border=0)
+    body = table[cols].to_html(index=False, float_format=lambda v: f"{v:,.4g}", na_rep="—",
+                               border=0)
     sections.append(("Results", body))
     scenario = yaml.safe_load(Path(info["scenario"]).read_text()) if Path(
         info["scenario"]).is_file() else {"name": sweep_dir.name}

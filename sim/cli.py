@@ -169,7 +169,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 "prefix_hit_rate"]
         grouped = view[cols].groupby([*params, "system"], sort=False).mean(numeric_only=True)
         with _pandas_display():
-            print(grouped.to_string(float_format=lambda v: f"{v:,.4g}"))
+            print(grouped.to_string(float_format=lambda v: f"{v:,.4g}", na_rep="—"))
     if table is not None and (table.get("status") == "failed").any():
         for error in table.loc[table["status"] == "failed", "error"].unique()[:5]:
             print(f"failed: {error}", file=sys.stderr)

@@ -317,6 +317,8 @@ class _SystemRun:
         lookup = sum(r.scheduler.lookup_tokens for r in self.replicas)
         hits = sum(r.scheduler.hit_tokens for r in self.replicas)
         extra = {"lookup_tokens": lookup, "hit_tokens": hits,
+                 "prefix_caching": bool(getattr(self.replicas[0].allocator,
+                                                "enable_prefix_caching", False)),
                  "evictions": sum(getattr(getattr(r.allocator, "pool", None), "num_evictions", 0)
                                   for r in self.replicas),
                  "replicas": len(self.replicas)}

@@ -103,14 +103,17 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
         "internal_frac_of_allocated": averages["internal"] / allocated if allocated else 0.0,
         "internal_at_finish_frac": (finish_alloc - finish_used) / finish_alloc if (
             finish_alloc) else 0.0,
-        "prefix_hit_rate": extra["hit_tokens"] / extra["lookup_tokens"] if (
-            extra["lookup_tokens"]) else 0.0,
+        # None (shown "—") where there is no prefix cache: 0 % would read as a cache that missed.
+        "prefix_hit_rate": (extra["hit_tokens"] / extra["lookup_tokens"]
+                            if extra["lookup_tokens"] else 0.0)
+        if extra.get("prefix_caching", True) else None,
         "preemptions": int(requests["preemptions"].sum()),
         "recomputed_tokens": int(requests["recomputed_tokens"].sum()),
         "steps": int(step_count),
         "capacity_slots": capacity_slots,
     }
-    summary.update({k: v for k, v in extra.items() if k not in ("hit_tokens", "lookup_tokens")})
+    summary.update({k: v for k, v in extra.items()
+                    if k not in ("hit_tokens", "lookup_tokens", "prefix_caching")})
     return summary
 
 

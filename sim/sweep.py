@@ -291,6 +291,8 @@ def results_table(points: list[SweepPoint], outcomes: dict[str, dict[str, Any]])
         table["_order"] = table["system"].map(order).fillna(len(order))
         table = table.sort_values(["point", "_order", "seed"], kind="stable").drop(
             columns="_order").reset_index(drop=True)
+        if "prefix_hit_rate" in table:  # None where a system has no prefix cache: NaN here
+            table["prefix_hit_rate"] = table["prefix_hit_rate"].astype(float)
         for column in table.columns:
             if table[column].dtype == object and column.startswith("param:"):
                 table[column] = table[column].map(

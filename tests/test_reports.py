@@ -96,7 +96,29 @@ def test_batch_latency_and_hit_figures(result):
     assert np.nanmax(data["hit_rate_pct"]) > 0
     assert np.all(np.nan_to_num(fig.kvsim_data["contiguous"]["hit_rate_pct"]) == 0)
     assert fig.axes[0].get_ylabel() == "prefix hit rate (%)"
+    # Contiguous memory has no prefix cache: no hit-rate line (its rate is "—", not 0 %).
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["paged"]
+    assert result.systems["contiguous"].summary["prefix_hit_rate"] is None
+    assert fig.axes[1].get_ylim()[0] == 0
+    ticks = fig.axes[1].get_yticks()
+    assert np.array_equal(ticks, np.round(ticks))  # preemptions are counted in whole numbers
     close(fig)
+
+
+def test_figure_titles_and_legends_do_not_overlap(result):
+    for make in (memory_over_time, waste_breakdown, latency_cdfs):
+        fig = make(result)
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        titles = [t for t in (fig._suptitle, *(a.title for a in fig.axes),
+                              *(a._left_title for a in fig.axes)) if t and t.get_text()]
+        legends = fig.legends + [a.get_legend() for a in fig.axes if a.get_legend()]
+        assert titles and legends
+        for title in titles:
+            for legend in legends:
+                assert not title.get_window_extent(renderer).overlaps(
+                    legend.get_window_extent(renderer)), (make.__name__, title.get_text())
+        close(fig)
 
 
 def test_report_html_embeds_every_figure_offline(result):

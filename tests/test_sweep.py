@@ -140,6 +140,11 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
     table = pd.read_parquet(out / "results.parquet")
     assert len(table) == 18 * 2
     assert not table.duplicated(["point", "seed", "system"]).any()
+    # Rows read back from summary.json and rows computed now agree on the missing hit rate of
+    # a system without a prefix cache: a float NaN column, not Python None.
+    assert table["prefix_hit_rate"].dtype == float
+    assert table.loc[table["system"] == "contiguous", "prefix_hit_rate"].isna().all()
+    assert table.loc[table["system"] == "paged", "prefix_hit_rate"].notna().all()
     for key, mtime in finished.items():
         assert (runs / key / "summary.json").stat().st_mtime_ns == mtime  # not recomputed
     assert not list(out.rglob(".*.tmp"))
