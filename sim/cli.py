@@ -24,6 +24,7 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("throughput_req_s", "request throughput (req/s)", "{:,.2f}"),
     ("mean_batch", "mean decode batch", "{:,.1f}"),
     ("peak_batch", "peak decode batch", "{:,.0f}"),
+    ("waiting_at_last_arrival", "queue at last arrival", "{:,.0f}"),
     ("ttft_p50_s", "TTFT p50 (s)", "{:,.3f}"),
     ("ttft_p99_s", "TTFT p99 (s)", "{:,.3f}"),
     ("tpot_p50_s", "TPOT p50 (ms)", "ms"),
@@ -105,7 +106,7 @@ def _progress_factory(quiet: bool) -> Callable[[str, int], Callable[[int], None]
 # ---------------------------------------------------------------------- commands
 def cmd_run(args: argparse.Namespace) -> int:
     from sim.engine import run_scenario
-    from sim.results import write_run
+    from sim.results import saturation_note, write_run
     from sim.scenario import load_scenario, scenario_from_dict
 
     path = Path(args.scenario)
@@ -123,7 +124,11 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"seed {scenario.seed}")
     for note in result.trace_notes:
         print(f"note: {note}")
-    print(format_summary({n: r.summary for n, r in result.systems.items()}))
+    summaries = {n: r.summary for n, r in result.systems.items()}
+    print(format_summary(summaries))
+    saturated = saturation_note(summaries)
+    if saturated:
+        print(f"note: {saturated}")
     if not args.no_report:
         report = _write_report(out)
         if report:

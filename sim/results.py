@@ -61,6 +61,15 @@ def _percentiles(values: np.ndarray, name: str) -> dict[str, float]:
     return out
 
 
+def _waiting_at(steps: pd.DataFrame, time_s: float) -> int:
+    """Requests queued (arrived, not admitted) at the last step starting by ``time_s``,
+    summed over replicas: how far arrivals had outrun the server when they stopped."""
+    before = steps[steps["time_s"] <= time_s]
+    if before.empty:
+        return 0
+    return int(before.groupby("replica")["waiting"].last().sum())
+
+
 def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, float],
               capacity_slots: int, extra: dict[str, Any]) -> dict[str, Any]:
     """Summary metrics of one system's run (see the README's metric table)."""
@@ -107,6 +116,8 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
         "prefix_hit_rate": (extra["hit_tokens"] / extra["lookup_tokens"]
                             if extra["lookup_tokens"] else 0.0)
         if extra.get("prefix_caching", True) else None,
+        "waiting_at_last_arrival": _waiting_at(steps, float(requests["arrival_s"].max())
+                                               if len(requests) else 0.0),
         "preemptions": int(requests["preemptions"].sum()),
         "recomputed_tokens": int(requests["recomputed_tokens"].sum()),
         "steps": int(step_count),
@@ -115,6 +126,25 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
     summary.update({k: v for k, v in extra.items()
                     if k not in ("hit_tokens", "lookup_tokens", "prefix_caching")})
     return summary
+
+
+SATURATED_WAITING_FRAC = 0.05  # of the requests, still queued when the last one arrived
+
+
+def saturation_note(summaries: dict[str, dict[str, Any]]) -> str | None:
+    """A warning when arrivals outran a system: its queue was still long when they stopped,
+    so its throughput is its capacity and its TTFT and E2E latency are mostly queueing."""
+    saturated = {name: s for name, s in summaries.items()
+                 if (s.get("waiting_at_last_arrival") or 0)
+                 >= max(10, SATURATED_WAITING_FRAC * s.get("requests", 0))}
+    if not saturated:
+        return None
+    queues = ", ".join(f"{name} {s['waiting_at_last_arrival']:,}"
+                       for name, s in saturated.items())
+    return (f"saturated: requests still waiting at the last arrival: {queues}; the offered "
+            "load exceeds what "
+            + ("this system sustains" if len(saturated) == 1 else "these systems sustain")
+            + ", so throughput is capacity and TTFT/E2E are mostly queueing")
 
 
 def _atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]

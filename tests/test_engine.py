@@ -12,6 +12,7 @@ import sim
 from sim.engine import MEMORY_COLUMNS, build_timing, run_scenario
 from sim.memory import TAXONOMY
 from sim.presets import lookup_gpu, lookup_model
+from sim.results import saturation_note
 from sim.scenario import load_scenario, scenario_from_dict
 from sim.timing import Calibration, CalibrationError, roofline
 
@@ -54,6 +55,23 @@ def test_main_scenario_paged_ahead():
         assert paged["mean_batch"] > 2 * contiguous["mean_batch"]
         assert paged["waste_frac"] < contiguous["waste_frac"] / 10
         assert paged["ttft_p50_s"] < contiguous["ttft_p50_s"]
+
+
+def test_queue_at_last_arrival_and_the_saturation_note():
+    heavy = run_scenario(scenario_from_dict(small()))
+    light = run_scenario(scenario_from_dict(small(
+        workload={"arrival": {"process": "poisson", "rate": 0.5},
+                  "prompt_len": {"dist": "uniform", "low": 20, "high": 300},
+                  "output_len": {"dist": "uniform", "low": 5, "high": 200}})))
+    assert saturation_note({n: r.summary for n, r in light.systems.items()}) is None
+    run = heavy.systems["contiguous"]  # no preemption: waiting = arrived and not yet admitted
+    requests, steps = run.requests, run.steps
+    t = steps.loc[steps["time_s"] <= requests["arrival_s"].max(), "time_s"].iloc[-1]
+    queued = ((requests["arrival_s"] <= t) & ~(requests["admitted_s"] <= t)).sum()
+    assert run.summary["preemptions"] == 0
+    assert run.summary["waiting_at_last_arrival"] == queued >= 10
+    note = saturation_note({n: r.summary for n, r in heavy.systems.items()})
+    assert note is not None and f"contiguous {queued:,}" in note
 
 
 def test_taxonomy_sums_to_pool_in_every_sample():

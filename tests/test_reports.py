@@ -18,6 +18,7 @@ from reports.run_figures import (
 from reports.style import TAXONOMY_COLORS, close
 from sim.api import run
 from sim.memory import TAXONOMY
+from sim.results import saturation_note
 
 SCENARIO = {
     "name": "report-test",
@@ -129,6 +130,9 @@ def test_report_html_embeds_every_figure_offline(result):
     assert not re.search(r"(src|href)=['\"]?(https?:)?//", text)
     assert "url(" not in text and "@import" not in text
     assert "Resolved scenario" in text and "report-test" in text and "matplotlib" in text
+    queued = [r.summary["waiting_at_last_arrival"] for r in result.systems.values()]
+    assert max(queued) >= 10  # 30 req/s outruns this small pool: the report must say so
+    assert saturation_note({n: r.summary for n, r in result.systems.items()}) in text
     for name in ("memory_over_time", "waste_breakdown", "latency_cdfs"):
         assert (result.out / "figures" / f"{name}.png").stat().st_size > 1000
         assert (result.out / "figures" / f"{name}.svg").is_file()
