@@ -270,9 +270,14 @@ def cmd_trace_export(args: argparse.Namespace) -> int:
 
 def cmd_trace_list(args: argparse.Namespace) -> int:
     from workloads import builtin_traces
+    from workloads.importers import BUILTIN_DIR, builtin_trace_summary
 
-    for name in builtin_traces():
-        print(f"builtin:{name}")
+    names = [f"builtin:{name}" for name in builtin_traces()]
+    width = max(map(len, names)) + 2
+    for name, label in zip(builtin_traces(), names, strict=True):
+        fmt, rows = builtin_trace_summary(name)
+        print(f"{label:<{width}}{fmt:<10}{rows:>8,} requests")
+    print(f"provenance and licenses: {BUILTIN_DIR / 'README.md'}")
     return EXIT_OK
 
 

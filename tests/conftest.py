@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from sim.memory import SeqSpec
 
+# Requests in each shipped public trace (workloads/data/README.md).
+PUBLIC_TRACE_ROWS = {
+    "azure_llm_2023_code.csv": 8_819,
+    "azure_llm_2023_conv.csv": 19_366,
+    "mooncake_fast25_conversation_trace.jsonl": 12_031,
+    "mooncake_fast25_synthetic_trace.jsonl": 3_993,
+}
+
 
 def make_spec(
     seq_id: int,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import PUBLIC_TRACE_ROWS
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = """
@@ -120,3 +121,13 @@ def test_trace_stats_and_export(tmp_path):
     assert len(out.read_text().splitlines()) == 61
     proc = kvsim("trace", "stats", str(tmp_path / "missing.csv"))
     assert proc.returncode == 2 and "trace file not found" in proc.stderr
+    proc = kvsim("trace", "list")
+    assert proc.returncode == 0, proc.stderr
+    listed = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()
+              if line.startswith("builtin:")}
+    assert listed == {f"builtin:{name}": [name.split("_")[0] if "azure" in name else "mooncake",
+                                          f"{rows:,}", "requests"]
+                      for name, rows in PUBLIC_TRACE_ROWS.items()}
+    proc = kvsim("trace", "stats", "builtin:nope.csv")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith("shipped: " + ", ".join(sorted(PUBLIC_TRACE_ROWS)))

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import PUBLIC_TRACE_ROWS
 from pydantic import TypeAdapter
 
 from sim.memory.content import BlockHasher
@@ -141,15 +142,7 @@ def test_closed_loop_chains_requests_per_user():
     assert (trace.after[4:] == np.arange(16)).all()
 
 
-ROWS = {
-    "azure_llm_2023_code.csv": 8_819,
-    "azure_llm_2023_conv.csv": 19_366,
-    "mooncake_fast25_conversation_trace.jsonl": 12_031,
-    "mooncake_fast25_synthetic_trace.jsonl": 3_993,
-}
-
-
-@pytest.mark.parametrize(("name", "rows"), ROWS.items())
+@pytest.mark.parametrize(("name", "rows"), PUBLIC_TRACE_ROWS.items())
 def test_public_traces_import(name, rows):
     trace = build_trace(TraceWorkload(path=f"builtin:{name}"), seed=0,
                         max_model_len=1 << 20)
@@ -294,8 +287,8 @@ def test_shipped_trace_scenarios_run_in_full(name):
 
 
 ROWS_BY_SCENARIO = {
-    "azure_code": ROWS["azure_llm_2023_code.csv"],
-    "azure_conv": ROWS["azure_llm_2023_conv.csv"],
-    "mooncake_conversation": ROWS["mooncake_fast25_conversation_trace.jsonl"],
-    "mooncake_synthetic": ROWS["mooncake_fast25_synthetic_trace.jsonl"],
+    "azure_code": PUBLIC_TRACE_ROWS["azure_llm_2023_code.csv"],
+    "azure_conv": PUBLIC_TRACE_ROWS["azure_llm_2023_conv.csv"],
+    "mooncake_conversation": PUBLIC_TRACE_ROWS["mooncake_fast25_conversation_trace.jsonl"],
+    "mooncake_synthetic": PUBLIC_TRACE_ROWS["mooncake_fast25_synthetic_trace.jsonl"],
 }

@@ -54,8 +54,7 @@ def resolve_path(path: str, base_dir: Path) -> Path:
     if path.startswith(BUILTIN_PREFIX):
         resolved = BUILTIN_DIR / path[len(BUILTIN_PREFIX):]
         if not resolved.is_file():
-            names = ", ".join(sorted(p.name for p in BUILTIN_DIR.glob("*.*sv*")) +
-                              sorted(p.name for p in BUILTIN_DIR.glob("*.jsonl")))
+            names = ", ".join(builtin_traces())
             raise TraceImportError(f"{path}: no such built-in trace; shipped: {names}")
         return resolved
     resolved = Path(path)
@@ -69,6 +68,14 @@ def resolve_path(path: str, base_dir: Path) -> Path:
 def builtin_traces() -> list[str]:
     """Names usable as ``builtin:NAME``."""
     return sorted(p.name for p in BUILTIN_DIR.iterdir() if p.suffix in (".csv", ".jsonl"))
+
+
+def builtin_trace_summary(name: str) -> tuple[str, int]:
+    """(format, rows) of a shipped trace, for ``kvsim trace list``."""
+    path = BUILTIN_DIR / name
+    with path.open() as handle:
+        lines = sum(1 for line in handle if line.strip())
+    return _guess_format(path), lines - (path.suffix == ".csv")  # a CSV's header is no row
 
 
 def _guess_format(path: Path) -> str:
