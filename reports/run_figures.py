@@ -28,6 +28,33 @@ def _first_replica(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[frame["replica"] == 0] if "replica" in frame else frame
 
 
+# A figure is about a thousand pixels wide: more points than this add nothing to see, and an
+# SVG holding every scheduling point of a long run grows to tens of megabytes.
+MAX_PLOTTED_POINTS = 1500
+
+
+def time_binned(frame: pd.DataFrame, columns: list[str],
+                max_points: int = MAX_PLOTTED_POINTS) -> pd.DataFrame:
+    """``frame[columns]`` against ``time_s``, read as a step function (each row holds until
+    the next), reduced to time-weighted means over ``max_points`` equal time bins when it has
+    more rows than that; a last row at the end time closes the final bin for a step plot.
+    Means keep sums: binned taxonomy categories still add up to the pool."""
+    t = frame["time_s"].to_numpy(dtype=float)
+    if len(frame) <= max_points or not t[-1] > t[0]:
+        return frame[["time_s", *columns]].reset_index(drop=True)
+    edges = np.linspace(t[0], t[-1], max_points + 1)
+    row = np.searchsorted(t, edges, side="right") - 1  # the row in force at each edge
+    widths = np.diff(edges)
+    binned = {"time_s": edges}
+    for column in columns:
+        values = frame[column].to_numpy(dtype=float)
+        integral = np.concatenate([[0.0], np.cumsum(values[:-1] * np.diff(t))])
+        at_edges = integral[row] + values[row] * (edges - t[row])
+        means = np.diff(at_edges) / widths
+        binned[column] = np.append(means, means[-1])
+    return pd.DataFrame(binned)
+
+
 def memory_over_time(result: ScenarioResult) -> Figure:
     """Stacked areas of the taxonomy per system (GiB on the left, % of the pool on the right)."""
     names = list(result.systems)
@@ -36,7 +63,7 @@ def memory_over_time(result: ScenarioResult) -> Figure:
     data = {}
     for ax, name in zip(axes, names, strict=True):
         run = result.systems[name]
-        memory = _first_replica(run.memory)
+        memory = time_binned(_first_replica(run.memory), list(TAXONOMY))
         capacity = run.summary["capacity_slots"]
         gib = memory[list(TAXONOMY)] * per_token / GIB
         data[name] = pd.concat([memory["time_s"], gib], axis=1)
@@ -98,8 +125,8 @@ def batch_and_queue(result: ScenarioResult) -> Figure:
     fig, axes = new_figure(2, 1, height=2.6, sharex=True)
     data = {}
     for i, (name, run) in enumerate(result.systems.items()):
-        steps = _first_replica(run.steps)
-        data[name] = steps[["time_s", "decode_seqs", "waiting"]]
+        steps = time_binned(_first_replica(run.steps), ["decode_seqs", "waiting"])
+        data[name] = steps
         axes[0].step(steps["time_s"], steps["decode_seqs"], where="post",
                      color=system_color(i), label=name, linewidth=1)
         axes[1].step(steps["time_s"], steps["waiting"], where="post", color=system_color(i),

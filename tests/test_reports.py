@@ -5,14 +5,17 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from reports.html import write_report
 from reports.run_figures import (
+    MAX_PLOTTED_POINTS,
     batch_and_queue,
     hits_and_preemptions,
     latency_cdfs,
     memory_over_time,
+    time_binned,
     waste_breakdown,
 )
 from reports.style import TAXONOMY_COLORS, close
@@ -136,3 +139,37 @@ def test_report_html_embeds_every_figure_offline(result):
     for name in ("memory_over_time", "waste_breakdown", "latency_cdfs"):
         assert (result.out / "figures" / f"{name}.png").stat().st_size > 1000
         assert (result.out / "figures" / f"{name}.svg").is_file()
+
+
+def test_time_binning_keeps_time_weighted_means_and_sums():
+    rng = np.random.default_rng(3)
+    n = 20_000
+    t = np.cumsum(rng.exponential(0.01, n))
+    a = rng.integers(0, 1000, n).astype(float)
+    frame = pd.DataFrame({"time_s": t, "a": a, "b": 5000 - a})
+    short = frame.iloc[:100]
+    assert time_binned(short, ["a", "b"]).equals(short[["time_s", "a", "b"]])
+    binned = time_binned(frame, ["a", "b"], max_points=400)
+    assert len(binned) == 401 and binned["time_s"].iloc[[0, -1]].tolist() == [t[0], t[-1]]
+    assert np.allclose(binned["a"] + binned["b"], 5000)  # categories still fill the pool
+    # Each bin's mean against a brute-force integral of the step function on a fine grid.
+    grid = np.linspace(t[0], t[-1], 4_000_001)
+    sampled = a[np.searchsorted(t, grid, side="right") - 1]
+    brute = sampled[:-1].reshape(400, -1).mean(axis=1)
+    assert np.allclose(binned["a"].to_numpy()[:-1], brute, rtol=0, atol=1)  # row means: ~100 off
+
+
+def test_long_runs_are_drawn_from_at_most_max_plotted_points(result, tmp_path):
+    paged = result.systems["paged"]
+    long = pd.concat([paged.memory.assign(time_s=paged.memory["time_s"] + k * 1e3)
+                      for k in range(40)], ignore_index=True)
+    assert len(long) > MAX_PLOTTED_POINTS
+    paged.memory, original = long, paged.memory
+    try:
+        fig = memory_over_time(result)
+    finally:
+        paged.memory = original
+    assert len(fig.kvsim_data["paged"]) == MAX_PLOTTED_POINTS + 1
+    fig.savefig(tmp_path / "m.svg")
+    assert (tmp_path / "m.svg").stat().st_size < 5_000_000
+    close(fig)
