@@ -91,6 +91,11 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
     allocated = sum(averages[c] for c in ("token", "reserved", "internal"))
     finish_alloc = float(done["allocated_at_finish"].sum())
     finish_used = float(((done["prompt_len"] + done["output_len"]) * done["n"]).sum())
+    # None (shown "—") where there is no prefix cache: 0 % would read as a cache that missed.
+    hit_rate = None
+    if extra["prefix_caching"]:
+        lookups = extra["lookup_tokens"]
+        hit_rate = extra["hit_tokens"] / lookups if lookups else 0.0
     summary: dict[str, Any] = {
         "requests": len(requests),
         "completed": len(done),
@@ -112,10 +117,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
         "internal_frac_of_allocated": averages["internal"] / allocated if allocated else 0.0,
         "internal_at_finish_frac": (finish_alloc - finish_used) / finish_alloc if (
             finish_alloc) else 0.0,
-        # None (shown "—") where there is no prefix cache: 0 % would read as a cache that missed.
-        "prefix_hit_rate": (extra["hit_tokens"] / extra["lookup_tokens"]
-                            if extra["lookup_tokens"] else 0.0)
-        if extra.get("prefix_caching", True) else None,
+        "prefix_hit_rate": hit_rate,
         "waiting_at_last_arrival": _waiting_at(steps, float(requests["arrival_s"].max())
                                                if len(requests) else 0.0),
         "preemptions": int(requests["preemptions"].sum()),
