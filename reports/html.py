@@ -26,6 +26,8 @@ h1 { font-size: 1.6em; } h2 { font-size: 1.2em; margin-top: 2em; }
 table { border-collapse: collapse; font-size: 0.9em; }
 th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
+td { white-space: nowrap; }
+.wide { overflow-x: auto; }
 pre { background: #f6f6f6; padding: 1em; overflow-x: auto; font-size: 0.85em; }
 img { max-width: 100%; }
 .note { color: #555; }

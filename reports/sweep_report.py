@@ -232,6 +232,28 @@ def sweep_figures(sweep_dir: Path, x: str | None = None,
     return figures
 
 
+TABLE_METRICS = ["throughput_tok_s", "e2e_p90_s", "waste_frac", "internal_frac_of_allocated",
+                 "prefix_hit_rate", "preemptions"]
+
+
+def _results_html(table: pd.DataFrame) -> str:
+    """One row per run: the swept values, then the metrics labelled and formatted as in the
+    run summary ("—" where a metric does not apply or the run failed)."""
+    from sim.cli import SUMMARY_ROWS, _fmt
+
+    rows = {key: (label, fmt) for key, label, fmt in SUMMARY_ROWS}
+    shown = pd.DataFrame({c.removeprefix("param:"): table[c] for c in table.columns
+                          if c.startswith("param:")})
+    shown["system"] = table["system"]
+    shown["seed"] = table["seed"]
+    if (table["status"] != "ok").any():
+        shown["status"] = table["status"]
+    for metric in (m for m in TABLE_METRICS if m in table):
+        label, fmt = rows[metric]
+        shown[label] = [_fmt(v, fmt) for v in table[metric]]
+    return shown.to_html(index=False, border=0)
+
+
 def write_sweep_report(sweep_dir: Path, x: str | None = None, y: str | None = None) -> Path:
     """Figures into ``sweep_dir/figures`` and ``sweep_dir/report.html``."""
     table, info = load_sweep(sweep_dir)
@@ -239,13 +261,7 @@ def write_sweep_report(sweep_dir: Path, x: str | None = None, y: str | None = No
     for name, fig in sweep_figures(sweep_dir, x, y).items():
         png = save_figure(fig, sweep_dir / "figures", name)
         sections.append((name.replace("_", " "), img_tag(png, name)))
-    params = [c for c in table.columns if c.startswith("param:")]
-    cols = [*params, "system", "seed", "throughput_tok_s", "e2e_p90_s", "waste_frac",
-            "internal_frac_of_allocated", "prefix_hit_rate", "preemptions"]
-    cols = [c for c in cols if c in table]
-    body = table[cols].to_html(index=False, float_format=lambda v: f"{v:,.4g}", na_rep="—",
-                               border=0)
-    sections.append(("Results", body))
+    sections.append(("Results", f"<div class='wide'>{_results_html(table)}</div>"))
     scenario = yaml.safe_load(Path(info["scenario"]).read_text()) if Path(
         info["scenario"]).is_file() else {"name": sweep_dir.name}
     page = render_html(f"kvsim sweep: {scenario.get('name', sweep_dir.name)}", sections,

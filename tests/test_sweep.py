@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from reports.sweep_report import saturation_knee, sweep_figures
+from reports.sweep_report import saturation_knee, sweep_figures, write_sweep_report
 from sim.sweep import SweepError, expand, run_sweep, set_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,3 +207,17 @@ def test_sweep_figures_show_labelled_series(tmp_path):
     assert ax.get_ylabel() == "waste (share of memory in use)"
     series = only.kvsim_data["series"]
     assert set(series["system"]) == set(names) and (series["mean"] >= 0).all()
+    report = write_sweep_report(outcome.out_dir).read_text()
+    assert report.count("<img ") == len(sweep_figures(outcome.out_dir))
+    results = report.split("<h2>Results</h2>")[1].split("</table>")[0]
+    headers = re.findall(r"<th>(.*?)</th>", results)
+    assert headers[:3] == ["workload.arrival.rate", "system", "seed"]
+    assert "output throughput (tok/s)" in headers and "prefix-cache hit rate" in headers
+    rows = re.findall(r"<tr>\s*(.*?)</tr>", results, flags=re.S)  # the header row has a style
+    assert len(rows) == len(table)
+    hit = headers.index("prefix-cache hit rate")
+    for row, (_, record) in zip(rows, table.iterrows(), strict=True):
+        cells = re.findall(r"<td>(.*?)</td>", row)
+        assert cells[1] == record["system"]
+        assert cells[hit] == ("—" if record["system"].startswith("contiguous")
+                              else f"{record['prefix_hit_rate'] * 100:.1f}%")
