@@ -27,8 +27,11 @@ def device_label(timings: pd.DataFrame) -> str:
     return ", ".join(parts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpu_validate", description=__doc__,
+def main(argv: list[str] | None = None, *, prog: str = "python -m gpu_validate",
+         name: str = "gpu_validate") -> int:
+    """The command line; ``prog`` and ``name`` (the prefix of its messages) let ``kvsim
+    calibrate`` present it as its own."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-2-7b", help="model preset (default "
                         "llama-2-7b)")
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = lookup_model(args.model)
     except KeyError as exc:
-        print(f"gpu_validate: error: {exc.args[0]}", file=sys.stderr)
+        print(f"{name}: error: {exc.args[0]}", file=sys.stderr)
         return 2
     out = Path(args.out)
     status = 0
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             timings = pd.read_csv(args.from_csv)
         except (FileNotFoundError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-            print(f"gpu_validate: error: {args.from_csv}: {exc}", file=sys.stderr)
+            print(f"{name}: error: {args.from_csv}: {exc}", file=sys.stderr)
             return 2
     else:
         from gpu_validate.correctness import check_correctness
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ok, device = cuda_status()
         if not ok:
-            print(f"gpu_validate: {device}; nothing was timed. Fit existing timings with "
+            print(f"{name}: {device}; nothing was timed. Fit existing timings with "
                   "--from-csv FILE.", file=sys.stderr)
             return EXIT_NO_DEVICE
         out.mkdir(parents=True, exist_ok=True)
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         worst = correctness[["rel_error_contiguous", "rel_error_paged"]].max().max()
         print(f"max relative error against float64: {worst:.2e}", flush=True)
         if not correctness["ok"].all():
-            print("gpu_validate: the kernel failed its correctness check "
+            print(f"{name}: the kernel failed its correctness check "
                   f"(see {out / 'correctness.csv'})", file=sys.stderr)
             if not args.keep_going:
                 return 1
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         result = fit_calibration(timings, model, device=device_label(timings))
     except FitError as exc:
         source = args.from_csv or out / "timings.csv"
-        print(f"gpu_validate: error: {source}: {exc}", file=sys.stderr)
+        print(f"{name}: error: {source}: {exc}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     result.calibration.dump(out / "calibration.yaml")

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sim import __version__
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 SUMMARY_ROWS: list[tuple[str, str, str]] = [
@@ -298,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvsim", description="KV-cache memory simulator for LLM serving: "
                      "contiguous reservation vs paged allocation.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"kvsim {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="run a scenario and print the systems side by side")
@@ -375,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["calibrate"]:  # its options belong to gpu_validate's own parser
         from gpu_validate.__main__ import main as calibrate_main
 
-        return calibrate_main(argv[1:])
+        return calibrate_main(argv[1:], prog="kvsim calibrate", name="kvsim")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,20 @@ def test_missing_file_and_validate_and_schema(tmp_path):
     assert proc.returncode == 0 and '"systems"' in proc.stdout
     proc = kvsim("run")
     assert proc.returncode == 2
+
+
+def test_version_and_calibrate_speak_as_kvsim(tmp_path):
+    proc = kvsim("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"kvsim {metadata.version('kvsim')}"
+    proc = kvsim("calibrate", "--help")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("usage: kvsim calibrate") and "``" not in proc.stdout
+    timings = tmp_path / "timings.csv"
+    timings.write_text("x\n1\n")
+    proc = kvsim("calibrate", "--from-csv", str(timings), "--out", str(tmp_path / "cal"))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"kvsim: error: {timings}: no 'kind' column")
 
 
 def test_trace_stats_and_export(tmp_path):
