@@ -270,6 +270,11 @@ def _models_in(annotation: Any) -> list[type]:
 _ALL_FIELDS = _collect_fields()
 
 
+def _encloses(outer: str, path: str) -> bool:
+    """Whether field path ``outer`` is ``path`` or one of its parents."""
+    return path == outer or path.startswith((outer + ".", outer + "["))
+
+
 def scenario_from_dict(data: Any, source: str = "<scenario>") -> Scenario:
     """Validate ``data`` (parsed YAML); errors become one-line :class:`ScenarioError`."""
     if not isinstance(data, dict):
@@ -282,7 +287,11 @@ def scenario_from_dict(data: Any, source: str = "<scenario>") -> Scenario:
         # An unknown key explains the rest (a misspelt required field is also "missing").
         errors.sort(key=lambda e: (e["type"] != "extra_forbidden", -len(e["loc"])))
         first = _format_error(errors[0], data)
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        # A complaint about an enclosing value is another union member refusing the same
+        # input (``gpu`` as a preset name when the mapping misses a field): not one more.
+        path = _loc(tuple(errors[0]["loc"]), data)
+        others = [e for e in errors[1:] if not _encloses(_loc(tuple(e["loc"]), data), path)]
+        more = f" (and {len(others)} more)" if others else ""
         raise ScenarioError(f"{source}: {first}{more}") from None
 
 

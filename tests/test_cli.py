@@ -96,6 +96,19 @@ def test_bad_input_is_one_line_exit_2(tmp_path, label, text, expected):
     assert expected in lines[0], lines[0]
 
 
+
+def test_a_union_alternative_is_not_counted_as_another_error(tmp_path):
+    # `gpu` is a preset name or a mapping; the name form also refuses an incomplete mapping,
+    # which is the same mistake, not "(and 1 more)".
+    path = tmp_path / "gpu.yaml"
+    path.write_text(GOOD.replace("name: tiny\n", "name: tiny\ngpu: {name: toy, memory_gib: 8, "
+                                 "hbm_bandwidth_gbps: 500}\n"))
+    proc = kvsim("validate", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"kvsim: error: {path}: gpu.peak_tflops: required field "
+                                   "is missing")
+
+
 def test_missing_file_and_validate_and_schema(tmp_path):
     proc = kvsim("run", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2
