@@ -57,12 +57,12 @@ def _versions() -> dict[str, str]:
 
 
 def _summary_table(result: ScenarioResult) -> str:
-    from sim.cli import SUMMARY_ROWS, _fmt
+    from sim.metrics import SUMMARY_ROWS, format_metric
 
     head = "".join(f"<th>{html.escape(n)}</th>" for n in result.systems)
     rows = []
     for key, label, fmt in SUMMARY_ROWS:
-        cells = "".join(f"<td>{_fmt(r.summary.get(key), fmt)}</td>"
+        cells = "".join(f"<td>{format_metric(r.summary.get(key), fmt)}</td>"
                         for r in result.systems.values())
         rows.append(f"<tr><td>{html.escape(label)}</td>{cells}</tr>")
     return f"<table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table>"

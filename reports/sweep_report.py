@@ -239,7 +239,7 @@ TABLE_METRICS = ["throughput_tok_s", "e2e_p90_s", "waste_frac", "internal_frac_o
 def _results_html(table: pd.DataFrame) -> str:
     """One row per run: the swept values, then the metrics labelled and formatted as in the
     run summary ("—" where a metric does not apply or the run failed)."""
-    from sim.cli import SUMMARY_ROWS, _fmt
+    from sim.metrics import SUMMARY_ROWS, format_metric
 
     rows = {key: (label, fmt) for key, label, fmt in SUMMARY_ROWS}
     shown = pd.DataFrame({c.removeprefix("param:"): table[c] for c in table.columns
@@ -250,7 +250,7 @@ def _results_html(table: pd.DataFrame) -> str:
         shown["status"] = table["status"]
     for metric in (m for m in TABLE_METRICS if m in table):
         label, fmt = rows[metric]
-        shown[label] = [_fmt(v, fmt) for v in table[metric]]
+        shown[label] = [format_metric(v, fmt) for v in table[metric]]
     return shown.to_html(index=False, border=0)
 
 

@@ -1,0 +1,63 @@
+"""The summary metrics as people read them: a label and a format for each.
+
+One list serves every place a run's summary is shown — the table ``kvsim run`` prints, the
+report's summary table and the sweep report's results — so a metric reads the same in all.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+SUMMARY_ROWS: list[tuple[str, str, str]] = [
+    # (summary key, label, format)
+    ("completed", "requests completed", "{:,.0f}"),
+    ("rejected", "requests rejected", "{:,.0f}"),
+    ("throughput_tok_s", "output throughput (tok/s)", "{:,.1f}"),
+    ("throughput_req_s", "request throughput (req/s)", "{:,.2f}"),
+    ("mean_batch", "mean decode batch", "{:,.1f}"),
+    ("peak_batch", "peak decode batch", "{:,.0f}"),
+    ("waiting_at_last_arrival", "queue at last arrival", "{:,.0f}"),
+    ("ttft_p50_s", "TTFT p50 (s)", "{:,.3f}"),
+    ("ttft_p99_s", "TTFT p99 (s)", "{:,.3f}"),
+    ("tpot_p50_s", "TPOT p50 (ms)", "ms"),
+    ("e2e_p90_s", "E2E p90 (s)", "{:,.2f}"),
+    ("token_frac", "KV pool holding tokens", "%"),
+    ("waste_frac", "waste (of memory in use)", "%"),
+    ("internal_frac_of_allocated", "internal frag. (of allocated)", "%"),
+    ("internal_at_finish_frac", "internal frag. at completion", "%2"),
+    ("external_frac", "external frag. (of pool)", "%"),
+    ("duplicate_frac", "duplicate prefix slots (of pool)", "%"),
+    ("prefix_hit_rate", "prefix-cache hit rate", "%"),
+    ("preemptions", "preemptions", "{:,.0f}"),
+    ("recomputed_tokens", "recomputed tokens", "{:,.0f}"),
+    ("makespan_s", "makespan (s)", "{:,.1f}"),
+]
+
+
+def format_metric(value: Any, fmt: str) -> str:
+    """One value in ``fmt`` (a format string, or "%", "%2", "ms"); "—" for none or NaN."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if fmt == "%":
+        return f"{value * 100:.1f}%"
+    if fmt == "%2":
+        return f"{value * 100:.2f}%"
+    if fmt == "ms":
+        return f"{value * 1000:.1f}"
+    return fmt.format(value)
+
+
+def format_summary(summaries: dict[str, dict[str, Any]]) -> str:
+    """The side-by-side summary table printed after a run."""
+    names = list(summaries)
+    label_width = max(len(label) for _, label, _ in SUMMARY_ROWS) + 2
+    widths = [max(len(n), 12) + 2 for n in names]
+    lines = ["".ljust(label_width) + "".join(n.rjust(w) for n, w in zip(names, widths,
+                                                                       strict=True))]
+    lines.append("-" * len(lines[0]))
+    for key, label, fmt in SUMMARY_ROWS:
+        cells = [format_metric(summaries[n].get(key), fmt).rjust(w)
+                 for n, w in zip(names, widths, strict=True)]
+        lines.append(label.ljust(label_width) + "".join(cells))
+    return "\n".join(lines)
