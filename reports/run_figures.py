@@ -55,6 +55,12 @@ def time_binned(frame: pd.DataFrame, columns: list[str],
     return pd.DataFrame(binned)
 
 
+def _replica_note(result: ScenarioResult) -> str:
+    """Title suffix for figures drawn from replica 0 alone."""
+    replicas = max(run.summary.get("replicas", 1) for run in result.systems.values())
+    return " (replica 0)" if replicas > 1 else ""
+
+
 def memory_over_time(result: ScenarioResult) -> Figure:
     """Stacked areas of the taxonomy per system (GiB on the left, % of the pool on the right)."""
     names = list(result.systems)
@@ -76,8 +82,7 @@ def memory_over_time(result: ScenarioResult) -> Figure:
             lower = upper
         ax.set_ylabel("KV memory (GiB)")
         ax.set_ylim(0, capacity * per_token / GIB)
-        ax.set_title(f"{name}: KV pool over time"
-                     + (" (replica 0)" if run.summary.get("replicas", 1) > 1 else ""),
+        ax.set_title(f"{name}: KV pool over time{_replica_note(result)}",
                      loc="left", fontsize=10)
         pct = ax.secondary_yaxis("right", functions=(
             lambda g, c=capacity: g * GIB / per_token / c * 100,
@@ -135,8 +140,8 @@ def batch_and_queue(result: ScenarioResult) -> Figure:
     axes[1].set_ylabel("waiting requests")
     axes[1].set_xlabel("simulated time (s)")
     axes[0].legend(fontsize=8, frameon=False)
-    axes[0].set_title(f"{result.scenario['name']}: batch size and queue length", loc="left",
-                      fontsize=11)
+    axes[0].set_title(f"{result.scenario['name']}: batch size and queue length"
+                      f"{_replica_note(result)}", loc="left", fontsize=11)
     fig.kvsim_data = data  # type: ignore[attr-defined]
     return fig
 
@@ -204,7 +209,8 @@ def hits_and_preemptions(result: ScenarioResult, bins: int = 40) -> Figure:
     axes[1].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[1].set_xlabel("simulated time (s)")
     axes[1].legend(fontsize=8, frameon=False)
-    axes[0].set_title(f"{result.scenario['name']}: prefix-cache hits and preemptions",
+    axes[0].set_title(f"{result.scenario['name']}: prefix-cache hits and preemptions"
+                      f"{_replica_note(result)}",
                       loc="left", fontsize=11)
     fig.kvsim_data = data  # type: ignore[attr-defined]
     return fig

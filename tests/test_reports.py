@@ -173,3 +173,13 @@ def test_long_runs_are_drawn_from_at_most_max_plotted_points(result, tmp_path):
     fig.savefig(tmp_path / "m.svg")
     assert (tmp_path / "m.svg").stat().st_size < 5_000_000
     close(fig)
+
+
+def test_figures_from_replica_0_say_so(result, tmp_path):
+    two = run({**SCENARIO, "engine": {"replicas": 2}}, out=tmp_path)
+    for make in (memory_over_time, batch_and_queue, hits_and_preemptions):
+        for res, note in ((result, False), (two, True)):
+            fig = make(res)
+            titles = [a.get_title(loc="left") for a in fig.axes if a.get_title(loc="left")]
+            assert titles and all(t.endswith(" (replica 0)") == note for t in titles), titles
+            close(fig)
