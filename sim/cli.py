@@ -22,6 +22,7 @@ class BadInput(Exception):
 
 
 def _bad_input_types() -> tuple[type[BaseException], ...]:
+    from reports.sweep_report import SweepReportError
     from sim.presets import SizingError
     from sim.scenario import ScenarioError
     from sim.sweep import SweepError
@@ -29,7 +30,7 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from workloads import TraceError, TraceImportError, WorkloadError
 
     return (BadInput, ScenarioError, SizingError, CalibrationError, TraceError,
-            TraceImportError, WorkloadError, SweepError)
+            TraceImportError, WorkloadError, SweepError, SweepReportError)
 
 
 def _progress_factory(quiet: bool) -> Callable[[str, int], Callable[[int], None] | None]:

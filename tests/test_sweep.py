@@ -221,3 +221,11 @@ def test_sweep_figures_show_labelled_series(tmp_path):
         assert cells[1] == record["system"]
         assert cells[hit] == ("—" if record["system"].startswith("contiguous")
                               else f"{record['prefix_hit_rate'] * 100:.1f}%")
+    for flag, value, message in (("--x", "nope", "--x nope: not a swept field"),
+                                 ("--y", "nope", "--y nope: not a summary metric")):
+        proc = subprocess.run([sys.executable, "-m", "sim.cli", "report", str(outcome.out_dir),
+                               flag, value], cwd=ROOT, capture_output=True, text=True,
+                              check=False)
+        assert proc.returncode == 2
+        assert proc.stderr.startswith(f"kvsim: error: {message}")
+        assert len(proc.stderr.strip().splitlines()) == 1
