@@ -147,6 +147,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not (path / "summary.json").is_file() and not (path / "sweep.json").is_file():
         raise BadInput(f"{path}: not a kvsim run or sweep folder (no summary.json or "
                        "sweep.json)")
+    if (args.x or args.y) and not (path / "sweep.json").is_file():
+        raise BadInput(f"{path}: --x and --y choose a sweep figure, and this is a run folder "
+                       "(a sweep folder holds sweep.json)")
     report = write_any_report(path, x=args.x, y=args.y)
     print(f"report: {report}")
     return EXIT_OK

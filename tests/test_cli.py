@@ -43,6 +43,11 @@ def test_seed_scenario_prints_63_4_percent(tmp_path):
     for system in ("contiguous-4096", "paged-16"):
         for table in ("requests", "memory", "steps"):
             assert (tmp_path / system / f"{table}.parquet").is_file()
+    proc = kvsim("report", str(tmp_path), "--x", "workload.arrival.rate")
+    assert proc.returncode == 2  # a sweep option on a run folder is refused, not ignored
+    assert proc.stderr.strip() == (f"kvsim: error: {tmp_path}: --x and --y choose a sweep "
+                                   "figure, and this is a run folder (a sweep folder holds "
+                                   "sweep.json)")
 
 
 def test_same_seed_gives_identical_files(tmp_path):
