@@ -59,8 +59,21 @@ def run_one(num_requests: int, mode: str) -> dict:
     }
 
 
-def main(sizes: str = "10000,100000", mode: str = "jump") -> int:
-    counts = [int(s) for s in sizes.split(",") if s.strip()]
+def request_counts(text: str) -> list[int]:
+    """``--sizes``: comma-separated positive request counts (an argparse type)."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive request counts such as 10000,100000, "
+            f"got {text!r}")
+    return counts
+
+
+def main(sizes: list[int] | None = None, mode: str = "jump") -> int:
+    counts = sizes or [10_000, 100_000]
     print(f"kvsim bench: ShareGPT-like (prompt≈161, output≈338, lognormal), Poisson "
           f"{RATE_REQ_S:g} req/s, paged-16 + prefix cache, llama-2-7b on a100-80g, mode {mode}")
     header = (f"{'requests':>10}{'wall s':>10}{'req/s':>10}{'tok/s':>12}{'RSS MiB':>10}"
@@ -85,7 +98,7 @@ def main(sizes: str = "10000,100000", mode: str = "jump") -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--one", type=int, help="run a single size here and print JSON")
-    parser.add_argument("--sizes", default="10000,100000")
+    parser.add_argument("--sizes", type=request_counts, default=[10_000, 100_000])
     parser.add_argument("--mode", choices=["jump", "step"], default="jump")
     args = parser.parse_args()
     if args.one:

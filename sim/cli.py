@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sim import __version__
+from sim.bench import request_counts
 from sim.metrics import format_summary
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -240,6 +241,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- parser
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
@@ -264,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep = sub.add_parser("sweep", help="run a scenario's sweep: grid × seeds, resumable")
     sweep.add_argument("scenario", help="scenario YAML file with a sweep: section")
-    sweep.add_argument("--jobs", type=int, help="parallel runs (default: all cores)")
+    sweep.add_argument("--jobs", type=_positive_int, help="parallel runs (default: all cores)")
     sweep.add_argument("--executor", choices=["local", "ray"], default="local")
     sweep.add_argument("--address", help="Ray cluster address ('auto', 'ray://host:10001'); "
                        "default: start a local Ray")
@@ -291,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     schema.set_defaults(func=cmd_schema)
 
     bench = sub.add_parser("bench", help="engine benchmark: ShareGPT-like load, paged-16")
-    bench.add_argument("--sizes", default="10000,100000",
-                       help="comma-separated request counts (e.g. 10000,100000,1000000)")
+    bench.add_argument("--sizes", type=request_counts, default=[10_000, 100_000],
+                       help="comma-separated request counts (default 10000,100000; e.g. "
+                       "10000,100000,1000000)")
     bench.add_argument("--mode", choices=["jump", "step"], default="jump")
     bench.set_defaults(func=cmd_bench)
 
@@ -306,12 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--format", choices=["azure", "burstgpt", "mooncake", "csv", "jsonl"],
                         help="trace file format (default: guessed)")
     common.add_argument("--skip-invalid", action="store_true", help="skip bad rows")
-    common.add_argument("--max-model-len", type=int, default=1 << 20,
+    common.add_argument("--max-model-len", type=_positive_int, default=1 << 20,
                         help="context limit for a bare trace file (default: no clipping)")
     stats = trace_sub.add_parser("stats", parents=[common],
                                  help="count, rate, lengths, prefix-sharing potential")
     stats.add_argument("targets", nargs="+", metavar="FILE|SCENARIO")
-    stats.add_argument("--block-size", type=int, default=16)
+    stats.add_argument("--block-size", type=_positive_int, default=16)
     stats.set_defaults(func=cmd_trace_stats)
     export = trace_sub.add_parser("export", parents=[common],
                                   help="write a scenario's trace to CSV or JSONL")

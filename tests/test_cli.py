@@ -128,6 +128,22 @@ def test_missing_file_and_validate_and_schema(tmp_path):
     assert proc.returncode == 2
 
 
+@pytest.mark.parametrize("args", [
+    ("bench", "--sizes", "abc"),
+    ("bench", "--sizes", "10000,0"),
+    ("sweep", "scenarios/sweeps/rate_sweep.yaml", "--jobs", "0"),
+    ("trace", "stats", "builtin:azure_llm_2023_code.csv", "--block-size", "0"),
+    ("trace", "stats", "builtin:azure_llm_2023_code.csv", "--max-model-len", "-5"),
+], ids=["sizes-text", "sizes-zero", "jobs-zero", "block-size-zero", "max-model-len-negative"])
+def test_bad_numeric_options_are_refused_before_any_work(args):
+    proc = kvsim(*args)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    option = next(a for a in args if a.startswith("--"))
+    assert last.startswith(f"kvsim: error: argument {option}: expected")
+    assert "Traceback" not in proc.stderr and not proc.stdout
+
+
 def test_version_and_calibrate_speak_as_kvsim(tmp_path):
     proc = kvsim("--version")
     assert proc.returncode == 0
