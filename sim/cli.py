@@ -25,13 +25,14 @@ class BadInput(Exception):
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from reports.sweep_report import SweepReportError
     from sim.presets import SizingError
+    from sim.results import OutputFolderError
     from sim.scenario import ScenarioError
     from sim.sweep import SweepError
     from sim.timing import CalibrationError
     from workloads import TraceError, TraceImportError, WorkloadError
 
     return (BadInput, ScenarioError, SizingError, CalibrationError, TraceError,
-            TraceImportError, WorkloadError, SweepError, SweepReportError)
+            TraceImportError, WorkloadError, SweepError, SweepReportError, OutputFolderError)
 
 
 def _progress_factory(quiet: bool) -> Callable[[str, int], Callable[[int], None] | None]:
@@ -56,7 +57,7 @@ def _progress_factory(quiet: bool) -> Callable[[str, int], Callable[[int], None]
 # ---------------------------------------------------------------------- commands
 def cmd_run(args: argparse.Namespace) -> int:
     from sim.engine import run_scenario
-    from sim.results import saturation_note, write_run
+    from sim.results import make_output_folder, saturation_note, write_run
     from sim.scenario import load_scenario, scenario_from_dict
 
     path = Path(args.scenario)
@@ -64,7 +65,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.seed is not None:
         scenario = scenario_from_dict({**scenario.model_dump(), "seed": args.seed},
                                           f"--seed {args.seed}")
-    out = Path(args.out or scenario.output_dir or Path("runs") / scenario.name)
+    out = make_output_folder(Path(args.out or scenario.output_dir
+                                  or Path("runs") / scenario.name))
     try:
         result = run_scenario(scenario, path.parent, progress=_progress_factory(args.quiet))
     except _bad_input_types() as exc:
@@ -211,6 +213,8 @@ def cmd_trace_export(args: argparse.Namespace) -> int:
     trace = _load_trace_arg(args.target, args)
     frame = trace.to_frame()
     out = Path(args.output)
+    if not out.parent.is_dir():
+        raise BadInput(f"{out}: no folder {out.parent} to write into")
     if out.suffix == ".jsonl":
         frame.to_json(out, orient="records", lines=True)
     elif out.suffix == ".csv":

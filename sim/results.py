@@ -180,9 +180,28 @@ def write_json(data: Any, path: Path) -> None:
                                                           allow_nan=True) + "\n"))
 
 
+class OutputFolderError(ValueError):
+    """An output folder that cannot be made: a file in the way, no permission."""
+
+
+def make_output_folder(path: Path) -> Path:
+    """Create ``path`` (and its parents) for results, or say in one line why it cannot be.
+
+    Commands call it before any simulation, so that a bad ``--out`` costs no work."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise OutputFolderError(f"{path}: expected an output folder, but a file is in the "
+                                "way") from None
+    except OSError as exc:
+        raise OutputFolderError(f"{path}: cannot create the output folder "
+                                f"({exc.strerror or exc})") from None
+    return path
+
+
 def write_run(result: ScenarioResult, out_dir: Path) -> Path:
     """Write a run folder (layout in the module docstring)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_output_folder(out_dir)
     _atomic_write(out_dir / "scenario.yaml",
                   lambda p: p.write_text(yaml.safe_dump(result.scenario, sort_keys=False)))
     for name, run in result.systems.items():

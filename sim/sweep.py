@@ -41,7 +41,7 @@ from typing import Any
 import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
-from sim.results import write_json, write_table
+from sim.results import make_output_folder, write_json, write_table
 from sim.scenario import ScenarioError, scenario_from_dict
 from workloads.distributions import ConfigModel
 
@@ -363,7 +363,8 @@ def run_sweep(
     if quick:
         out_dir = out_dir.with_name(out_dir.name + "-quick")
     runs = out_dir / "runs"
-    runs.mkdir(parents=True, exist_ok=True)
+    make_output_folder(out_dir)
+    make_output_folder(runs)
     write_json({"scenario": str(path), "points": len(points), "quick": quick,
                 "params": sorted({p for pt in points for p in pt.params})},
                out_dir / "sweep.json")

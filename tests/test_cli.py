@@ -144,6 +144,26 @@ def test_bad_numeric_options_are_refused_before_any_work(args):
     assert "Traceback" not in proc.stderr and not proc.stdout
 
 
+def test_an_unusable_output_path_is_refused_before_the_run(tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    scenario = tmp_path / "good.yaml"
+    scenario.write_text(GOOD)
+    for args in (("run", str(scenario), "--out", str(blocker), "--quiet"),
+                 ("sweep", "scenarios/sweeps/rate_sweep.yaml", "--out", str(blocker),
+                  "--quiet")):
+        proc = kvsim(*args)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip() == (f"kvsim: error: {blocker}: expected an output folder, "
+                                       "but a file is in the way")
+        assert not proc.stdout  # refused before anything ran
+    target = tmp_path / "missing" / "trace.csv"
+    proc = kvsim("trace", "export", str(scenario), "-o", str(target))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"kvsim: error: {target}: no folder {target.parent} to "
+                                   "write into")
+
+
 def test_version_and_calibrate_speak_as_kvsim(tmp_path):
     proc = kvsim("--version")
     assert proc.returncode == 0
