@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from reports.html import img_tag, render_html, save_figure
 from reports.style import new_figure, system_color
-from sim.results import read_table
+from sim.results import read_back, read_table
 
 KNEE_FRACTION = 0.9  # saturated once achieved req/s falls below 90 % of the offered rate
 
@@ -41,8 +41,8 @@ class SweepReportError(ValueError):
 
 
 def load_sweep(sweep_dir: Path) -> tuple[pd.DataFrame, dict]:
-    info = json.loads((sweep_dir / "sweep.json").read_text())
-    table = read_table(sweep_dir / "results.parquet")
+    info = read_back(sweep_dir, "sweep.json", lambda p: dict(json.loads(p.read_text())))
+    table = read_back(sweep_dir, "results.parquet", read_table)
     return table[table["status"] == "ok"].copy(), info
 
 

@@ -25,14 +25,15 @@ class BadInput(Exception):
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from reports.sweep_report import SweepReportError
     from sim.presets import SizingError
-    from sim.results import OutputFolderError
+    from sim.results import OutputFolderError, RunFolderError
     from sim.scenario import ScenarioError
     from sim.sweep import SweepError
     from sim.timing import CalibrationError
     from workloads import TraceError, TraceImportError, WorkloadError
 
     return (BadInput, ScenarioError, SizingError, CalibrationError, TraceError,
-            TraceImportError, WorkloadError, SweepError, SweepReportError, OutputFolderError)
+            TraceImportError, WorkloadError, SweepError, SweepReportError, OutputFolderError,
+            RunFolderError)
 
 
 def _progress_factory(quiet: bool) -> Callable[[str, int], Callable[[int], None] | None]:

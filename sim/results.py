@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,29 @@ def read_table(path: Path) -> pd.DataFrame:
     if path.exists():
         return pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
     csv = path.with_suffix(".csv")
+    if not csv.exists():
+        raise FileNotFoundError(path)
     return pd.read_csv(csv)
+
+
+class RunFolderError(ValueError):
+    """A run or sweep folder that cannot be read back: a file missing or damaged."""
+
+
+def read_back(folder: Path, relative: str, reader: Callable[[Path], Any]) -> Any:
+    """``reader(folder / relative)``, with a one-line :class:`RunFolderError` naming the file
+    when it is missing or cannot be parsed."""
+    path = folder / relative
+    try:
+        return reader(path)
+    except FileNotFoundError:
+        raise RunFolderError(f"{folder}: {relative} is missing; rerun kvsim run or kvsim "
+                             "sweep to rebuild it") from None
+    except KeyError as exc:
+        raise RunFolderError(f"{path}: cannot be read back (no {exc.args[0]!r} field)") from None
+    except (ValueError, TypeError, OSError, yaml.YAMLError) as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RunFolderError(f"{path}: cannot be read back ({detail})") from None
 
 
 def write_json(data: Any, path: Path) -> None:
@@ -217,20 +240,21 @@ def write_run(result: ScenarioResult, out_dir: Path) -> Path:
 
 def load_run(out_dir: Path) -> ScenarioResult:
     """Read a run folder back (the inverse of :func:`write_run`)."""
-    summary = json.loads((out_dir / "summary.json").read_text())
-    scenario = yaml.safe_load((out_dir / "scenario.yaml").read_text())
+    summaries, trace_notes = read_back(out_dir, "summary.json", _read_summary)
+    scenario = read_back(out_dir, "scenario.yaml", lambda p: dict(yaml.safe_load(p.read_text())))
     systems = {}
-    for name, metrics in summary["systems"].items():
-        folder = out_dir / _safe_name(name)
-        systems[name] = RunResult(
-            system=name,
-            requests=read_table(folder / "requests.parquet"),
-            memory=read_table(folder / "memory.parquet"),
-            steps=read_table(folder / "steps.parquet"),
-            summary=metrics,
-        )
-    return ScenarioResult(scenario=scenario, systems=systems,
-                          trace_notes=summary.get("trace_notes", []))
+    for name, metrics in summaries.items():
+        folder = _safe_name(name)
+        tables = {table: read_back(out_dir, f"{folder}/{table}.parquet", read_table)
+                  for table in ("requests", "memory", "steps")}
+        systems[name] = RunResult(system=name, summary=metrics, **tables)
+    return ScenarioResult(scenario=scenario, systems=systems, trace_notes=trace_notes)
+
+
+def _read_summary(path: Path) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Per-system summaries and trace notes from a run's summary.json."""
+    data = json.loads(path.read_text())
+    return dict(data["systems"]), list(data.get("trace_notes", []))
 
 
 def _safe_name(name: str) -> str:

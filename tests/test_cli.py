@@ -164,6 +164,29 @@ def test_an_unusable_output_path_is_refused_before_the_run(tmp_path):
                                    "write into")
 
 
+@pytest.mark.parametrize(("damage", "expected"), [
+    (lambda run: (run / "paged-16" / "memory.parquet").unlink(),
+     "{run}: paged-16/memory.parquet is missing; rerun kvsim run or kvsim sweep to "
+     "rebuild it"),
+    (lambda run: (run / "summary.json").write_text("garbage"),
+     "{run}/summary.json: cannot be read back (Expecting value"),
+    (lambda run: (run / "summary.json").write_text('{"trace_notes": []}'),
+     "{run}/summary.json: cannot be read back (no 'systems' field)"),
+    (lambda run: (run / "paged-16" / "steps.parquet").write_text("xx"),
+     "{run}/paged-16/steps.parquet: cannot be read back ("),
+], ids=["missing-table", "bad-json", "no-systems", "bad-parquet"])
+def test_a_damaged_run_folder_is_named_in_one_line(tmp_path, damage, expected):
+    run = tmp_path / "run"
+    proc = kvsim("run", "scenarios/seed_63_percent.yaml", "--out", str(run), "--quiet",
+                 "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    damage(run)
+    proc = kvsim("report", str(run))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"kvsim: error: {expected.format(run=run)}")
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_version_and_calibrate_speak_as_kvsim(tmp_path):
     proc = kvsim("--version")
     assert proc.returncode == 0

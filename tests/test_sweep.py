@@ -229,3 +229,9 @@ def test_sweep_figures_show_labelled_series(tmp_path):
         assert proc.returncode == 2
         assert proc.stderr.startswith(f"kvsim: error: {message}")
         assert len(proc.stderr.strip().splitlines()) == 1
+    (outcome.out_dir / "results.parquet").unlink()  # a damaged sweep folder: named, exit 2
+    proc = subprocess.run([sys.executable, "-m", "sim.cli", "report", str(outcome.out_dir)],
+                          cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"kvsim: error: {outcome.out_dir}: results.parquet is "
+                                   "missing; rerun kvsim run or kvsim sweep to rebuild it")
