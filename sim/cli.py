@@ -160,11 +160,19 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    import yaml
+
     from sim.scenario import load_scenario
+    from sim.sweep import expand
 
     scenario = load_scenario(args.scenario)
     systems = ", ".join(s.name for s in scenario.systems)
-    print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}")
+    sweep = ""
+    raw = yaml.safe_load(Path(args.scenario).read_text())
+    if "sweep" in raw:  # every point must be valid too, as kvsim sweep checks before running
+        points = expand(raw, args.scenario)
+        sweep = f"; sweep: {len(points)} runs, each valid"
+    print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}{sweep}")
     return EXIT_OK
 
 

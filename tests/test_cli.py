@@ -122,6 +122,15 @@ def test_missing_file_and_validate_and_schema(tmp_path):
     good.write_text(GOOD)
     proc = kvsim("validate", str(good))
     assert proc.returncode == 0 and "ok" in proc.stdout
+    # A sweep file is valid only if every point is: validate checks them all.
+    swept = tmp_path / "sweep.yaml"
+    swept.write_text(GOOD + "sweep: {grid: {workload.arrival.rate: [5, 10]}, seeds: [0, 1]}\n")
+    proc = kvsim("validate", str(swept))
+    assert proc.returncode == 0 and "sweep: 4 runs, each valid" in proc.stdout
+    swept.write_text(GOOD + "sweep: {grid: {workload.arival.rate: [5, 10]}}\n")
+    proc = kvsim("validate", str(swept))
+    assert proc.returncode == 2
+    assert "workload.arival: unknown key; did you mean 'arrival'?" in proc.stderr
     proc = kvsim("schema")
     assert proc.returncode == 0 and '"systems"' in proc.stdout
     proc = kvsim("run")
