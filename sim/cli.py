@@ -77,6 +77,9 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"seed {scenario.seed}")
     for note in result.trace_notes:
         print(f"note: {note}")
+    if scenario.sweep:
+        print(f"note: {path} has a sweep section; this ran its base scenario only "
+              f"(kvsim sweep {path} runs the grid)")
     summaries = {n: r.summary for n, r in result.systems.items()}
     print(format_summary(summaries))
     saturated = saturation_note(summaries)

@@ -127,6 +127,9 @@ def test_missing_file_and_validate_and_schema(tmp_path):
     swept.write_text(GOOD + "sweep: {grid: {workload.arrival.rate: [5, 10]}, seeds: [0, 1]}\n")
     proc = kvsim("validate", str(swept))
     assert proc.returncode == 0 and "sweep: 4 runs, each valid" in proc.stdout
+    proc = kvsim("run", str(swept), "--quiet", "--no-report", "--out", str(tmp_path / "base"))
+    assert proc.returncode == 0
+    assert f"note: {swept} has a sweep section; this ran its base scenario only" in proc.stdout
     swept.write_text(GOOD + "sweep: {grid: {workload.arival.rate: [5, 10]}}\n")
     proc = kvsim("validate", str(swept))
     assert proc.returncode == 2
