@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -176,6 +177,16 @@ def test_an_unusable_output_path_is_refused_before_the_run(tmp_path):
                                    "write into")
 
 
+@pytest.fixture(scope="module")
+def seed_run(tmp_path_factory) -> Path:
+    """A run folder of the seed scenario, made once for the tests that damage copies of it."""
+    run = tmp_path_factory.mktemp("seed") / "run"
+    proc = kvsim("run", "scenarios/seed_63_percent.yaml", "--out", str(run), "--quiet",
+                 "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    return run
+
+
 @pytest.mark.parametrize(("damage", "expected"), [
     (lambda run: (run / "paged-16" / "memory.parquet").unlink(),
      "{run}: paged-16/memory.parquet is missing; rerun kvsim run or kvsim sweep to "
@@ -187,11 +198,8 @@ def test_an_unusable_output_path_is_refused_before_the_run(tmp_path):
     (lambda run: (run / "paged-16" / "steps.parquet").write_text("xx"),
      "{run}/paged-16/steps.parquet: cannot be read back ("),
 ], ids=["missing-table", "bad-json", "no-systems", "bad-parquet"])
-def test_a_damaged_run_folder_is_named_in_one_line(tmp_path, damage, expected):
-    run = tmp_path / "run"
-    proc = kvsim("run", "scenarios/seed_63_percent.yaml", "--out", str(run), "--quiet",
-                 "--no-report")
-    assert proc.returncode == 0, proc.stderr
+def test_a_damaged_run_folder_is_named_in_one_line(seed_run, tmp_path, damage, expected):
+    run = Path(shutil.copytree(seed_run, tmp_path / "run"))
     damage(run)
     proc = kvsim("report", str(run))
     assert proc.returncode == 2
