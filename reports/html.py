@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 
 from reports.run_figures import RUN_FIGURES
 from reports.style import close
-from sim.results import ScenarioResult, load_run, saturation_note
+from sim.results import ScenarioResult, load_run, run_notes
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
@@ -100,9 +100,9 @@ def write_report(run_dir: Path) -> Path:
     for name, build in RUN_FIGURES.items():
         png = save_figure(build(result), figures, name)
         sections.append((name.replace("_", " ").capitalize(), img_tag(png, name)))
-    saturated = saturation_note({n: r.summary for n, r in result.systems.items()})
+    notes = run_notes({n: r.summary for n, r in result.systems.items()})
     page = render_html(f"kvsim report: {result.scenario['name']}", sections, result.scenario,
-                       [*result.trace_notes, *([saturated] if saturated else [])])
+                       [*result.trace_notes, *notes])
     out = run_dir / "report.html"
     out.write_text(page)
     return out

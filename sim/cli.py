@@ -58,7 +58,7 @@ def _progress_factory(quiet: bool) -> Callable[[str, int], Callable[[int], None]
 # ---------------------------------------------------------------------- commands
 def cmd_run(args: argparse.Namespace) -> int:
     from sim.engine import run_scenario
-    from sim.results import make_output_folder, saturation_note, write_run
+    from sim.results import make_output_folder, run_notes, write_run
     from sim.scenario import load_scenario, scenario_from_dict
 
     path = Path(args.scenario)
@@ -82,9 +82,8 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"(kvsim sweep {path} runs the grid)")
     summaries = {n: r.summary for n, r in result.systems.items()}
     print(format_summary(summaries))
-    saturated = saturation_note(summaries)
-    if saturated:
-        print(f"note: {saturated}")
+    for note in run_notes(summaries):
+        print(f"note: {note}")
     if not args.no_report:
         report = _write_report(out)
         if report:

@@ -150,6 +150,24 @@ def saturation_note(summaries: dict[str, dict[str, Any]]) -> str | None:
             + ", so throughput is capacity and TTFT/E2E are mostly queueing")
 
 
+def rejection_note(summaries: dict[str, dict[str, Any]]) -> str | None:
+    """A warning when a system turned requests away because they could never fit its pool
+    (all of a request's samples at their reservation, in an empty pool)."""
+    rejecting = {name: s for name, s in summaries.items() if s.get("rejected")}
+    if not rejecting:
+        return None
+    counts = ", ".join(f"{name} {s['rejected']:,} of {s['requests']:,}"
+                       for name, s in rejecting.items())
+    return (f"rejected as larger than the whole KV pool: {counts}; throughput and latency "
+            "count only the requests that were served")
+
+
+def run_notes(summaries: dict[str, dict[str, Any]]) -> list[str]:
+    """The warnings a reader of a run's summary needs: saturation and rejections."""
+    notes = (saturation_note(summaries), rejection_note(summaries))
+    return [note for note in notes if note]
+
+
 def _atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]
     tmp = path.with_name(f".{path.name}.tmp")
     write(tmp)

@@ -12,7 +12,7 @@ import sim
 from sim.engine import MEMORY_COLUMNS, build_timing, run_scenario
 from sim.memory import TAXONOMY
 from sim.presets import lookup_gpu, lookup_model
-from sim.results import saturation_note
+from sim.results import rejection_note, saturation_note
 from sim.scenario import load_scenario, scenario_from_dict
 from sim.timing import Calibration, CalibrationError, roofline
 
@@ -97,6 +97,11 @@ def test_request_larger_than_pool_is_rejected_and_counted():
     assert too_big.any()
     assert (paged.requests["rejected"] == too_big).all()
     assert paged.summary["completed"] == 80 - too_big.sum()
+    note = rejection_note({n: r.summary for n, r in result.systems.items()})
+    assert note == (f"rejected as larger than the whole KV pool: contiguous 80 of 80, paged "
+                    f"{too_big.sum()} of 80; throughput and latency count only the requests "
+                    "that were served")
+    assert rejection_note({"paged": {**paged.summary, "rejected": 0}}) is None
 
 
 def test_roofline_coefficients():
