@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+DEFAULT_SIZES = [10_000, 100_000]  # request counts when --sizes is not given
 RATE_REQ_S = 12.0  # above the ≈10 req/s this setup sustains: the queue never drains
 
 
@@ -73,7 +74,7 @@ def request_counts(text: str) -> list[int]:
 
 
 def main(sizes: list[int] | None = None, mode: str = "jump") -> int:
-    counts = sizes or [10_000, 100_000]
+    counts = sizes or DEFAULT_SIZES
     print(f"kvsim bench: ShareGPT-like (prompt≈161, output≈338, lognormal), Poisson "
           f"{RATE_REQ_S:g} req/s, paged-16 + prefix cache, llama-2-7b on a100-80g, mode {mode}")
     header = (f"{'requests':>10}{'wall s':>10}{'req/s':>10}{'tok/s':>12}{'RSS MiB':>10}"
@@ -98,7 +99,7 @@ def main(sizes: list[int] | None = None, mode: str = "jump") -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--one", type=int, help="run a single size here and print JSON")
-    parser.add_argument("--sizes", type=request_counts, default=[10_000, 100_000])
+    parser.add_argument("--sizes", type=request_counts, default=DEFAULT_SIZES)
     parser.add_argument("--mode", choices=["jump", "step"], default="jump")
     args = parser.parse_args()
     if args.one:

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sim import __version__
-from sim.bench import request_counts
+from sim.bench import DEFAULT_SIZES, request_counts
 from sim.metrics import format_summary
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
 
 class BadInput(Exception):
     """Raised for user errors: one line, exit code 2."""
@@ -162,17 +163,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    import yaml
-
     from sim.scenario import load_scenario
-    from sim.sweep import expand
+    from sim.sweep import load_sweep_points
 
-    scenario = load_scenario(args.scenario)
+    path = Path(args.scenario)
+    scenario = load_scenario(path)
     systems = ", ".join(s.name for s in scenario.systems)
     sweep = ""
-    raw = yaml.safe_load(Path(args.scenario).read_text())
-    if "sweep" in raw:  # every point must be valid too, as kvsim sweep checks before running
-        points = expand(raw, args.scenario)
+    if scenario.sweep:  # every point must be valid too, as kvsim sweep checks before running
+        _, points = load_sweep_points(path)
         sweep = f"; sweep: {len(points)} runs, each valid"
     print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}{sweep}")
     return EXIT_OK
@@ -318,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema.set_defaults(func=cmd_schema)
 
     bench = sub.add_parser("bench", help="engine benchmark: ShareGPT-like load, paged-16")
-    bench.add_argument("--sizes", type=request_counts, default=[10_000, 100_000],
+    bench.add_argument("--sizes", type=request_counts, default=DEFAULT_SIZES,
                        help="comma-separated request counts (default 10000,100000; e.g. "
                        "10000,100000,1000000)")
     bench.add_argument("--mode", choices=["jump", "step"], default="jump")

@@ -42,7 +42,7 @@ import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
 from sim.results import make_output_folder, write_json, write_table
-from sim.scenario import ScenarioError, scenario_from_dict
+from sim.scenario import Scenario, ScenarioError, scenario_from_dict
 from workloads.distributions import ConfigModel
 
 _SEGMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\[[^\]]+\])*)$")
@@ -341,6 +341,17 @@ def _ray_executor(jobs: int, address: str | None):  # type: ignore[no-untyped-de
     return execute
 
 
+def load_sweep_points(path: Path, *, quick: bool = False) -> tuple[Scenario, list[SweepPoint]]:
+    """The base scenario of a sweep file (valid on its own) and every point, each validated."""
+    import yaml
+
+    from sim.scenario import load_scenario
+
+    scenario = load_scenario(path)
+    raw = yaml.safe_load(path.read_text())
+    return scenario, expand(raw, str(path), quick=quick)
+
+
 def run_sweep(
     path: Path,
     *,
@@ -352,13 +363,7 @@ def run_sweep(
     progress: Callable[[int, int], Callable[[int], None]] | None = None,
 ) -> SweepOutcome:
     """Expand, skip finished points, run the rest, and write ``results.parquet``."""
-    from sim.scenario import load_scenario
-
-    scenario = load_scenario(path)  # the base must be valid on its own
-    import yaml
-
-    raw = yaml.safe_load(path.read_text())
-    points = expand(raw, str(path), quick=quick)
+    scenario, points = load_sweep_points(path, quick=quick)
     out_dir = out_dir or Path(scenario.output_dir or Path("runs") / scenario.name)
     if quick:
         out_dir = out_dir.with_name(out_dir.name + "-quick")
