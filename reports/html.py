@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 
 from reports.run_figures import RUN_FIGURES
 from reports.style import close
+from sim import CORE
 from sim.results import ScenarioResult, load_run, run_notes
 
 CSS = """
@@ -53,6 +54,7 @@ def _versions() -> dict[str, str]:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = "not installed"
+    versions["kvsim core"] = CORE.describe()  # identical results either way; speed differs
     return versions
 
 

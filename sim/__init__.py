@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from sim.compiled import select_core
+
 __version__ = "0.1.0"
+CORE = select_core()  # before any other sim module loads: compiled extensions or source
 
 
 def run(*args: Any, **kwargs: Any) -> Any:

@@ -74,9 +74,12 @@ def request_counts(text: str) -> list[int]:
 
 
 def main(sizes: list[int] | None = None, mode: str = "jump") -> int:
+    from sim import CORE
+
     counts = sizes or DEFAULT_SIZES
     print(f"kvsim bench: ShareGPT-like (prompt≈161, output≈338, lognormal), Poisson "
-          f"{RATE_REQ_S:g} req/s, paged-16 + prefix cache, llama-2-7b on a100-80g, mode {mode}")
+          f"{RATE_REQ_S:g} req/s, paged-16 + prefix cache, llama-2-7b on a100-80g, mode {mode}; "
+          f"{CORE.describe()}")
     header = (f"{'requests':>10}{'wall s':>10}{'req/s':>10}{'tok/s':>12}{'RSS MiB':>10}"
               f"{'sim s':>10}{'preempt':>10}{'steps':>10}")
     print(header)

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from sim import __version__
+from sim import CORE, __version__
 from sim.bench import DEFAULT_SIZES, request_counts
 from sim.metrics import format_summary
 
@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvsim", description="KV-cache memory simulator for LLM serving: "
                      "contiguous reservation vs paged allocation.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    parser.add_argument("--version", action="version", version=f"kvsim {__version__}")
+    parser.add_argument("--version", action="version",
+                        version=f"kvsim {__version__}, {CORE.describe()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="run a scenario and print the systems side by side")
@@ -291,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="run a scenario's sweep: grid × seeds, resumable")
     sweep.add_argument("scenario", help="scenario YAML file with a sweep: section")
     sweep.add_argument("--jobs", type=_positive_int, help="parallel runs (default: all cores)")
-    sweep.add_argument("--executor", choices=["local", "ray"], default="local")
+    sweep.add_argument("--executor", choices=["local", "ray"], default="local",
+                       help="where the runs execute: local processes (default) or Ray")
     sweep.add_argument("--address", help="Ray cluster address ('auto', 'ray://host:10001'); "
                        "default: start a local Ray")
     sweep.add_argument("--out", help="sweep folder (default: output_dir or runs/NAME)")

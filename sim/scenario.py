@@ -23,6 +23,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from sim.memory import EVICTION_POLICIES, PLACEMENTS, RESERVE_POLICIES
 from sim.presets import GPU_PRESETS, MODEL_PRESETS, GpuSpec, ModelSpec
@@ -213,7 +214,7 @@ def _loc(loc: tuple[Any, ...], data: Any) -> str:
     return "".join(parts) or "(top level)"
 
 
-def _format_error(error: dict[str, Any], data: Any) -> str:
+def _format_error(error: ErrorDetails, data: Any) -> str:
     loc = tuple(error["loc"])
     where = _loc(loc, data)
     kind = error["type"]

@@ -346,7 +346,8 @@ class Scheduler:
                 self._events[GROW][self.steps] = [(r.admit_seq, r.version, r) for r in due]
                 return False
         for request in due:
-            assert self._sync(request, include_current=True)
+            synced = self._sync(request, include_current=True)  # blocks counted above
+            assert synced  # (never inside the assert: ``python -O`` would skip the write)
             self._push_events(request)
         return True
 
@@ -423,7 +424,8 @@ class Scheduler:
         history = request.prefilled
         completes = history + chunk == request.prefill_target
         if chunk:
-            assert self.allocator.append(request.index * MAX_SAMPLES, chunk)
+            written = self.allocator.append(request.index * MAX_SAMPLES, chunk)
+            assert written  # admission claimed the prompt's blocks
         request.prefilled += chunk
         if completes:
             self.prefilling -= 1

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import PUBLIC_TRACE_ROWS
 
+from sim import CORE
+
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = """
 name: tiny
@@ -210,7 +212,7 @@ def test_a_damaged_run_folder_is_named_in_one_line(seed_run, tmp_path, damage, e
 def test_version_and_calibrate_speak_as_kvsim(tmp_path):
     proc = kvsim("--version")
     assert proc.returncode == 0
-    assert proc.stdout.strip() == f"kvsim {metadata.version('kvsim')}"
+    assert proc.stdout.strip() == f"kvsim {metadata.version('kvsim')}, {CORE.describe()}"
     proc = kvsim("calibrate", "--help")
     assert proc.returncode == 0
     assert proc.stdout.startswith("usage: kvsim calibrate") and "``" not in proc.stdout

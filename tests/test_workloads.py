@@ -159,7 +159,7 @@ def test_mooncake_shared_hash_ids_share_exactly_k_blocks(block_size):
     for i, j, k in ((0, 1, 1), (0, 2, 1)):
         a = BlockHasher(trace.prompt_segments(i), block_size)
         b = BlockHasher(trace.prompt_segments(j), block_size)
-        blocks = min(trace.prompt_len[i], trace.prompt_len[j]) // block_size
+        blocks = int(min(trace.prompt_len[i], trace.prompt_len[j])) // block_size
         ha, hb = a.hash_upto(blocks), b.hash_upto(blocks)
         common = next((n for n in range(blocks) if ha[n] != hb[n]), blocks)
         assert common * block_size == k * 512

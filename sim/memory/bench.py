@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from sim import CORE
 from sim.memory import ContiguousAllocator, KVAllocator, PagedAllocator, SeqSpec
 
 
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
             pool_slots * 2, max_model_len=4096, reserve_policy="request_max"
         ),
     }
-    print(f"{len(specs):,} requests, {tokens:,} tokens, concurrency {args.concurrency}")
+    print(f"{len(specs):,} requests, {tokens:,} tokens, concurrency {args.concurrency}; "
+          f"{CORE.describe()}")
     print(f"{'allocator':<38}{'ops':>12}{'seconds':>10}{'ops/s':>14}{'tokens/s':>14}")
     for name, build in builders.items():
         allocator = build()
