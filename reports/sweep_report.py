@@ -239,19 +239,10 @@ TABLE_METRICS = ["throughput_tok_s", "e2e_p90_s", "waste_frac", "internal_frac_o
 def _results_html(table: pd.DataFrame) -> str:
     """One row per run: the swept values, then the metrics labelled and formatted as in the
     run summary ("—" where a metric does not apply or the run failed)."""
-    from sim.metrics import SUMMARY_ROWS, format_metric
+    from sim.metrics import labelled_sweep_table
 
-    rows = {key: (label, fmt) for key, label, fmt in SUMMARY_ROWS}
-    shown = pd.DataFrame({c.removeprefix("param:"): table[c] for c in table.columns
-                          if c.startswith("param:")})
-    shown["system"] = table["system"]
-    shown["seed"] = table["seed"]
-    if (table["status"] != "ok").any():
-        shown["status"] = table["status"]
-    for metric in (m for m in TABLE_METRICS if m in table):
-        label, fmt = rows[metric]
-        shown[label] = [format_metric(v, fmt) for v in table[metric]]
-    return shown.to_html(index=False, border=0)
+    keep = ["system", "seed"] + (["status"] if (table["status"] != "ok").any() else [])
+    return labelled_sweep_table(table, TABLE_METRICS, keep).to_html(index=False, border=0)
 
 
 def write_sweep_report(sweep_dir: Path, x: str | None = None, y: str | None = None) -> Path:

@@ -11,10 +11,14 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sim import CORE, __version__
 from sim.bench import DEFAULT_SIZES, request_counts
 from sim.metrics import format_summary
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -124,13 +128,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(f"sweep: {outcome.ran} points ran, {outcome.skipped} already done, "
           f"{outcome.failed} failed; {len(table)} rows in {outcome.out_dir / 'results.parquet'}")
     if not table.empty and "throughput_tok_s" in table:
-        params = [c for c in table.columns if c.startswith("param:")]
-        view = table[table["status"] == "ok"]
-        cols = [*params, "system", "throughput_tok_s", "e2e_p90_s", "waste_frac",
-                "prefix_hit_rate"]
-        grouped = view[cols].groupby([*params, "system"], sort=False).mean(numeric_only=True)
-        with _pandas_display():
-            print(grouped.to_string(float_format=lambda v: f"{v:,.4g}", na_rep="—"))
+        print(_sweep_means(table))
     if table is not None and (table.get("status") == "failed").any():
         for error in table.loc[table["status"] == "failed", "error"].unique()[:5]:
             print(f"failed: {error}", file=sys.stderr)
@@ -141,10 +139,23 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return EXIT_FAILED if outcome.failed else EXIT_OK
 
 
-def _pandas_display():  # type: ignore[no-untyped-def]
+SWEEP_TABLE_METRICS = ("throughput_tok_s", "e2e_p90_s", "waste_frac", "prefix_hit_rate")
+
+
+def _sweep_means(table: pd.DataFrame) -> str:
+    """The sweep's finished runs averaged over seeds, one row per point and system."""
     import pandas as pd
 
-    return pd.option_context("display.max_rows", 200, "display.width", 160)
+    from sim.metrics import labelled_sweep_table
+
+    keys = [c for c in table.columns if c.startswith("param:")] + ["system"]
+    done = table[table["status"] == "ok"]
+    means = done.groupby(keys, sort=False)[list(SWEEP_TABLE_METRICS)].mean().reset_index()
+    seeds = done["seed"].nunique()
+    shown = labelled_sweep_table(means, SWEEP_TABLE_METRICS)
+    with pd.option_context("display.max_rows", 500, "display.width", 200):
+        text = shown.to_string(index=False)
+    return text + (f"\n(means over {seeds} seeds)" if seeds > 1 else "")
 
 
 def cmd_report(args: argparse.Namespace) -> int:

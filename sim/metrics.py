@@ -7,7 +7,11 @@ report's summary table and the sweep report's results — so a metric reads the 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 SUMMARY_ROWS: list[tuple[str, str, str]] = [
     # (summary key, label, format)
@@ -61,3 +65,20 @@ def format_summary(summaries: dict[str, dict[str, Any]]) -> str:
                  for n, w in zip(names, widths, strict=True)]
         lines.append(label.ljust(label_width) + "".join(cells))
     return "\n".join(lines)
+
+
+def labelled_sweep_table(table: pd.DataFrame, metrics: Iterable[str],
+                         keep: Sequence[str] = ("system",)) -> pd.DataFrame:
+    """Sweep results as people read them: the swept fields without their ``param:`` prefix,
+    the ``keep`` columns, then each metric under its summary label in its format."""
+    import pandas as pd
+
+    rows = {key: (label, fmt) for key, label, fmt in SUMMARY_ROWS}
+    shown = pd.DataFrame({c.removeprefix("param:"): table[c].to_numpy()
+                          for c in table.columns if c.startswith("param:")})
+    for column in keep:
+        shown[column] = table[column].to_numpy()
+    for metric in (m for m in metrics if m in table):
+        label, fmt = rows[metric]
+        shown[label] = [format_metric(v, fmt) for v in table[metric]]
+    return shown

@@ -138,6 +138,14 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
     rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     assert rerun.returncode == 0, rerun.stderr
     assert f"{18 - len(finished)} points ran, {len(finished)} already done" in rerun.stdout
+    # The printed table: seeds averaged, the summary's labels and formats.
+    lines = rerun.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if "output throughput (tok/s)" in line)
+    assert lines[start].split()[:2] == ["workload.arrival.rate", "system"]
+    rows = lines[start + 1:start + 13]
+    assert [row.split()[1] for row in rows] == ["contiguous", "paged"] * 6
+    assert all(row.endswith("—") if " contiguous " in row else row.endswith("%") for row in rows)
+    assert lines[start + 13] == "(means over 3 seeds)"
     table = pd.read_parquet(out / "results.parquet")
     assert len(table) == 18 * 2
     assert not table.duplicated(["point", "seed", "system"]).any()
