@@ -39,7 +39,7 @@ class CoreStatus:
     """Whether the compiled core runs, and why (or why not) in words."""
 
     compiled: bool
-    detail: str  # "mypyc 1.11.2", or why the source runs
+    detail: str  # "mypyc 2.4.1", or why the source runs
     stale: bool = False  # an extension exists but its source changed since it was built
 
     def describe(self) -> str:
