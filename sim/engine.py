@@ -152,7 +152,6 @@ class _Replica:
             else:
                 _, index = heapq.heappop(self.released)
             request = Request(sim.trace, index, t)
-            sim.requests[index] = request
             if not self.scheduler.add(request):
                 sim.on_done(self, request, t)
 
@@ -240,7 +239,9 @@ class _SystemRun:
         self.duration_s = scenario.stop.duration_s
         self.arrival_s = trace.arrival_s.tolist()
         self.think_s = trace.think_s.tolist()
-        self.requests: list[Request | None] = [None] * len(trace)
+        # One row per finished or rejected request, written when it is done, so that the
+        # Request object (its content, its spec) is freed then, not kept to the end.
+        self.request_rows: list[tuple] = []
         self.allocated_at_finish = np.zeros(len(trace), dtype=np.int64)
         self.recorder = _Recorder(scenario.engine.sample_interval_s)
         self.progress = progress
@@ -267,7 +268,12 @@ class _SystemRun:
             self.replicas.append(replica)
 
     def on_done(self, replica: _Replica, request: Request, now_s: float) -> None:
-        """A request finished or was rejected: release whoever waits on it."""
+        """A request finished or was rejected: record it, release whoever waits on it."""
+        self.request_rows.append((
+            request.index, request.arrival_s, request.admitted_s, request.first_token_s,
+            request.finished_s, request.prompt_len, request.output_len, request.n,
+            request.preemptions, request.hit_tokens, request.recomputed_tokens, request.rejected,
+            int(self.replica_of[request.index]), int(self.allocated_at_finish[request.index])))
         self.done += 1
         if self.progress:
             self.progress(1)
@@ -289,17 +295,8 @@ class _SystemRun:
         return self._result()
 
     def _result(self) -> RunResult:
-        rows = []
-        for request in self.requests:
-            if request is None:  # a dependent whose release fell after the stop
-                continue
-            rows.append((request.index, request.arrival_s, request.admitted_s,
-                         request.first_token_s, request.finished_s, request.prompt_len,
-                         request.output_len, request.n, request.preemptions,
-                         request.hit_tokens, request.recomputed_tokens, request.rejected,
-                         int(self.replica_of[request.index]),
-                         int(self.allocated_at_finish[request.index])))
-        requests = pd.DataFrame(rows, columns=[
+        # Dependents whose release fell after the stop never ran and have no row.
+        requests = pd.DataFrame(self.request_rows, columns=[
             "request", "arrival_s", "admitted_s", "first_token_s", "finished_s", "prompt_len",
             "output_len", "n", "preemptions", "prefix_hit_tokens", "recomputed_tokens",
             "rejected", "replica", "allocated_at_finish"])

@@ -144,7 +144,6 @@ class Scheduler:
         self.debug = debug
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # admit_seq -> request, in admission order
-        self.rejected: list[Request] = []
         self.steps = 0  # steps completed
         self.num_preemptions = 0
         self.lookup_tokens = 0  # prompt tokens looked up in the prefix cache, all admissions
@@ -182,7 +181,6 @@ class Scheduler:
             fits = need <= self.allocator.capacity_slots
         if not fits:
             request.rejected = True
-            self.rejected.append(request)
             return False
         if not self.waiting:
             self.head_blocked = False
