@@ -79,8 +79,12 @@ class _Recorder:
     sample_interval_s: float
 
     def __post_init__(self) -> None:
-        self.steps: list[tuple] = []
-        self.memory: list[tuple] = []
+        self.steps = _RowBuffer([
+            "replica", "time_s", "duration_s", "steps", "decode_seqs", "context_tokens",
+            "prefill_tokens", "prefill_requests", "preempted", "running", "waiting"])
+        self.memory = _RowBuffer([
+            "replica", "time_s", *MEMORY_COLUMNS, "running", "waiting", "decode_seqs",
+            "preemptions", "hit_tokens", "lookup_tokens"])
         self.weighted = dict.fromkeys((*MEMORY_COLUMNS, "running"), 0.0)
         self.weight = 0.0
         self._last_sample = -math.inf
@@ -241,7 +245,10 @@ class _SystemRun:
         self.think_s = trace.think_s.tolist()
         # One row per finished or rejected request, written when it is done, so that the
         # Request object (its content, its spec) is freed then, not kept to the end.
-        self.request_rows: list[tuple] = []
+        self.request_rows = _RowBuffer([
+            "request", "arrival_s", "admitted_s", "first_token_s", "finished_s", "prompt_len",
+            "output_len", "n", "preemptions", "prefix_hit_tokens", "recomputed_tokens",
+            "rejected", "replica", "allocated_at_finish"], {"rejected": bool})
         self.allocated_at_finish = np.zeros(len(trace), dtype=np.int64)
         self.recorder = _Recorder(scenario.engine.sample_interval_s)
         self.progress = progress
@@ -296,20 +303,13 @@ class _SystemRun:
 
     def _result(self) -> RunResult:
         # Dependents whose release fell after the stop never ran and have no row.
-        requests = pd.DataFrame(self.request_rows, columns=[
-            "request", "arrival_s", "admitted_s", "first_token_s", "finished_s", "prompt_len",
-            "output_len", "n", "preemptions", "prefix_hit_tokens", "recomputed_tokens",
-            "rejected", "replica", "allocated_at_finish"])
-        requests = requests.sort_values("request", kind="stable").reset_index(drop=True)
+        requests = self.request_rows.frame().sort_values("request", kind="stable")
+        requests = requests.reset_index(drop=True)
         for column in ("admitted_s", "first_token_s", "finished_s"):
             requests[column] = requests[column].where(requests[column] >= 0)
         requests["finished_s"] = requests["finished_s"].astype(float)
-        steps = _typed_frame(self.recorder.steps, [
-            "replica", "time_s", "duration_s", "steps", "decode_seqs", "context_tokens",
-            "prefill_tokens", "prefill_requests", "preempted", "running", "waiting"])
-        memory = _typed_frame(self.recorder.memory, [
-            "replica", "time_s", *MEMORY_COLUMNS, "running", "waiting", "decode_seqs",
-            "preemptions", "hit_tokens", "lookup_tokens"])
+        steps = self.recorder.steps.frame()
+        memory = self.recorder.memory.frame()
         capacity = self.replicas[0].allocator.capacity_slots
         lookup = sum(r.scheduler.lookup_tokens for r in self.replicas)
         hits = sum(r.scheduler.hit_tokens for r in self.replicas)
@@ -325,10 +325,39 @@ class _SystemRun:
         return RunResult(self.system.name, requests, memory, steps, summary)
 
 
-def _typed_frame(rows: list[tuple], columns: list[str]) -> pd.DataFrame:
-    """Rows as a DataFrame: times float, counts int (also when there are no rows)."""
-    frame = pd.DataFrame(rows, columns=columns)
-    return frame.astype({c: float if c.endswith("_s") else np.int64 for c in columns})
+class _RowBuffer:
+    """A table filled one row at a time, held as typed column chunks rather than tuples.
+
+    A long run appends millions of rows; as Python tuples they cost several times their
+    numbers. Every ``chunk_rows`` rows become a DataFrame chunk: times float, counts int,
+    unless ``dtypes`` says otherwise.
+    """
+
+    def __init__(self, columns: list[str], dtypes: dict[str, type] | None = None,
+                 chunk_rows: int = 1 << 16) -> None:
+        self.columns = columns
+        self.chunk_rows = chunk_rows
+        self.dtypes = {c: float if c.endswith("_s") else np.int64 for c in columns}
+        self.dtypes.update(dtypes or {})
+        self._rows: list[tuple] = []
+        self._chunks: list[pd.DataFrame] = []
+
+    def append(self, row: tuple) -> None:
+        self._rows.append(row)
+        if len(self._rows) >= self.chunk_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._chunks.append(pd.DataFrame(self._rows, columns=self.columns).astype(self.dtypes))
+        self._rows = []
+
+    def frame(self) -> pd.DataFrame:
+        """All rows so far, in order (an empty typed frame when there are none)."""
+        if self._rows or not self._chunks:
+            self._flush()
+        if len(self._chunks) > 1:
+            self._chunks = [pd.concat(self._chunks, ignore_index=True)]
+        return self._chunks[0]
 
 
 def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: StepTimeModel,

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 import sim
-from sim.engine import MEMORY_COLUMNS, build_timing, run_scenario
+from sim.engine import MEMORY_COLUMNS, _RowBuffer, build_timing, run_scenario
 from sim.memory import TAXONOMY
 from sim.presets import lookup_gpu, lookup_model
 from sim.results import rejection_note, saturation_note
@@ -193,3 +193,18 @@ def test_preemption_and_recompute_under_pressure():
     assert run.summary["preemptions"] > 0
     assert run.summary["recomputed_tokens"] > 0
     assert run.summary["completed"] + run.summary["rejected"] == 80
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 7, 1000])
+def test_row_buffer_chunks_make_the_frame_built_at_once(chunk_rows):
+    columns = ["replica", "time_s", "tokens", "rejected"]
+    rows = [(i % 2, i * 0.25, 10 * i, i % 3 == 0) for i in range(10)]
+    buffer = _RowBuffer(columns, {"rejected": bool}, chunk_rows=chunk_rows)
+    for row in rows:
+        buffer.append(row)
+    expected = pd.DataFrame(rows, columns=columns).astype(
+        {"replica": np.int64, "time_s": float, "tokens": np.int64, "rejected": bool})
+    pd.testing.assert_frame_equal(buffer.frame(), expected)
+    assert buffer.frame() is buffer.frame()  # the chunks are joined once
+    empty = _RowBuffer(columns, {"rejected": bool}).frame()
+    assert len(empty) == 0 and list(empty.dtypes) == list(expected.dtypes)
