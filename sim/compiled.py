@@ -23,7 +23,7 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
 from pathlib import Path
@@ -49,7 +49,7 @@ class CoreStatus:
 
 
 def read_core_status(package_dir: Path = PACKAGE_DIR,
-                     environ: dict[str, str] | os._Environ[str] = os.environ) -> CoreStatus:
+                     environ: Mapping[str, str] = os.environ) -> CoreStatus:
     """Decide, from the manifest and the sources under ``package_dir``, which core may run."""
     if environ.get(PURE_PYTHON_ENV) == "1":
         return CoreStatus(False, f"{PURE_PYTHON_ENV}=1")

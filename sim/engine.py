@@ -72,9 +72,44 @@ def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
                          paged_alpha=scenario.timing.paged_alpha, source=base.source)
 
 
+class _RowBuffer:
+    """A table filled one row at a time, held as typed column chunks rather than tuples.
+
+    A long run appends millions of rows; as Python tuples they cost several times their
+    numbers. Every ``chunk_rows`` rows become a DataFrame chunk: times float, counts int,
+    unless ``dtypes`` says otherwise.
+    """
+
+    def __init__(self, columns: list[str], dtypes: dict[str, type] | None = None,
+                 chunk_rows: int = 1 << 16) -> None:
+        self.columns = columns
+        self.chunk_rows = chunk_rows
+        self.dtypes = {c: float if c.endswith("_s") else np.int64 for c in columns}
+        self.dtypes.update(dtypes or {})
+        self._rows: list[tuple] = []
+        self._chunks: list[pd.DataFrame] = []
+
+    def append(self, row: tuple) -> None:
+        self._rows.append(row)
+        if len(self._rows) >= self.chunk_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._chunks.append(pd.DataFrame(self._rows, columns=self.columns).astype(self.dtypes))
+        self._rows = []
+
+    def frame(self) -> pd.DataFrame:
+        """All rows so far, in order (an empty typed frame when there are none)."""
+        if self._rows or not self._chunks:
+            self._flush()
+        if len(self._chunks) > 1:
+            self._chunks = [pd.concat(self._chunks, ignore_index=True)]
+        return self._chunks[0]
+
+
 @dataclass
 class _Recorder:
-    """Collects one system's step log and memory samples as plain lists."""
+    """Collects one system's step log and memory samples, and their time integrals."""
 
     sample_interval_s: float
 
@@ -323,41 +358,6 @@ class _SystemRun:
         summary = summarize(summary_requests, steps,
                             self.recorder.averages(len(self.replicas)), capacity, extra)
         return RunResult(self.system.name, requests, memory, steps, summary)
-
-
-class _RowBuffer:
-    """A table filled one row at a time, held as typed column chunks rather than tuples.
-
-    A long run appends millions of rows; as Python tuples they cost several times their
-    numbers. Every ``chunk_rows`` rows become a DataFrame chunk: times float, counts int,
-    unless ``dtypes`` says otherwise.
-    """
-
-    def __init__(self, columns: list[str], dtypes: dict[str, type] | None = None,
-                 chunk_rows: int = 1 << 16) -> None:
-        self.columns = columns
-        self.chunk_rows = chunk_rows
-        self.dtypes = {c: float if c.endswith("_s") else np.int64 for c in columns}
-        self.dtypes.update(dtypes or {})
-        self._rows: list[tuple] = []
-        self._chunks: list[pd.DataFrame] = []
-
-    def append(self, row: tuple) -> None:
-        self._rows.append(row)
-        if len(self._rows) >= self.chunk_rows:
-            self._flush()
-
-    def _flush(self) -> None:
-        self._chunks.append(pd.DataFrame(self._rows, columns=self.columns).astype(self.dtypes))
-        self._rows = []
-
-    def frame(self) -> pd.DataFrame:
-        """All rows so far, in order (an empty typed frame when there are none)."""
-        if self._rows or not self._chunks:
-            self._flush()
-        if len(self._chunks) > 1:
-            self._chunks = [pd.concat(self._chunks, ignore_index=True)]
-        return self._chunks[0]
 
 
 def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: StepTimeModel,
