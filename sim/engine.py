@@ -84,7 +84,8 @@ class _RowBuffer:
                  chunk_rows: int = 1 << 16) -> None:
         self.columns = columns
         self.chunk_rows = chunk_rows
-        self.dtypes = {c: float if c.endswith("_s") else np.int64 for c in columns}
+        self.dtypes: dict[str, type] = {c: float if c.endswith("_s") else np.int64
+                                        for c in columns}
         self.dtypes.update(dtypes or {})
         self._rows: list[tuple] = []
         self._chunks: list[pd.DataFrame] = []
