@@ -30,7 +30,7 @@ import simpy
 from sim.memory import TAXONOMY, ContiguousAllocator, KVAllocator, PagedAllocator
 from sim.presets import SizingError, kv_pool_slots
 from sim.results import RunResult, ScenarioResult, summarize
-from sim.scenario import ContiguousConfig, Scenario, SystemConfig
+from sim.scenario import ContiguousConfig, Scenario, ScenarioError, SystemConfig
 from sim.scheduler import Batch, Request, Scheduler
 from sim.timing import Calibration, CalibrationError, StepTimeModel, roofline
 from workloads import Trace, build_trace
@@ -276,6 +276,9 @@ class _SystemRun:
         self.timing = timing
         self.jump = scenario.engine.mode == "jump"
         self.debug = scenario.engine.debug_invariants
+        if self.debug and not __debug__:
+            raise ScenarioError("engine.debug_invariants: its checks are assert statements, "
+                                "which python -O removes; run without -O, or set it false")
         self.duration_s = scenario.stop.duration_s
         self.arrival_s = trace.arrival_s.tolist()
         self.think_s = trace.think_s.tolist()

@@ -245,3 +245,17 @@ def test_trace_stats_and_export(tmp_path):
     proc = kvsim("trace", "stats", "builtin:nope.csv")
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith("shipped: " + ", ".join(sorted(PUBLIC_TRACE_ROWS)))
+
+
+def test_invariant_checks_refuse_python_O(tmp_path):
+    path = tmp_path / "debug.yaml"
+    path.write_text(GOOD + "engine: {debug_invariants: true}\n")
+    proc = subprocess.run([sys.executable, "-O", "-m", "sim.cli", "run", str(path), "--out",
+                           str(tmp_path / "out"), "--quiet", "--no-report"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr == (f"kvsim: error: {path}: engine.debug_invariants: its checks are "
+                           "assert statements, which python -O removes; run without -O, or "
+                           "set it false\n")
+    assert kvsim("run", str(path), "--out", str(tmp_path / "out"), "--quiet",
+                 "--no-report").returncode == 0  # without -O the checks run
