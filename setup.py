@@ -76,7 +76,7 @@ def compiled_extensions() -> list:
     if os.environ.get(PURE_PYTHON_ENV) == "1":
         return []
     if set(sys.argv[1:]) & {"egg_info", "dist_info"} and not set(sys.argv[1:]) & BUILDS:
-        return []  # metadata only (pip asks for it before building): skip a minute of mypyc
+        return []  # metadata only (pip asks for it before building): no need to compile
     try:
         from mypyc.build import mypycify
     except ImportError:
