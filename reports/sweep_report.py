@@ -98,7 +98,7 @@ def rate_figure(table: pd.DataFrame, field: str = "workload.arrival.rate") -> Fi
     x = _param(table, field)
     fig, axes = new_figure(2, 1, height=3.0, sharex=True)
     knees = {}
-    labelled: dict[float, float] = {}  # knee -> the lowest throughput labelled there
+    labels: dict[float, tuple[float, int]] = {}  # knee -> (lowest label anchor, labels there)
     for i, (name, part) in enumerate(table.groupby("system", sort=False)):
         mean = part.groupby(x).mean(numeric_only=True).reset_index().sort_values(x)
         color = system_color(i)
@@ -113,9 +113,9 @@ def rate_figure(table: pd.DataFrame, field: str = "workload.arrival.rate") -> Fi
                 ax.axvline(knee, color=color, linestyle="--", linewidth=0.8, alpha=0.8)
             y = float(mean.loc[mean[x] == knee, "throughput_tok_s"].iloc[0])
             # Labels of systems that saturate at the same rate stack instead of overprinting.
-            y = min(y, labelled.get(knee, y))
-            stacked = sum(1 for k in knees.values() if k == knee) - 1
-            labelled[knee] = y
+            anchor, stacked = labels.get(knee, (y, 0))
+            y = min(y, anchor)
+            labels[knee] = (y, stacked + 1)
             axes[0].annotate(f"knee {knee:g}", (knee, y), textcoords="offset points",
                              xytext=(4, -12 - 10 * stacked), fontsize=7, color=color)
     axes[0].set_ylabel("output throughput (tokens/s)")

@@ -250,9 +250,9 @@ def cmd_trace_list(args: argparse.Namespace) -> int:
     from workloads import builtin_traces
     from workloads.importers import BUILTIN_DIR, builtin_trace_summary
 
-    names = [f"builtin:{name}" for name in builtin_traces()]
-    width = max(map(len, names)) + 2
-    for name, label in zip(builtin_traces(), names, strict=True):
+    labels = {name: f"builtin:{name}" for name in builtin_traces()}
+    width = max(map(len, labels.values())) + 2
+    for name, label in labels.items():
         fmt, rows = builtin_trace_summary(name)
         print(f"{label:<{width}}{fmt:<10}{rows:>8,} requests")
     print(f"provenance and licenses: {BUILTIN_DIR / 'README.md'}")

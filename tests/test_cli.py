@@ -31,8 +31,9 @@ stop: {num_requests: 60}
 """
 
 
-def kvsim(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sim.cli", *args], cwd=cwd,
+def kvsim(*args: str, cwd: Path = ROOT, python_flags: tuple[str, ...] = ()
+          ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *python_flags, "-m", "sim.cli", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300, check=False)
 
 
@@ -250,9 +251,8 @@ def test_trace_stats_and_export(tmp_path):
 def test_invariant_checks_refuse_python_O(tmp_path):
     path = tmp_path / "debug.yaml"
     path.write_text(GOOD + "engine: {debug_invariants: true}\n")
-    proc = subprocess.run([sys.executable, "-O", "-m", "sim.cli", "run", str(path), "--out",
-                           str(tmp_path / "out"), "--quiet", "--no-report"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = kvsim("run", str(path), "--out", str(tmp_path / "out"), "--quiet", "--no-report",
+                 python_flags=("-O",))
     assert proc.returncode == 2
     assert proc.stderr == (f"kvsim: error: {path}: engine.debug_invariants: its checks are "
                            "assert statements, which python -O removes; run without -O, or "

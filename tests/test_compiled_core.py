@@ -79,16 +79,15 @@ def test_the_compiled_modules_type_check():
 
 
 # ---------------------------------------------------------------- choosing the core
-def fake_build(root: Path, *, extensions: bool = True) -> Path:
+def fake_build(root: Path) -> Path:
     """A package ``sim`` under ``root`` with one compiled module as setup.py leaves it
     (the extension files are empty: finding them is all that is checked before import)."""
     package = root / "sim"
     package.mkdir()
     source = package / "scheduler.py"
     source.write_text("STEPS = 1\n")
-    if extensions:
-        (package / f"scheduler{EXTENSION_SUFFIX}").write_bytes(b"")
-        (package / f"compiled_core__mypyc{EXTENSION_SUFFIX}").write_bytes(b"")
+    (package / f"scheduler{EXTENSION_SUFFIX}").write_bytes(b"")
+    (package / f"compiled_core__mypyc{EXTENSION_SUFFIX}").write_bytes(b"")
     manifest = {"compiler": "mypyc 9.9", "shared_library": "sim.compiled_core__mypyc",
                 "modules": {"sim.scheduler": hashlib.sha256(source.read_bytes()).hexdigest()}}
     (package / MANIFEST_NAME).write_text(json.dumps(manifest))
