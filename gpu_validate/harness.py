@@ -10,6 +10,7 @@ measured device-to-device copy.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -201,13 +202,13 @@ def run_timings(kernels: Kernels, model: ModelSpec, *, quick: bool = False, devi
         """Time one layout on fresh device inputs and record the row."""
         kv_bytes = batch * context_len * per_token_bytes
         dev = random_device_inputs(cp, rng, model, batch, context_len, block_size)
-        timing = time_it(cp, lambda: backend.run(dev, block_size is not None))
+        timing = time_it(cp, functools.partial(backend.run, dev, block_size is not None))
         row = {"kind": "attention", **extra,
                "layout": "contiguous" if block_size is None else "paged",
                "block_size": block_size or 0, "batch": batch, "context_len": context_len,
                "time_s": timing.median_s, "spread": timing.spread, "bytes": kv_bytes,
                "gbps": kv_bytes / timing.median_s / 1e9}
-        dev = None  # drop the inputs, then hand their memory back to the device
+        del dev  # drop the inputs, then hand their memory back to the device
         cp.get_default_memory_pool().free_all_blocks()
         record(row)
         return row

@@ -91,6 +91,7 @@ def launch_args(dev: dict[str, Any], paged: bool,
     kv_heads = dev["k_pages" if paged else "k"].shape[1]
     scale = np.float32(1.0 / np.sqrt(head_dim))
     shape = (np.int32(heads), np.int32(kv_heads), np.int32(head_dim))
+    args: tuple[Any, ...]
     if paged:
         args = (dev["out"], dev["q"], dev["k_pages"], dev["v_pages"], dev["block_tables"],
                 dev["context_lens"], *shape, np.int32(dev["block_size"]),

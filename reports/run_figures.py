@@ -20,8 +20,13 @@ from sim.scenario import scenario_from_dict
 GIB = 1024**3
 
 
-def kv_bytes_per_token(result: ScenarioResult) -> int:
-    return scenario_from_dict(result.scenario).model_spec().kv_bytes_per_token
+def kv_bytes_per_slot(result: ScenarioResult) -> tuple[int, str]:
+    """Bytes of one pool slot on one GPU, and the axis label that says so: under tensor
+    parallelism every GPU holds every token's slot, with its share of the KV heads."""
+    scenario = scenario_from_dict(result.scenario)
+    tp = scenario.parallel.tensor_parallel_size
+    label = "KV memory (GiB)" if tp == 1 else f"KV memory per GPU (GiB, 1 of {tp})"
+    return scenario.model_spec().kv_bytes_per_token_per_gpu(tp), label
 
 
 def _first_replica(frame: pd.DataFrame) -> pd.DataFrame:
@@ -65,7 +70,7 @@ def memory_over_time(result: ScenarioResult) -> Figure:
     """Stacked areas of the taxonomy per system (GiB on the left, % of the pool on the right)."""
     names = list(result.systems)
     fig, axes = new_figure(len(names), 1, height=2.8, sharex=True)
-    per_token = kv_bytes_per_token(result)
+    per_token, gib_label = kv_bytes_per_slot(result)
     data = {}
     for ax, name in zip(axes, names, strict=True):
         run = result.systems[name]
@@ -80,7 +85,7 @@ def memory_over_time(result: ScenarioResult) -> Figure:
             ax.fill_between(t, lower, upper, step="post", color=TAXONOMY_COLORS[category],
                             label=TAXONOMY_LABELS[category], linewidth=0)
             lower = upper
-        ax.set_ylabel("KV memory (GiB)")
+        ax.set_ylabel(gib_label)
         ax.set_ylim(0, capacity * per_token / GIB)
         ax.set_title(f"{name}: KV pool over time{_replica_note(result)}",
                      loc="left", fontsize=10)

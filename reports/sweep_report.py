@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -23,6 +24,7 @@ KNEE_FRACTION = 0.9  # saturated once achieved req/s falls below 90 % of the off
 
 METRIC_LABELS = {
     "throughput_tok_s": "output throughput (tokens/s)",
+    "throughput_tok_s_per_gpu": "output throughput per GPU (tokens/s)",
     "throughput_req_s": "request throughput (req/s)",
     "e2e_p90_s": "E2E latency p90 (s)",
     "ttft_p90_s": "TTFT p90 (s)",
@@ -54,33 +56,99 @@ def _param(table: pd.DataFrame, field: str) -> str:
     return column
 
 
-def _aggregate(table: pd.DataFrame, x: str, y: str, by: str = "system") -> pd.DataFrame:
-    grouped = table.groupby([by, x], sort=False)[y]
-    return grouped.agg(["mean", "min", "max"]).reset_index()
+def _other_swept(table: pd.DataFrame, *fields_shown: str) -> list[str]:
+    """Swept columns that vary but are not on the figure's axes: each combination of their
+    values is a line of its own, never averaged into one (seeds still are). A column zipped
+    with a shown one (one value per value of it) is no other dimension."""
+    shown = [c for c in fields_shown if c in table]
+    return [c for c in table.columns if c.startswith("param:") and c not in shown
+            and table[c].nunique() > 1 and not any(_follows(table, c, s) for s in shown)]
+
+
+def _follows(table: pd.DataFrame, column: str, leader: str) -> bool:
+    """Whether ``column`` takes one value for each value of ``leader`` (zipped with it)."""
+    return bool((table.groupby(leader, sort=False)[column].nunique() <= 1).all())
+
+
+def _short(column: str) -> str:
+    """A swept column as a legend or tick names it: its last field (``block_size``)."""
+    return column.removeprefix("param:").rsplit(".", 1)[-1]
+
+
+def _legend(ax: Any, entries: int) -> None:
+    """A few lines: a legend inside the axes; more: two columns under the figure, where
+    they cover no data."""
+    if entries <= 5:
+        ax.legend(fontsize=8, frameon=False)
+    else:
+        ax.figure.legend(*ax.get_legend_handles_labels(), loc="outside lower center",
+                         ncols=2, fontsize=8, frameon=False)
+
+
+LINE_STYLES = ["-", "--", ":", "-."]
+MARKERS = ["o", "s", "^", "D", "v", "P"]
+
+
+def _series(table: pd.DataFrame, by: str, others: list[str]
+            ) -> list[tuple[str, dict[str, Any], pd.DataFrame]]:
+    """One line per ``by`` value and combination of ``others``: its label, its matplotlib
+    style (colour for ``by``, line style and marker for the rest) and its rows."""
+    colours = {v: i for i, v in enumerate(pd.unique(table[by]))}
+    combos: dict[tuple, int] = {}
+    lines = []
+    for key, part in table.groupby([by, *others], sort=False):
+        key = key if isinstance(key, tuple) else (key,)
+        name, rest = key[0], key[1:]
+        style_index = combos.setdefault(rest, len(combos))
+        label = ", ".join([str(name)] + [f"{_short(c)}={v}"
+                                         for c, v in zip(others, rest, strict=True)])
+        style = {"color": system_color(colours[name]),
+                 "linestyle": LINE_STYLES[style_index % len(LINE_STYLES)],
+                 "marker": MARKERS[style_index % len(MARKERS)]}
+        lines.append((label, style, part))
+    return lines
+
+
+def throughput_metric(table: pd.DataFrame) -> str:
+    """Output throughput per GPU where the runs use different numbers of GPUs, else total."""
+    varies = "gpus" in table and table["gpus"].nunique() > 1  # older results lack the column
+    return "throughput_tok_s_per_gpu" if varies else "throughput_tok_s"
 
 
 def metric_vs_field(table: pd.DataFrame, field: str, metric: str, *,
                     by: str = "system", logx: bool | None = None) -> Figure:
-    """``metric`` against swept ``field``, one line per system (or per ``by`` column)."""
+    """``metric`` against swept ``field``, one line per system (or per ``by`` column) and
+    combination of the other swept fields that vary."""
     x = _param(table, field)
     if metric not in table:
         raise SweepReportError(f"--y {metric}: not a summary metric; e.g. "
                                f"{', '.join(list(METRIC_LABELS)[:6])}")
-    data = _aggregate(table, x, metric, by)
-    fig, (ax,) = new_figure(1, 1, height=3.6)
-    for i, (name, part) in enumerate(data.groupby(by, sort=False)):
+    others = _other_swept(table, x, by)
+    data = table.groupby([by, *others, x], sort=False)[metric].agg(
+        ["mean", "min", "max"]).reset_index()
+    lines = _series(data, by, others)
+    fig, (ax,) = new_figure(1, 1, height=3.6 if len(lines) <= 5 else 4.6)
+    for label, style, part in lines:
         part = part.sort_values(x)
         xs = part[x].to_numpy(dtype=float)
         ax.errorbar(xs, part["mean"], yerr=[part["mean"] - part["min"],
                                             part["max"] - part["mean"]],
-                    marker="o", markersize=4, capsize=2, color=system_color(i), label=str(name))
+                    markersize=4, capsize=2, label=label, **style)
     values = data[x].to_numpy(dtype=float)
     if logx if logx is not None else (values.min() > 0 and values.max() / values.min() >= 16):
         ax.set_xscale("log", base=2)
+    # Fields zipped with x move with it: each tick names their values too.
+    partners = [c for c in table.columns if c.startswith("param:") and c != x
+                and table[c].nunique() > 1 and _follows(table, c, x)]
+    if partners:
+        ticks = table.drop_duplicates(x).sort_values(x)
+        ax.set_xticks(ticks[x].to_numpy(dtype=float), [
+            "\n".join([f"{row[x]:g}"] + [f"{_short(c)}={row[c]}" for c in partners])
+            for _, row in ticks.iterrows()])
     ax.set_xlabel(field)
     ax.set_ylabel(METRIC_LABELS.get(metric, metric))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, frameon=False)
+    _legend(ax, len(lines))
     ax.set_title(f"{METRIC_LABELS.get(metric, metric)} against {field}", loc="left",
                  fontsize=11)
     fig.kvsim_data = {"series": data}  # type: ignore[attr-defined]
@@ -94,35 +162,31 @@ def saturation_knee(part: pd.DataFrame, rate_column: str) -> float | None:
 
 
 def rate_figure(table: pd.DataFrame, field: str = "workload.arrival.rate") -> Figure:
-    """Throughput and p90 latency against request rate, each system's knee marked."""
+    """Throughput and p90 latency against request rate, each line's knee marked (one line
+    per system and combination of the other swept fields)."""
     x = _param(table, field)
-    fig, axes = new_figure(2, 1, height=3.0, sharex=True)
+    throughput = throughput_metric(table)
+    lines = _series(table, "system", _other_swept(table, x, "system"))
+    fig, axes = new_figure(2, 1, height=3.0 if len(lines) <= 5 else 3.4, sharex=True)
     knees = {}
-    labels: dict[float, tuple[float, int]] = {}  # knee -> (lowest label anchor, labels there)
-    for i, (name, part) in enumerate(table.groupby("system", sort=False)):
+    for label, style, part in lines:
         mean = part.groupby(x).mean(numeric_only=True).reset_index().sort_values(x)
-        color = system_color(i)
-        axes[0].plot(mean[x], mean["throughput_tok_s"], marker="o", markersize=4, color=color,
-                     label=name)
-        axes[1].plot(mean[x], mean["e2e_p90_s"], marker="o", markersize=4, color=color,
-                     label=name)
         knee = saturation_knee(mean, x)
-        knees[name] = knee
+        knees[label] = knee
+        # The knee goes into the legend: many lines often share one, and labels by the
+        # points would overprint.
+        shown = f"{label} ({f'knee {knee:g}' if knee is not None else 'saturated at every rate'})"
+        axes[0].plot(mean[x], mean[throughput], markersize=4, label=shown, **style)
+        axes[1].plot(mean[x], mean["e2e_p90_s"], markersize=4, label=shown, **style)
         if knee is not None:
             for ax in axes:
-                ax.axvline(knee, color=color, linestyle="--", linewidth=0.8, alpha=0.8)
-            y = float(mean.loc[mean[x] == knee, "throughput_tok_s"].iloc[0])
-            # Labels of systems that saturate at the same rate stack instead of overprinting.
-            anchor, stacked = labels.get(knee, (y, 0))
-            y = min(y, anchor)
-            labels[knee] = (y, stacked + 1)
-            axes[0].annotate(f"knee {knee:g}", (knee, y), textcoords="offset points",
-                             xytext=(4, -12 - 10 * stacked), fontsize=7, color=color)
-    axes[0].set_ylabel("output throughput (tokens/s)")
+                ax.axvline(knee, color=style["color"], linestyle="--", linewidth=0.8,
+                           alpha=0.8)
+    axes[0].set_ylabel(METRIC_LABELS[throughput])
     axes[1].set_ylabel("E2E latency p90 (s)")
     axes[1].set_yscale("log")
     axes[1].set_xlabel("offered load (requests/s)")
-    axes[0].legend(fontsize=8, frameon=False)
+    _legend(axes[0], len(lines))
     axes[0].set_title("Throughput and latency against load (dashed: saturation knee)",
                       loc="left", fontsize=11)
     for ax in axes:
@@ -212,6 +276,12 @@ def sweep_figures(sweep_dir: Path, x: str | None = None,
     block = next((f for f in fields if f.endswith("allocator.block_size")), None)
     pool = next((f for f in fields if f.endswith("kv_memory_gib")), None)
     policy = next((f for f in fields if f.endswith("allocator.eviction")), None)
+    # The block-size and eviction figures average over everything but their own fields, so
+    # they are drawn only when nothing else varies; otherwise the generic figures separate it.
+    if block and _other_swept(table, f"param:{block}"):
+        block = None
+    if pool and policy and _other_swept(table, f"param:{pool}", f"param:{policy}"):
+        pool = policy = None
     if rate:
         figures["rate_sweep"] = rate_figure(table, rate)
     if block:
@@ -220,14 +290,18 @@ def sweep_figures(sweep_dir: Path, x: str | None = None,
                                                            _rho_for(sweep_dir, table, sizes))
     if pool and policy:
         figures["eviction_pressure"] = eviction_figure(table, pool, policy)
+    throughput = throughput_metric(table)
+    drawn = [f"param:{f}" for f in (rate, block, pool, policy) if f]
     for field in fields:
         if field in (rate, block) or (field in (pool, policy) and pool and policy):
             continue
+        if any(_follows(table, f"param:{field}", d) for d in drawn):
+            continue  # zipped with a field already on an axis: the same figure again
+        drawn.append(f"param:{field}")
         numeric = pd.to_numeric(table[f"param:{field}"], errors="coerce").notna().all()
         if numeric:
             slug = field.replace(".", "_").replace("[", "_").replace("]", "")
-            figures[f"throughput_vs_{slug}"] = metric_vs_field(table, field,
-                                                               "throughput_tok_s")
+            figures[f"throughput_vs_{slug}"] = metric_vs_field(table, field, throughput)
             figures[f"waste_vs_{slug}"] = metric_vs_field(table, field, "waste_frac")
     return figures
 
@@ -239,10 +313,11 @@ TABLE_METRICS = ["throughput_tok_s", "e2e_p90_s", "waste_frac", "internal_frac_o
 def _results_html(table: pd.DataFrame) -> str:
     """One row per run: the swept values, then the metrics labelled and formatted as in the
     run summary ("—" where a metric does not apply or the run failed)."""
-    from sim.metrics import labelled_sweep_table
+    from sim.metrics import labelled_sweep_table, sweep_metrics
 
     keep = ["system", "seed"] + (["status"] if (table["status"] != "ok").any() else [])
-    return labelled_sweep_table(table, TABLE_METRICS, keep).to_html(index=False, border=0)
+    return labelled_sweep_table(table, sweep_metrics(table, TABLE_METRICS), keep).to_html(
+        index=False, border=0)
 
 
 def write_sweep_report(sweep_dir: Path, x: str | None = None, y: str | None = None) -> Path:

@@ -146,13 +146,14 @@ def _sweep_means(table: pd.DataFrame) -> str:
     """The sweep's finished runs averaged over seeds, one row per point and system."""
     import pandas as pd
 
-    from sim.metrics import labelled_sweep_table
+    from sim.metrics import labelled_sweep_table, sweep_metrics
 
     keys = [c for c in table.columns if c.startswith("param:")] + ["system"]
     done = table[table["status"] == "ok"]
-    means = done.groupby(keys, sort=False)[list(SWEEP_TABLE_METRICS)].mean().reset_index()
+    metrics = sweep_metrics(done, SWEEP_TABLE_METRICS)
+    means = done.groupby(keys, sort=False)[metrics].mean().reset_index()
     seeds = done["seed"].nunique()
-    shown = labelled_sweep_table(means, SWEEP_TABLE_METRICS)
+    shown = labelled_sweep_table(means, metrics)
     with pd.option_context("display.max_rows", 500, "display.width", 200):
         text = shown.to_string(index=False)
     return text + (f"\n(means over {seeds} seeds)" if seeds > 1 else "")

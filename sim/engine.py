@@ -66,8 +66,15 @@ def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
         if calibration.model != model.name:
             raise CalibrationError(f"{path}: model: calibrated for {calibration.model!r}, but "
                                    f"the scenario runs {model.name!r}")
+        tp = scenario.parallel.tensor_parallel_size
+        if calibration.tensor_parallel_size != tp:
+            raise CalibrationError(
+                f"{path}: tensor_parallel_size: calibrated on {calibration.tensor_parallel_size} "
+                f"GPU(s), but the scenario runs parallel.tensor_parallel_size {tp}")
         return calibration.to_model(str(path), scenario.timing.step_overhead_s)
-    base = roofline(model, scenario.gpu_spec(), scenario.timing.step_overhead_s)
+    base = roofline(model, scenario.gpu_spec(), scenario.timing.step_overhead_s,
+                    tensor_parallel_size=scenario.parallel.tensor_parallel_size,
+                    allreduce_latency_s=scenario.parallel.allreduce_latency_s)
     return StepTimeModel(base.a, base.b, base.c, base.d, base.e,
                          paged_alpha=scenario.timing.paged_alpha, source=base.source)
 
@@ -280,6 +287,7 @@ class _SystemRun:
             raise ScenarioError("engine.debug_invariants: its checks are assert statements, "
                                 "which python -O removes; run without -O, or set it false")
         self.duration_s = scenario.stop.duration_s
+        self.gpus_per_replica = scenario.parallel.tensor_parallel_size
         self.arrival_s = trace.arrival_s.tolist()
         self.think_s = trace.think_s.tolist()
         # One row per finished or rejected request, written when it is done, so that the
@@ -357,7 +365,8 @@ class _SystemRun:
                                                 "enable_prefix_caching", False)),
                  "evictions": sum(getattr(getattr(r.allocator, "pool", None), "num_evictions", 0)
                                   for r in self.replicas),
-                 "replicas": len(self.replicas)}
+                 "replicas": len(self.replicas),
+                 "gpus": len(self.replicas) * self.gpus_per_replica}
         summary_requests = requests.fillna({"finished_s": -1.0})
         summary = summarize(summary_requests, steps,
                             self.recorder.averages(len(self.replicas)), capacity, extra)
@@ -370,7 +379,8 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
     model = scenario.model_spec()
     pool_slots = kv_pool_slots(model, scenario.gpu_spec(),
                                kv_memory_gib=scenario.memory.kv_memory_gib,
-                               gpu_memory_utilization=scenario.memory.gpu_memory_utilization)
+                               gpu_memory_utilization=scenario.memory.gpu_memory_utilization,
+                               tensor_parallel_size=scenario.parallel.tensor_parallel_size)
     block_size = getattr(system.allocator, "block_size", 1)
     if pool_slots < block_size:
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than one block "

@@ -18,6 +18,7 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("completed", "requests completed", "{:,.0f}"),
     ("rejected", "requests rejected", "{:,.0f}"),
     ("throughput_tok_s", "output throughput (tok/s)", "{:,.1f}"),
+    ("throughput_tok_s_per_gpu", "output throughput per GPU (tok/s)", "{:,.1f}"),
     ("throughput_req_s", "request throughput (req/s)", "{:,.2f}"),
     ("mean_batch", "mean decode batch", "{:,.1f}"),
     ("peak_batch", "peak decode batch", "{:,.0f}"),
@@ -65,6 +66,16 @@ def format_summary(summaries: dict[str, dict[str, Any]]) -> str:
                  for n, w in zip(names, widths, strict=True)]
         lines.append(label.ljust(label_width) + "".join(cells))
     return "\n".join(lines)
+
+
+def sweep_metrics(table: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
+    """``metrics``, with output throughput per GPU after output throughput wherever the runs
+    use different numbers of GPUs (tensor parallelism, replicas), since a bigger engine's
+    total says nothing about what each GPU sustains."""
+    shown = list(metrics)
+    if "gpus" in table and table["gpus"].nunique() > 1 and "throughput_tok_s" in shown:
+        shown.insert(shown.index("throughput_tok_s") + 1, "throughput_tok_s_per_gpu")
+    return shown
 
 
 def labelled_sweep_table(table: pd.DataFrame, metrics: Iterable[str],

@@ -2,11 +2,14 @@
 
 Think of the GPU as a warehouse: the model's weights are the fixed shelving, and what floor
 space is left (times the share the engine may use) is the KV pool, measured in *token slots*
-whose size is :func:`ModelSpec.kv_bytes_per_token`.
+whose size is :func:`ModelSpec.kv_bytes_per_token`. Tensor parallelism rents several
+warehouses side by side: each holds 1/N of the shelving and 1/N of every token's KV heads, so
+a token slot spans all N of them (see :func:`kv_pool_slots`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 GIB = 1024**3
@@ -40,15 +43,43 @@ class ModelSpec:
     def hidden_size(self) -> int:
         return self.num_heads * self.head_dim
 
+    def kv_heads_per_gpu(self, tensor_parallel_size: int) -> int:
+        """KV heads each GPU holds under tensor parallelism. With more GPUs than KV heads
+        (GQA) every GPU keeps one whole head, replicated, as vLLM does."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+    def kv_bytes_per_token_per_gpu(self, tensor_parallel_size: int) -> int:
+        """One token's K and V on one GPU of a tensor-parallel group."""
+        return (2 * self.num_layers * self.kv_heads_per_gpu(tensor_parallel_size)
+                * self.head_dim * self.dtype_bytes)
+
+    def tensor_parallel_problem(self, tensor_parallel_size: int) -> str | None:
+        """Why the model cannot be split over ``tensor_parallel_size`` GPUs, or None.
+
+        vLLM's rule: the query heads divide evenly, and the KV heads either divide evenly or
+        are replicated, which needs the GPU count to be a multiple of them.
+        """
+        tp, kv = tensor_parallel_size, self.num_kv_heads
+        if self.num_heads % tp:
+            return f"{self.name}'s {self.num_heads} attention heads do not divide over {tp} GPUs"
+        if (kv % tp) if kv >= tp else (tp % kv):
+            return (f"{self.name}'s {kv} KV heads neither divide over {tp} GPUs nor replicate "
+                    f"evenly onto them")
+        return None
+
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """Memory size, HBM bandwidth and dense bf16/fp16 tensor throughput of one GPU."""
+    """Memory size, HBM bandwidth, dense bf16/fp16 tensor throughput and GPU-to-GPU link
+    bandwidth (one direction, what a ring all-reduce is limited by) of one GPU, and how many
+    GPUs that link joins (``None``: as many as asked)."""
 
     name: str
     memory_bytes: int
     hbm_bandwidth_bytes_per_s: float
     peak_flops: float
+    interconnect_bytes_per_s: float | None = None
+    interconnect_gpus: int | None = None
 
 
 # Shapes from each model's config.json on its Hugging Face model card.
@@ -70,14 +101,16 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 
 # Memory as the driver reports it (nvidia-smi), bandwidth and dense (non-sparse) bf16 tensor
 # FLOP/s from NVIDIA's datasheets: A100 datasheet (2021, SXM), H100 datasheet (SXM5, 2023),
-# H200 product brief (SXM, 2024).
+# H200 product brief (SXM, 2024). NVLink: the datasheets' 600 GB/s (A100) and 900 GB/s
+# (H100, H200) count both directions; one direction is half. It joins the 8 GPUs of one HGX
+# board; tensor parallelism beyond a board would run over the (far slower) network.
 GPU_PRESETS: dict[str, GpuSpec] = {
     g.name: g
     for g in [
-        GpuSpec("a100-40g", 40960 * MIB, 1555e9, 312e12),
-        GpuSpec("a100-80g", 81920 * MIB, 2039e9, 312e12),
-        GpuSpec("h100-80g", 81559 * MIB, 3.35e12, 989e12),
-        GpuSpec("h200-141g", 143771 * MIB, 4.8e12, 989e12),
+        GpuSpec("a100-40g", 40960 * MIB, 1555e9, 312e12, 300e9, 8),
+        GpuSpec("a100-80g", 81920 * MIB, 2039e9, 312e12, 300e9, 8),
+        GpuSpec("h100-80g", 81559 * MIB, 3.35e12, 989e12, 450e9, 8),
+        GpuSpec("h200-141g", 143771 * MIB, 4.8e12, 989e12, 450e9, 8),
     ]
 }
 
@@ -92,25 +125,41 @@ def kv_pool_slots(
     *,
     kv_memory_gib: float | None = None,
     gpu_memory_utilization: float = 0.9,
+    tensor_parallel_size: int = 1,
 ) -> int:
-    """Token slots in the KV pool: an explicit KV size, or GPU memory × utilization − weights."""
+    """Token slots in one engine's KV pool: an explicit KV size (all the engine's GPUs
+    together), or, per GPU, GPU memory × utilization − its share of the weights.
+
+    Under tensor parallelism every GPU holds every token, each with its own KV heads, so the
+    slot count is one GPU's pool over one GPU's bytes per token.
+    """
+    problem = model.tensor_parallel_problem(tensor_parallel_size)
+    if problem:
+        raise SizingError(problem)
+    per_gpu_bytes_per_token = model.kv_bytes_per_token_per_gpu(tensor_parallel_size)
     if kv_memory_gib is not None:
         if kv_memory_gib <= 0:
             raise SizingError(f"kv_memory_gib must be > 0, got {kv_memory_gib}")
-        pool_bytes = kv_memory_gib * GIB
-    else:
-        if not 0 < gpu_memory_utilization <= 1:
-            raise SizingError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
-            )
-        pool_bytes = gpu.memory_bytes * gpu_memory_utilization - model.weight_bytes
-        if pool_bytes <= 0:
-            raise SizingError(
-                f"{model.name} weights ({model.weight_bytes / GIB:.1f} GiB) do not fit in "
-                f"{gpu_memory_utilization:.0%} of {gpu.name} "
-                f"({gpu.memory_bytes * gpu_memory_utilization / GIB:.1f} GiB): no KV pool left"
-            )
-    return int(pool_bytes // model.kv_bytes_per_token)
+        return int(kv_memory_gib * GIB // (per_gpu_bytes_per_token * tensor_parallel_size))
+    if not 0 < gpu_memory_utilization <= 1:
+        raise SizingError(
+            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+        )
+    weight_bytes_per_gpu = model.weight_bytes / tensor_parallel_size
+    usable_bytes = gpu.memory_bytes * gpu_memory_utilization
+    pool_bytes = usable_bytes - weight_bytes_per_gpu
+    if pool_bytes <= 0:
+        share = "" if tensor_parallel_size == 1 else f" (1/{tensor_parallel_size} of them)"
+        needed = math.ceil(model.weight_bytes / usable_bytes)
+        hint = (f"; shard them over more GPUs (parallel.tensor_parallel_size, at least "
+                f"{needed}) or give memory.kv_memory_gib" if needed > tensor_parallel_size
+                else "")
+        raise SizingError(
+            f"{model.name} weights{share} ({weight_bytes_per_gpu / GIB:.1f} GiB) do not fit in "
+            f"{gpu_memory_utilization:.0%} of {gpu.name} ({usable_bytes / GIB:.1f} GiB): no KV "
+            f"pool left{hint}"
+        )
+    return int(pool_bytes // per_gpu_bytes_per_token)
 
 
 def lookup_model(name: str) -> ModelSpec:

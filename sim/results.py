@@ -103,6 +103,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
         "rejected": int(requests["rejected"].sum()),
         "makespan_s": makespan,
         "throughput_tok_s": generated / makespan,
+        "throughput_tok_s_per_gpu": generated / makespan / extra["gpus"],
         "total_tok_s": (generated + prompt) / makespan,
         "throughput_req_s": len(done) / makespan,
         **_percentiles(ttft, "ttft"),

@@ -27,6 +27,7 @@ from pydantic_core import ErrorDetails
 
 from sim.memory import EVICTION_POLICIES, PLACEMENTS, RESERVE_POLICIES
 from sim.presets import GPU_PRESETS, MODEL_PRESETS, GpuSpec, ModelSpec
+from sim.timing import DEFAULT_ALLREDUCE_LATENCY_S
 from workloads.distributions import ConfigModel
 from workloads.spec import Workload
 
@@ -55,6 +56,9 @@ class GpuConfig(ConfigModel):
     memory_gib: PositiveFloat
     hbm_bandwidth_gbps: PositiveFloat = Field(description="GB/s (10^9 bytes per second)")
     peak_tflops: PositiveFloat = Field(description="dense bf16/fp16 TFLOP/s")
+    interconnect_gbps: PositiveFloat | None = Field(
+        default=None, description="GPU-to-GPU GB/s in one direction (NVLink: half the "
+        "datasheet figure); needed only for tensor parallelism")
 
 
 class MemoryConfig(ConfigModel):
@@ -62,6 +66,15 @@ class MemoryConfig(ConfigModel):
 
     kv_memory_gib: PositiveFloat | None = None
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+
+
+class ParallelConfig(ConfigModel):
+    """How one engine spreads over GPUs: tensor parallelism, as vLLM's
+    ``--tensor-parallel-size`` (weights and KV heads split N ways, two all-reduces a layer)."""
+
+    tensor_parallel_size: PositiveInt = 1
+    allreduce_latency_s: float = Field(default=DEFAULT_ALLREDUCE_LATENCY_S, ge=0,
+                                       description="fixed cost of one all-reduce")
 
 
 class ContiguousConfig(ConfigModel):
@@ -145,6 +158,7 @@ class Scenario(ConfigModel):
     model: str | ModelConfig = "llama-2-7b"
     gpu: str | GpuConfig = "a100-80g"
     memory: MemoryConfig = MemoryConfig()
+    parallel: ParallelConfig = ParallelConfig()
     workload: Workload
     systems: list[SystemConfig] = Field(min_length=1)
     stop: StopConfig
@@ -165,6 +179,29 @@ class Scenario(ConfigModel):
                              f"(or give {explicit})")
         return value
 
+    @field_validator("parallel")
+    @classmethod
+    def _splits_evenly(cls, value: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
+        tp = value.tensor_parallel_size
+        if tp == 1 or "model" not in info.data or "gpu" not in info.data:
+            return value  # nothing to split, or model/gpu already refused
+        problem = _model_spec(info.data["model"]).tensor_parallel_problem(tp)
+        if problem:
+            raise ValueError(f"tensor_parallel_size {tp}: {problem}")
+        gpu = info.data["gpu"]
+        if isinstance(gpu, GpuConfig):
+            if gpu.interconnect_gbps is None:
+                raise ValueError(f"tensor_parallel_size {tp}: the all-reduces need "
+                                 "gpu.interconnect_gbps (GPU-to-GPU GB/s, one direction)")
+            return value
+        joined = GPU_PRESETS[gpu.lower()].interconnect_gpus
+        if joined is not None and tp > joined:
+            raise ValueError(f"tensor_parallel_size {tp}: NVLink joins {joined} {gpu} GPUs "
+                             f"(one board) and the simulator models no network between "
+                             f"boards; use at most {joined}, or engine.replicas for more GPUs, "
+                             "or give gpu explicitly with the interconnect_gbps you have")
+        return value
+
     @field_validator("systems")
     @classmethod
     def _unique_names(cls, systems: list[SystemConfig]) -> list[SystemConfig]:
@@ -174,16 +211,21 @@ class Scenario(ConfigModel):
         return systems
 
     def model_spec(self) -> ModelSpec:
-        if isinstance(self.model, str):
-            return MODEL_PRESETS[self.model.lower()]
-        return ModelSpec(**self.model.model_dump())
+        return _model_spec(self.model)
 
     def gpu_spec(self) -> GpuSpec:
         if isinstance(self.gpu, str):
             return GPU_PRESETS[self.gpu.lower()]
         g = self.gpu
         return GpuSpec(g.name, int(g.memory_gib * 1024**3), g.hbm_bandwidth_gbps * 1e9,
-                       g.peak_tflops * 1e12)
+                       g.peak_tflops * 1e12,
+                       None if g.interconnect_gbps is None else g.interconnect_gbps * 1e9)
+
+
+def _model_spec(model: str | ModelConfig) -> ModelSpec:
+    if isinstance(model, str):
+        return MODEL_PRESETS[model.lower()]
+    return ModelSpec(**model.model_dump())
 
 
 # Keep the names importable for documentation and the sweep's validation.

@@ -28,6 +28,9 @@ from sim.presets import GpuSpec, ModelSpec
 
 DEFAULT_STEP_OVERHEAD_S = 1.0e-3  # scheduler + kernel launches per step, typical of vLLM
 DEFAULT_PAGED_ALPHA = 2.0  # ρ(bs) = 1 + alpha/bs: +12.5% attention time at bs=16
+# One small-message NCCL all-reduce inside an NVLink node: nccl-tests report ~10-30 µs
+# for the KB-MB messages a decode step sends; the low end, as CUDA graphs run them.
+DEFAULT_ALLREDUCE_LATENCY_S = 10e-6
 
 
 class CalibrationError(ValueError):
@@ -80,21 +83,43 @@ class StepTimeModel:
 
 
 def roofline(model: ModelSpec, gpu: GpuSpec,
-             step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S) -> StepTimeModel:
-    """Coefficients from first principles.
+             step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S, *,
+             tensor_parallel_size: int = 1,
+             allreduce_latency_s: float = DEFAULT_ALLREDUCE_LATENCY_S) -> StepTimeModel:
+    """Coefficients from first principles, for one GPU of a ``tensor_parallel_size`` group
+    (all of them work at once, so the slowest, i.e. any, sets the step time).
 
-    a = weights / HBM bandwidth + a fixed overhead; b = d = 2·params FLOP per token / peak
-    FLOP/s; c = KV bytes per token / HBM bandwidth; e = 2·layers·hidden FLOP per (query, key)
-    pair (QKᵀ and PV, causal) / peak FLOP/s.
+    a = weights per GPU / HBM bandwidth + a fixed overhead; b = d = 2·params FLOP per token /
+    peak FLOP/s per GPU; c = one GPU's KV bytes per token / HBM bandwidth; e = 2·layers·hidden
+    FLOP per (query, key) pair (QKᵀ and PV, causal) / peak FLOP/s per GPU.
+
+    Tensor parallelism divides all of that by N (KV heads as
+    :meth:`ModelSpec.kv_bytes_per_token_per_gpu` says) and adds two all-reduces per layer (after
+    attention and after the MLP) of hidden × dtype bytes per token. A ring all-reduce sends
+    2·(N−1)/N of the message over each GPU's link, which adds to ``b`` and ``d``; its latency
+    adds to ``a``.
     """
-    per_token_flops = 2.0 * model.num_params
+    tp = tensor_parallel_size
+    per_token_flops = 2.0 * model.num_params / tp
+    per_token_allreduce_s = 0.0
+    allreduce_fixed_s = 0.0
+    if tp > 1:
+        if not gpu.interconnect_bytes_per_s:
+            raise ValueError(f"{gpu.name}: no interconnect bandwidth, which tensor parallelism "
+                             "needs")
+        allreduces = 2 * model.num_layers
+        ring_bytes_per_token = 2.0 * (tp - 1) / tp * model.hidden_size * model.dtype_bytes
+        per_token_allreduce_s = allreduces * ring_bytes_per_token / gpu.interconnect_bytes_per_s
+        allreduce_fixed_s = allreduces * allreduce_latency_s
+    gpus = gpu.name if tp == 1 else f"{tp} × {gpu.name}"
     return StepTimeModel(
-        a=model.weight_bytes / gpu.hbm_bandwidth_bytes_per_s + step_overhead_s,
-        b=per_token_flops / gpu.peak_flops,
-        c=model.kv_bytes_per_token / gpu.hbm_bandwidth_bytes_per_s,
-        d=per_token_flops / gpu.peak_flops,
-        e=2.0 * model.num_layers * model.hidden_size / gpu.peak_flops,
-        source=f"roofline({model.name}, {gpu.name})",
+        a=(model.weight_bytes / tp / gpu.hbm_bandwidth_bytes_per_s + step_overhead_s
+           + allreduce_fixed_s),
+        b=per_token_flops / gpu.peak_flops + per_token_allreduce_s,
+        c=model.kv_bytes_per_token_per_gpu(tp) / gpu.hbm_bandwidth_bytes_per_s,
+        d=per_token_flops / gpu.peak_flops + per_token_allreduce_s,
+        e=2.0 * model.num_layers * model.hidden_size / tp / gpu.peak_flops,
+        source=f"roofline({model.name}, {gpus})",
     )
 
 
@@ -110,6 +135,7 @@ class Calibration:
         coefficients: {a: 0.0071, b: 4.1e-5, c: 1.9e-7, d: 4.3e-5, e: 1.1e-9}   # seconds
         rho: {8: 1.21, 16: 1.12, 32: 1.07, 64: 1.04, 128: 1.03}               # optional
         fit: {mape: 0.031, max_error: 0.08, held_out_points: 40}              # optional
+        tensor_parallel_size: 1       # optional: GPUs the timings span (a scenario must match)
     """
 
     model: str
@@ -117,6 +143,7 @@ class Calibration:
     coefficients: dict[str, float]
     rho: dict[int, float]
     fit: dict[str, float]
+    tensor_parallel_size: int = 1
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
@@ -142,12 +169,18 @@ class Calibration:
             isinstance(k, int) and isinstance(v, int | float) and v > 0 for k, v in rho.items()
         ):
             raise CalibrationError(f"{path}: rho: expected a mapping block_size -> factor > 0")
+        tensor_parallel_size = data.get("tensor_parallel_size", 1)
+        if (not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool)
+                or tensor_parallel_size < 1):
+            raise CalibrationError(f"{path}: tensor_parallel_size: expected a whole number >= 1 "
+                                   f"(the GPUs the timings span), got {tensor_parallel_size!r}")
         return cls(
             model=str(data.get("model", "")),
             device=str(data.get("device", "")),
             coefficients={k: float(v) for k, v in coefficients.items()},
             rho={int(k): float(v) for k, v in rho.items()},
             fit=dict(data.get("fit") or {}),
+            tensor_parallel_size=tensor_parallel_size,
         )
 
     def dump(self, path: Path) -> None:
@@ -158,6 +191,7 @@ class Calibration:
             "coefficients": self.coefficients,
             "rho": self.rho,
             "fit": self.fit,
+            "tensor_parallel_size": self.tensor_parallel_size,
         }, sort_keys=False))
 
     def to_model(self, source: str, step_overhead_s: float = 0.0) -> StepTimeModel:

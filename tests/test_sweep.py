@@ -199,15 +199,20 @@ def test_sweep_figures_show_labelled_series(tmp_path):
     assert top.get_ylabel() == "output throughput (tokens/s)"
     assert bottom.get_ylabel() == "E2E latency p90 (s)"
     assert bottom.get_xlabel() == "offered load (requests/s)"
-    names = [line.get_label() for line in top.get_lines() if not line.get_label().startswith("_")]
+    legend = [line.get_label() for line in top.get_lines()
+              if not line.get_label().startswith("_")]
+    names = [label.split(" (")[0] for label in legend]
     assert names == ["contiguous-max", "contiguous-req", "contiguous-pow2", "contiguous-oracle",
                      "paged-16"]
     table = outcome.table
     paged = table[table["system"] == "paged-16"].sort_values("param:workload.arrival.rate")
-    (paged_line,) = [line for line in top.get_lines() if line.get_label() == "paged-16"]
+    (paged_line,) = [line for line in top.get_lines() if line.get_label().startswith("paged-16")]
     assert list(paged_line.get_ydata()) == pytest.approx(list(paged["throughput_tok_s"]))
     knees = fig.kvsim_data["knees"]
     assert set(knees.index) == set(names)
+    for name, label in zip(names, legend, strict=True):  # each legend entry names its knee
+        assert label == (f"{name} (knee {knees[name]:g})" if not np.isnan(knees[name])
+                         else f"{name} (saturated at every rate)")
     custom = sweep_figures(outcome.out_dir, x="workload.arrival.rate", y="waste_frac")
     (only,) = custom.values()
     ax = only.axes[0]
