@@ -59,11 +59,11 @@ def _versions() -> dict[str, str]:
 
 
 def _summary_table(result: ScenarioResult) -> str:
-    from sim.metrics import SUMMARY_ROWS, format_metric
+    from sim.metrics import format_metric, summary_rows
 
     head = "".join(f"<th>{html.escape(n)}</th>" for n in result.systems)
     rows = []
-    for key, label, fmt in SUMMARY_ROWS:
+    for key, label, fmt in summary_rows(r.summary for r in result.systems.values()):
         cells = "".join(f"<td>{format_metric(r.summary.get(key), fmt)}</td>"
                         for r in result.systems.values())
         rows.append(f"<tr><td>{html.escape(label)}</td>{cells}</tr>")

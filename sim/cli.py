@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TextIO
 
 from sim import CORE, __version__
 from sim.bench import DEFAULT_SIZES, request_counts
@@ -25,6 +26,39 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 class BadInput(Exception):
     """Raised for user errors: one line, exit code 2."""
+
+
+class _ReaderMayLeave:
+    """Standard output that outlives its reader.
+
+    When ``kvsim run … | head`` stops reading, writing raises BrokenPipeError: from then on
+    the output goes to /dev/null, and the command still writes every file it owes (the
+    report comes after the table) and returns its own exit code.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _bad_input_types() -> tuple[type[BaseException], ...]:
@@ -372,11 +406,10 @@ def main(argv: list[str] | None = None) -> int:
         return calibrate_main(argv[1:], prog="kvsim calibrate", name="kvsim")
     parser = build_parser()
     args = parser.parse_args(argv)
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = (_ReaderMayLeave(s) for s in streams)  # type: ignore[assignment]
     try:
         return int(args.func(args))
-    except BrokenPipeError:  # output piped into head & co.
-        sys.stderr.close()
-        return EXIT_OK
     except KeyboardInterrupt:
         print("kvsim: interrupted", file=sys.stderr)
         return EXIT_FAILED
@@ -389,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvsim: run failed: {type(exc).__name__}: {exc} (rerun with --debug for the "
               "traceback)", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # while a reader that left is still caught
+        sys.stdout, sys.stderr = streams
 
 
 if __name__ == "__main__":

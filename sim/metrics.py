@@ -53,15 +53,24 @@ def format_metric(value: Any, fmt: str) -> str:
     return fmt.format(value)
 
 
+def summary_rows(summaries: Iterable[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """The rows of :data:`SUMMARY_ROWS` these summaries need: throughput per GPU only where
+    some system runs on more than one GPU (else it repeats the throughput)."""
+    several_gpus = any(s.get("gpus", 1) > 1 for s in summaries)
+    return [row for row in SUMMARY_ROWS
+            if several_gpus or row[0] != "throughput_tok_s_per_gpu"]
+
+
 def format_summary(summaries: dict[str, dict[str, Any]]) -> str:
     """The side-by-side summary table printed after a run."""
     names = list(summaries)
-    label_width = max(len(label) for _, label, _ in SUMMARY_ROWS) + 2
+    rows = summary_rows(summaries.values())
+    label_width = max(len(label) for _, label, _ in rows) + 2
     widths = [max(len(n), 12) + 2 for n in names]
     lines = ["".ljust(label_width) + "".join(n.rjust(w) for n, w in zip(names, widths,
                                                                        strict=True))]
     lines.append("-" * len(lines[0]))
-    for key, label, fmt in SUMMARY_ROWS:
+    for key, label, fmt in rows:
         cells = [format_metric(summaries[n].get(key), fmt).rjust(w)
                  for n, w in zip(names, widths, strict=True)]
         lines.append(label.ljust(label_width) + "".join(cells))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -259,3 +260,20 @@ def test_invariant_checks_refuse_python_O(tmp_path):
                            "set it false\n")
     assert kvsim("run", str(path), "--out", str(tmp_path / "out"), "--quiet",
                  "--no-report").returncode == 0  # without -O the checks run
+
+
+def test_a_reader_that_stops_early_loses_no_results(tmp_path):
+    # `kvsim run … | head -1`: the table and the report still get written, exit code 0.
+    # Unbuffered, so every line after the first meets the closed pipe.
+    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "run",
+                             "scenarios/seed_63_percent.yaml", "--out", str(tmp_path), "--quiet"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == 0
+    assert first.startswith(b"seed_63_percent: 8 requests")
+    assert proc.stderr.read() == b""
+    assert (tmp_path / "report.html").is_file() and (tmp_path / "summary.json").is_file()
+    assert (tmp_path / "figures" / "memory_over_time.png").is_file()

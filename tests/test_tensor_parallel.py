@@ -14,7 +14,7 @@ import yaml
 from reports.run_figures import memory_over_time
 from reports.sweep_report import sweep_figures
 from sim.engine import build_timing, run_scenario
-from sim.metrics import sweep_metrics
+from sim.metrics import format_summary, sweep_metrics
 from sim.presets import GIB, SizingError, kv_pool_slots, lookup_gpu, lookup_model
 from sim.scenario import ScenarioError, scenario_from_dict
 from sim.sweep import run_sweep
@@ -142,6 +142,13 @@ def test_engine_reports_gpus_and_throughput_per_gpu(tmp_path):
         assert summary["completed"] == 150
     # One 8-GPU engine steps faster than each 2-GPU one: lower latency at this light load.
     assert results[8]["tpot_p50_s"] < results[2]["tpot_p50_s"]
+    # The printed table shows throughput per GPU only where it differs from the total.
+    table = format_summary({"tp2": results[2], "tp8": results[8]})
+    (row,) = [line for line in table.splitlines() if line.startswith("output throughput per")]
+    assert row.split()[-2:] == [f"{results[tp]['throughput_tok_s_per_gpu']:,.1f}" for tp in (2, 8)]
+    single = run_scenario(scenario_from_dict(scenario(1, model="llama-2-7b")), tmp_path)
+    assert single.systems["paged"].summary["gpus"] == 1
+    assert "per GPU" not in format_summary({n: r.summary for n, r in single.systems.items()})
 
 
 def test_memory_figure_shows_one_gpu_of_the_group(tmp_path):
