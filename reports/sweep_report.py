@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import yaml
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 from reports.html import img_tag, render_html, save_figure
 from reports.style import new_figure, system_color
@@ -102,7 +103,9 @@ def _series(table: pd.DataFrame, by: str, others: list[str]
         style_index = combos.setdefault(rest, len(combos))
         label = ", ".join([str(name)] + [f"{_short(c)}={v}"
                                          for c, v in zip(others, rest, strict=True)])
-        style = {"color": system_color(colours[name]),
+        # One system: colours tell the other fields' values apart instead.
+        colour = colours[name] if len(colours) > 1 else style_index
+        style = {"color": system_color(colour),
                  "linestyle": LINE_STYLES[style_index % len(LINE_STYLES)],
                  "marker": MARKERS[style_index % len(MARKERS)]}
         lines.append((label, style, part))
@@ -185,6 +188,10 @@ def rate_figure(table: pd.DataFrame, field: str = "workload.arrival.rate") -> Fi
     axes[0].set_ylabel(METRIC_LABELS[throughput])
     axes[1].set_ylabel("E2E latency p90 (s)")
     axes[1].set_yscale("log")
+    # 20, not 2×10¹; minor ticks labelled at 2 and 5 only, where they do not crowd.
+    axes[1].yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axes[1].yaxis.set_minor_formatter(FuncFormatter(
+        lambda value, _: f"{value:g}" if f"{value:e}"[0] in "25" else ""))
     axes[1].set_xlabel("offered load (requests/s)")
     _legend(axes[0], len(lines))
     axes[0].set_title("Throughput and latency against load (dashed: saturation knee)",

@@ -10,7 +10,9 @@ keeps the one-step-at-a-time loop to test that).
 
 Requests that wait on another (closed loops, session turns) are released ``think_s`` after
 it finishes; they always run on the replica of the request they wait on, so every release
-happens at one of that replica's own event times.
+happens at one of that replica's own event times. Open arrivals go round-robin, assigned up
+front, or through a load- or cache-aware :class:`~sim.router.Router`, which routes each one
+when the first replica's clock reaches it; replicas then also stop at every open arrival.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import simpy
 from sim.memory import TAXONOMY, ContiguousAllocator, KVAllocator, PagedAllocator
 from sim.presets import SizingError, kv_pool_slots
 from sim.results import RunResult, ScenarioResult, summarize
+from sim.router import Router
 from sim.scenario import ContiguousConfig, Scenario, ScenarioError, SystemConfig
 from sim.scheduler import Batch, Request, Scheduler
 from sim.timing import Calibration, CalibrationError, StepTimeModel, roofline
@@ -176,9 +179,10 @@ class _Replica:
 
     # -------------------------------------------------------------- arrivals
     def next_arrival(self) -> float:
-        t = math.inf
+        """When a request may next join this replica (a routed one may be routed here)."""
+        t = self.sim.next_unrouted_s()
         if self.open_pos < len(self.open):
-            t = self.sim.arrival_s[self.open[self.open_pos]]
+            t = min(t, self.sim.arrival_s[self.open[self.open_pos]])
         if self.released:
             t = min(t, self.released[0][0])
         return t
@@ -186,6 +190,7 @@ class _Replica:
     def pull_arrivals(self) -> None:
         """Queue every request that has arrived by the replica's clock, in time order."""
         sim = self.sim
+        sim.route_until(self.clock)
         while True:
             t_open = (sim.arrival_s[self.open[self.open_pos]] if self.open_pos < len(self.open)
                       else math.inf)
@@ -306,20 +311,55 @@ class _SystemRun:
         self.dependents: dict[int, list[int]] = {}
         for index in order[after[order] >= 0].tolist():
             self.dependents.setdefault(int(after[index]), []).append(index)
-        # Routing: open arrivals round-robin; dependents follow the request they wait on.
+        # Routing: open arrivals round-robin up front, or by the router as they come;
+        # dependents follow the request they wait on.
         replicas = scenario.engine.replicas
+        routing = scenario.engine.router
         self.replica_of = np.zeros(len(trace), dtype=np.int64)
         roots = np.flatnonzero(after < 0)
-        self.replica_of[roots] = np.arange(len(roots)) % replicas
-        for index in np.flatnonzero(after >= 0).tolist():
-            self.replica_of[index] = self.replica_of[after[index]]
+        self.router: Router | None = None
+        self.unrouted: list[int] = []  # open arrivals the router has yet to place, in order
+        self.unrouted_pos = 0
+        if routing.policy == "round_robin":
+            self.replica_of[roots] = np.arange(len(roots)) % replicas
+            for index in np.flatnonzero(after >= 0).tolist():
+                self.replica_of[index] = self.replica_of[after[index]]
+        else:
+            self.router = Router(routing.policy, replicas, pool_slots,
+                                 cache_threshold=routing.cache_threshold,
+                                 balance_abs_threshold=routing.balance_abs_threshold,
+                                 balance_rel_threshold=routing.balance_rel_threshold)
+            self.unrouted = roots.tolist()
         self.env = simpy.Environment()
         self.replicas = []
         for r in range(replicas):
             allocator = build_allocator(system, pool_slots, scenario.model_spec().max_model_len)
             replica = _Replica(self.env, r, self, allocator)
-            replica.open = roots[self.replica_of[roots] == r].tolist()
+            if self.router is None:
+                replica.open = roots[self.replica_of[roots] == r].tolist()
             self.replicas.append(replica)
+
+    def next_unrouted_s(self) -> float:
+        """Arrival time of the next open arrival the router has yet to place (inf if none)."""
+        if self.unrouted_pos < len(self.unrouted):
+            return self.arrival_s[self.unrouted[self.unrouted_pos]]
+        return math.inf
+
+    def route_until(self, clock_s: float) -> None:
+        """Place every open arrival up to ``clock_s`` (whichever replica gets there first):
+        the router sees the same past whichever it is, so routing is the same in both modes."""
+        router = self.router
+        while router is not None and self.next_unrouted_s() <= clock_s:
+            index = self.unrouted[self.unrouted_pos]
+            self.unrouted_pos += 1
+            arrival_s = self.arrival_s[index]
+            request = Request(self.trace, index, arrival_s)
+            replica = router.route(arrival_s, request.prompt_segments, request.prompt_len)
+            self.replica_of[index] = replica
+            self.replicas[replica].open.append(index)
+            # Requests the pool will refuse never load a replica: the router knows at once.
+            if self.replicas[replica].scheduler.fits_ever(request):
+                router.assign(replica, request.prompt_segments)
 
     def on_done(self, replica: _Replica, request: Request, now_s: float) -> None:
         """A request finished or was rejected: record it, release whoever waits on it."""
@@ -331,15 +371,23 @@ class _SystemRun:
         self.done += 1
         if self.progress:
             self.progress(1)
+        if self.router is not None and not request.rejected:
+            self.router.finished(request.index, replica.index, now_s)
         for index in self.dependents.get(request.index, []):
             release = now_s + self.think_s[index]
             if self.duration_s is not None and release > self.duration_s:
                 continue
             heapq.heappush(replica.released, (release, index))
+            if self.router is not None:
+                self.replica_of[index] = replica.index
+                turn = Request(self.trace, index, release)
+                if replica.scheduler.fits_ever(turn):
+                    self.router.expect(index, replica.index, release, turn.prompt_segments)
 
     def run(self) -> RunResult:
         for replica in self.replicas:
-            self.env.process(replica.arrivals())
+            if self.router is None:  # routed replicas wake at every open arrival anyway
+                self.env.process(replica.arrivals())
             self.env.process(replica.run())
         self.env.run()
         for replica in self.replicas:
@@ -366,11 +414,18 @@ class _SystemRun:
                  "evictions": sum(getattr(getattr(r.allocator, "pool", None), "num_evictions", 0)
                                   for r in self.replicas),
                  "replicas": len(self.replicas),
+                 "replica_imbalance": _imbalance(requests["replica"], len(self.replicas)),
                  "gpus": len(self.replicas) * self.gpus_per_replica}
         summary_requests = requests.fillna({"finished_s": -1.0})
         summary = summarize(summary_requests, steps,
                             self.recorder.averages(len(self.replicas)), capacity, extra)
         return RunResult(self.system.name, requests, memory, steps, summary)
+
+
+def _imbalance(replica_column: pd.Series, replicas: int) -> float:
+    """Requests on the busiest replica over the mean per replica (1: perfectly even)."""
+    counts = np.bincount(replica_column.to_numpy(dtype=np.int64), minlength=replicas)
+    return float(counts.max() / counts.mean()) if counts.sum() else 1.0
 
 
 def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: StepTimeModel,

@@ -34,6 +34,7 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("external_frac", "external frag. (of pool)", "%"),
     ("duplicate_frac", "duplicate prefix slots (of pool)", "%"),
     ("prefix_hit_rate", "prefix-cache hit rate", "%"),
+    ("replica_imbalance", "replica imbalance (max/mean requests)", "{:,.2f}"),
     ("preemptions", "preemptions", "{:,.0f}"),
     ("recomputed_tokens", "recomputed tokens", "{:,.0f}"),
     ("makespan_s", "makespan (s)", "{:,.1f}"),
@@ -53,12 +54,19 @@ def format_metric(value: Any, fmt: str) -> str:
     return fmt.format(value)
 
 
+# Rows that say nothing on one GPU and one replica, and the summary count that makes them
+# worth showing once above 1.
+ONLY_WHEN_ABOVE_ONE = {"throughput_tok_s_per_gpu": "gpus", "replica_imbalance": "replicas"}
+
+
 def summary_rows(summaries: Iterable[dict[str, Any]]) -> list[tuple[str, str, str]]:
     """The rows of :data:`SUMMARY_ROWS` these summaries need: throughput per GPU only where
-    some system runs on more than one GPU (else it repeats the throughput)."""
-    several_gpus = any(s.get("gpus", 1) > 1 for s in summaries)
+    some system runs on more than one GPU (else it repeats the throughput), replica
+    imbalance only where some system has several replicas."""
+    summaries = list(summaries)
     return [row for row in SUMMARY_ROWS
-            if several_gpus or row[0] != "throughput_tok_s_per_gpu"]
+            if row[0] not in ONLY_WHEN_ABOVE_ONE
+            or any(s.get(ONLY_WHEN_ABOVE_ONE[row[0]], 1) > 1 for s in summaries)]
 
 
 def format_summary(summaries: dict[str, dict[str, Any]]) -> str:

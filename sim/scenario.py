@@ -139,12 +139,26 @@ class TimingConfig(ConfigModel):
     paged_alpha: float = Field(default=2.0, ge=0)
 
 
+class RouterConfig(ConfigModel):
+    """Which replica serves each new request (a session's later turns stay with its first).
+    ``cache_aware`` is SGLang's router: the replica holding the longest prefix of the prompt
+    when that is over ``cache_threshold`` of it, else the one caching least; the least loaded
+    whenever loads differ by more than ``balance_abs_threshold`` requests and
+    ``balance_rel_threshold`` times."""
+
+    policy: Literal["round_robin", "least_loaded", "cache_aware"] = "round_robin"
+    cache_threshold: float = Field(default=0.5, ge=0, le=1)
+    balance_abs_threshold: int = Field(default=32, ge=0)
+    balance_rel_threshold: float = Field(default=1.0001, ge=1)
+
+
 class EngineConfig(ConfigModel):
-    """How the simulation runs (none of this changes results, except ``mode`` by float
-    rounding nowhere: jump and step give identical request tables)."""
+    """How the simulation runs: replicas and their router change results; ``mode`` does not
+    (jump and step give identical request tables), nor the sampling and checks."""
 
     mode: Literal["jump", "step"] = "jump"
     replicas: PositiveInt = 1
+    router: RouterConfig = RouterConfig()
     sample_interval_s: float = Field(default=0.0, ge=0,
                                      description="0 = one memory sample per scheduling point")
     debug_invariants: bool = False

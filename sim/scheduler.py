@@ -165,8 +165,8 @@ class Scheduler:
         self._block_size: int | None = getattr(allocator, "block_size", None)
 
     # ------------------------------------------------------------------ queue
-    def add(self, request: Request) -> bool:
-        """Queue a new arrival; a request that could never fit is rejected (False)."""
+    def fits_ever(self, request: Request) -> bool:
+        """Whether ``request`` (all its samples) fits this pool when nothing else holds it."""
         spec = request.spec()
         fits = self.allocator.can_admit_ever(spec)
         if fits and request.n > 1:
@@ -179,7 +179,11 @@ class Scheduler:
                 own = -(-spec.final_len // bs) - spec.prompt_len // bs
                 need = (spec.prompt_len // bs + request.n * own) * bs
             fits = need <= self.allocator.capacity_slots
-        if not fits:
+        return fits
+
+    def add(self, request: Request) -> bool:
+        """Queue a new arrival; a request that could never fit is rejected (False)."""
+        if not self.fits_ever(request):
             request.rejected = True
             return False
         if not self.waiting:

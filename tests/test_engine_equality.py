@@ -1,4 +1,5 @@
-"""Jump mode (runs of decode steps advanced at once) must equal stepping one at a time."""
+"""Jump mode (runs of decode steps advanced at once) must equal stepping one at a time, with
+every router (its decisions must not depend on how far a replica has run ahead)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def random_scenario(seed: int) -> dict:
                                 "think_time_s": 0.3}
     if rng.random() < 0.2:
         workload["sampling"] = {"n": rng.randint(2, 3)}
+    replicas = rng.choice([1, 1, 2])
+    router = {"policy": rng.choice(["round_robin", "least_loaded", "cache_aware"]),
+              "balance_abs_threshold": rng.choice([0, 2, 32])}
     return {
         "name": f"random-{seed}",
         "model": "llama-2-7b",
@@ -55,7 +59,7 @@ def random_scenario(seed: int) -> dict:
                                                                     "fewest_generated"])}}],
         "stop": {"num_requests": rng.randint(10, 60)},
         "seed": seed,
-        "engine": {"replicas": rng.choice([1, 1, 2])},
+        "engine": {"replicas": replicas, "router": router},
     }
 
 

@@ -1,0 +1,127 @@
+"""Routers: SGLang's cache-aware rule and shortest queue, learned only from the past, the
+same in jump and step mode, and what they do to a shared-prefix workload."""
+
+from __future__ import annotations
+
+import random
+
+import pandas as pd
+import pytest
+
+from sim.engine import run_scenario
+from sim.metrics import format_summary
+from sim.router import ApproximateTree, Router, prefix_chain
+from sim.scenario import ScenarioError, scenario_from_dict
+
+
+def routed(replicas: int, policy: str, *, seed: int = 0, requests: int = 400,
+           rate: float = 40, **router) -> dict:
+    return {
+        "name": f"route-{policy}",
+        "model": "llama-2-7b",
+        "memory": {"kv_memory_gib": 1.5},
+        "workload": {
+            "arrival": {"process": "poisson", "rate": rate},
+            "prompt_len": {"dist": "lognormal", "mean": 150, "sigma": 1, "max": 1500},
+            "output_len": {"dist": "uniform", "low": 10, "high": 300},
+            "prefix_groups": {"groups": 12, "length": 600, "fraction": 0.9, "zipf_s": 0.3},
+        },
+        "systems": [{"name": "paged", "allocator": {"kind": "paged"}}],
+        "stop": {"num_requests": requests},
+        "seed": seed,
+        "engine": {"replicas": replicas, "router": {"policy": policy, **router}},
+    }
+
+
+def test_prefix_chain_and_tree():
+    a = prefix_chain([(1, 100), (2, 50), (3, 10)])
+    b = prefix_chain([(1, 100), (2, 50), (4, 10)])
+    assert [k for k, _ in a[:2]] == [k for k, _ in b[:2]] and a[2][0] != b[2][0]
+    assert prefix_chain([(2, 50)])[0][0] != a[1][0]  # a key names the whole prefix
+    tree = ApproximateTree(capacity=200)
+    tree.insert(a)
+    assert tree.size == 160 and tree.match(b) == 150 and tree.match(a) == 160
+    tree.insert(prefix_chain([(9, 100)]))  # 260 > 200: least recently sent out first,
+    assert tree.size == 200 and tree.match(a) == tree.match(b) == 100  # leaves before roots
+    assert tree.match(prefix_chain([(9, 100)])) == 100
+    tree.insert(prefix_chain([(1, 100), (5, 80)]))  # touches [1] and evicts [9], then a's root
+    assert tree.match(a) == 100 and tree.match(prefix_chain([(9, 100)])) == 0
+
+
+def test_router_rules():
+    chain = [(1, 600), (7, 100)]
+    router = Router("cache_aware", 3, pool_slots=10_000, balance_abs_threshold=2)
+    # Nothing cached anywhere: the replica caching least (ties: the first).
+    assert router.route(0.0, chain, 700) == 0
+    router.assign(0, chain)
+    # 600 of 650 tokens cached on replica 0: over the 0.5 threshold, so there.
+    assert router.route(1.0, [(1, 600), (8, 50)], 650) == 0
+    router.assign(0, [(1, 600), (8, 50)])
+    # A prompt mostly its own: below the threshold, the replica caching least.
+    assert router.route(2.0, [(1, 600), (9, 2000)], 2600) == 1
+    router.assign(1, [(1, 600), (9, 2000)])
+    # Replica 0 holds 2 running requests, replica 2 none: 2 - 0 is not > 2, still balanced.
+    assert router.route(3.0, chain, 700) == 0
+    router.assign(0, chain)
+    # 3 against 0: imbalanced, so the least loaded, whatever the cache says.
+    assert router.route(4.0, chain, 700) == 2
+    router.assign(2, chain)
+    # A finish counts only once its time has passed, never before; of two replicas that
+    # hold the prompt, the less loaded.
+    for request in range(3):
+        router.finished(request, 0, 10.0)
+    assert router.route(10.0, chain, 700) == 2 and router.load == [3, 1, 1]
+    router.assign(2, chain)
+    assert router.route(10.5, chain, 700) == 0 and router.load == [0, 1, 2]
+    shortest = Router("least_loaded", 2, pool_slots=10_000)
+    shortest.assign(0, chain)
+    assert shortest.route(0.0, chain, 700) == 1
+
+
+@pytest.mark.parametrize("policy", ["least_loaded", "cache_aware"])
+@pytest.mark.parametrize("seed", range(6))
+def test_routing_is_the_same_in_jump_and_step_mode(policy, seed):
+    rng = random.Random(seed)
+    data = routed(rng.choice([2, 3]), policy, seed=seed, requests=150,
+                  rate=rng.choice([10, 60]), balance_abs_threshold=rng.choice([0, 3, 32]))
+    if rng.random() < 0.5:  # session turns stay with their conversation's replica
+        data["workload"]["sessions"] = {"turns": {"dist": "uniform", "low": 1, "high": 4},
+                                        "think_time_s": 0.5}
+    tables = {}
+    for mode in ("jump", "step"):
+        data["engine"]["mode"] = mode
+        tables[mode] = run_scenario(scenario_from_dict(data)).systems["paged"]
+    pd.testing.assert_frame_equal(tables["jump"].requests, tables["step"].requests)
+    assert tables["jump"].requests["replica"].nunique() > 1
+
+
+def test_one_replica_routes_like_round_robin():
+    results = {policy: run_scenario(scenario_from_dict(
+        routed(1, policy, requests=120))).systems["paged"] for policy in (
+        "round_robin", "least_loaded", "cache_aware")}
+    for policy in ("least_loaded", "cache_aware"):
+        pd.testing.assert_frame_equal(results[policy].requests,
+                                      results["round_robin"].requests)
+
+
+def test_cache_aware_routing_raises_the_hit_rate():
+    summaries = {policy: run_scenario(scenario_from_dict(routed(4, policy))).systems[
+        "paged"].summary for policy in ("round_robin", "least_loaded", "cache_aware")}
+    # Each prefix group kept on few replicas is cached there, not on all four.
+    assert summaries["cache_aware"]["prefix_hit_rate"] > (
+        summaries["round_robin"]["prefix_hit_rate"] + 0.1)
+    assert summaries["round_robin"]["replica_imbalance"] == pytest.approx(1.0)
+    for summary in summaries.values():
+        assert summary["completed"] == 400 and summary["replicas"] == 4
+        assert 1.0 <= summary["replica_imbalance"] < 4.0
+    table = format_summary(summaries)
+    assert "replica imbalance (max/mean requests)" in table
+
+
+def test_router_settings_are_checked():
+    with pytest.raises(ScenarioError, match=r"engine.router.policy: Input should be "
+                       r"'round_robin', 'least_loaded' or 'cache_aware'"):
+        scenario_from_dict(routed(2, "sticky"))
+    with pytest.raises(ScenarioError, match=r"engine.router.cache_threshold: Input should be "
+                       r"less than or equal to 1"):
+        scenario_from_dict(routed(2, "cache_aware", cache_threshold=1.5))
