@@ -26,6 +26,7 @@ from setuptools.command.build_ext import build_ext
 # The hot path of a run: every block crossing, admission and free goes through these.
 COMPILED_SOURCES = (
     "sim/memory/content.py",
+    "sim/memory/host_cache.py",
     "sim/memory/block_pool.py",
     "sim/memory/paged.py",
     "sim/memory/contiguous.py",

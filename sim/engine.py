@@ -30,7 +30,7 @@ import pandas as pd
 import simpy
 
 from sim.memory import TAXONOMY, ContiguousAllocator, KVAllocator, PagedAllocator
-from sim.presets import SizingError, kv_pool_slots
+from sim.presets import GIB, SizingError, kv_pool_slots
 from sim.results import RunResult, ScenarioResult, summarize
 from sim.router import Router
 from sim.scenario import ContiguousConfig, Scenario, ScenarioError, SystemConfig
@@ -45,8 +45,10 @@ class SimulationError(RuntimeError):
     """The simulation reached a state it cannot leave (a bug, or an impossible setting)."""
 
 
-def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int) -> KVAllocator:
-    """The allocator a system describes, over ``pool_slots`` token slots."""
+def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int,
+                    host_slots: int = 0) -> KVAllocator:
+    """The allocator a system describes, over ``pool_slots`` token slots (and a host tier of
+    ``host_slots`` if it has one)."""
     cfg = system.allocator
     if isinstance(cfg, ContiguousConfig):
         return ContiguousAllocator(pool_slots, max_model_len=max_model_len,
@@ -56,7 +58,24 @@ def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int) -
                           f"than one block ({cfg.block_size} slots)")
     return PagedAllocator(pool_slots // cfg.block_size, cfg.block_size,
                           enable_prefix_caching=cfg.prefix_caching, eviction=cfg.eviction,
-                          watermark=cfg.watermark)
+                          watermark=cfg.watermark,
+                          host_cache_blocks=host_slots // cfg.block_size)
+
+
+def host_tier(scenario: Scenario, system: SystemConfig) -> tuple[int, float]:
+    """A system's host cache: its token slots per replica, and the seconds one token's KV
+    takes to load back over each GPU's PCIe link (the GPUs of a tensor-parallel group load
+    their shares side by side). (0, 0.0) without one."""
+    gib = getattr(system.allocator, "host_cache_gib", 0)
+    if not gib:
+        return 0, 0.0
+    tp = scenario.parallel.tensor_parallel_size
+    per_gpu_bytes = scenario.model_spec().kv_bytes_per_token_per_gpu(tp)
+    link = scenario.gpu_spec().host_link_bytes_per_s
+    if not link:  # the scenario refuses this; a GpuSpec built by hand may still lack it
+        raise SizingError(f"systems[{system.name}]: a host cache needs the GPU's host link "
+                          "bandwidth")
+    return int(gib * GIB // (per_gpu_bytes * tp)), per_gpu_bytes / link
 
 
 def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
@@ -127,7 +146,8 @@ class _Recorder:
     def __post_init__(self) -> None:
         self.steps = _RowBuffer([
             "replica", "time_s", "duration_s", "steps", "decode_seqs", "context_tokens",
-            "prefill_tokens", "prefill_requests", "preempted", "running", "waiting"])
+            "prefill_tokens", "prefill_requests", "loaded_tokens", "preempted", "running",
+            "waiting"])
         self.memory = _RowBuffer([
             "replica", "time_s", *MEMORY_COLUMNS, "running", "waiting", "decode_seqs",
             "preemptions", "hit_tokens", "lookup_tokens"])
@@ -140,7 +160,7 @@ class _Recorder:
         running, waiting = len(sched.running), len(sched.waiting)
         self.steps.append((replica, start_s, duration_s, steps, batch.decode_seqs,
                            batch.context_tokens, batch.prefill_tokens, len(batch.prefill),
-                           batch.preempted, running, waiting))
+                           batch.loaded_tokens, batch.preempted, running, waiting))
         for key in MEMORY_COLUMNS:
             self.weighted[key] += duration_s * (snap[key] + snap_end[key]) / 2
         self.weighted["running"] += duration_s * running
@@ -253,9 +273,11 @@ class _Replica:
                         f"replica {self.index}: nothing can run although "
                         f"{len(sched.running)} requests run and {len(sched.waiting)} wait")
                 snap = snap_end = sched.snapshot().as_dict()
-                clock = start + timing.step_time(batch.decode_seqs, batch.context_tokens,
-                                                 batch.prefill_tokens, batch.prefill_pairs,
-                                                 self.rho)
+                duration = timing.step_time(batch.decode_seqs, batch.context_tokens,
+                                            batch.prefill_tokens, batch.prefill_pairs, self.rho)
+                if batch.loaded_tokens:  # host-cache hits, read up before the step computes
+                    duration += batch.loaded_tokens * sim.load_s_per_token
+                clock = start + duration
                 steps = 1
                 finished = sched.finish_step(batch, clock)
             sim.recorder.record(self.index, start, clock - start, steps, batch, sched, snap,
@@ -293,6 +315,7 @@ class _SystemRun:
                                 "which python -O removes; run without -O, or set it false")
         self.duration_s = scenario.stop.duration_s
         self.gpus_per_replica = scenario.parallel.tensor_parallel_size
+        host_slots, self.load_s_per_token = host_tier(scenario, system)
         self.arrival_s = trace.arrival_s.tolist()
         self.think_s = trace.think_s.tolist()
         # One row per finished or rejected request, written when it is done, so that the
@@ -333,7 +356,8 @@ class _SystemRun:
         self.env = simpy.Environment()
         self.replicas = []
         for r in range(replicas):
-            allocator = build_allocator(system, pool_slots, scenario.model_spec().max_model_len)
+            allocator = build_allocator(system, pool_slots, scenario.model_spec().max_model_len,
+                                        host_slots)
             replica = _Replica(self.env, r, self, allocator)
             if self.router is None:
                 replica.open = roots[self.replica_of[roots] == r].tolist()
@@ -416,6 +440,11 @@ class _SystemRun:
                  "replicas": len(self.replicas),
                  "replica_imbalance": _imbalance(requests["replica"], len(self.replicas)),
                  "gpus": len(self.replicas) * self.gpus_per_replica}
+        loaded = sum(r.scheduler.loaded_tokens for r in self.replicas)
+        # None (shown "—") without a host tier, as the hit rate without a prefix cache.
+        extra["host_hit_rate"] = (loaded / lookup if lookup else 0.0) if (
+            self.load_s_per_token) else None
+        extra["host_loaded_tokens"] = loaded
         summary_requests = requests.fillna({"finished_s": -1.0})
         summary = summarize(summary_requests, steps,
                             self.recorder.averages(len(self.replicas)), capacity, extra)

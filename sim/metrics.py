@@ -34,6 +34,7 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("external_frac", "external frag. (of pool)", "%"),
     ("duplicate_frac", "duplicate prefix slots (of pool)", "%"),
     ("prefix_hit_rate", "prefix-cache hit rate", "%"),
+    ("host_hit_rate", "prefix hits from host memory", "%"),
     ("replica_imbalance", "replica imbalance (max/mean requests)", "{:,.2f}"),
     ("preemptions", "preemptions", "{:,.0f}"),
     ("recomputed_tokens", "recomputed tokens", "{:,.0f}"),
@@ -57,16 +58,25 @@ def format_metric(value: Any, fmt: str) -> str:
 # Rows that say nothing on one GPU and one replica, and the summary count that makes them
 # worth showing once above 1.
 ONLY_WHEN_ABOVE_ONE = {"throughput_tok_s_per_gpu": "gpus", "replica_imbalance": "replicas"}
+# Rows of a feature most runs do not use: shown only where some system has a value.
+ONLY_WHEN_SET = {"host_hit_rate"}
 
 
 def summary_rows(summaries: Iterable[dict[str, Any]]) -> list[tuple[str, str, str]]:
     """The rows of :data:`SUMMARY_ROWS` these summaries need: throughput per GPU only where
     some system runs on more than one GPU (else it repeats the throughput), replica
-    imbalance only where some system has several replicas."""
+    imbalance only where some system has several replicas, host-cache hits only where some
+    system has a host cache."""
     summaries = list(summaries)
-    return [row for row in SUMMARY_ROWS
-            if row[0] not in ONLY_WHEN_ABOVE_ONE
-            or any(s.get(ONLY_WHEN_ABOVE_ONE[row[0]], 1) > 1 for s in summaries)]
+
+    def needed(key: str) -> bool:
+        if key in ONLY_WHEN_ABOVE_ONE:
+            return any(s.get(ONLY_WHEN_ABOVE_ONE[key], 1) > 1 for s in summaries)
+        if key in ONLY_WHEN_SET:
+            return any(s.get(key) is not None for s in summaries)
+        return True
+
+    return [row for row in SUMMARY_ROWS if needed(row[0])]
 
 
 def format_summary(summaries: dict[str, dict[str, Any]]) -> str:

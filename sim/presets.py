@@ -80,6 +80,7 @@ class GpuSpec:
     peak_flops: float
     interconnect_bytes_per_s: float | None = None
     interconnect_gpus: int | None = None
+    host_link_bytes_per_s: float | None = None  # to CPU memory, one direction (PCIe)
 
 
 # Shapes from each model's config.json on its Hugging Face model card.
@@ -103,14 +104,16 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 # FLOP/s from NVIDIA's datasheets: A100 datasheet (2021, SXM), H100 datasheet (SXM5, 2023),
 # H200 product brief (SXM, 2024). NVLink: the datasheets' 600 GB/s (A100) and 900 GB/s
 # (H100, H200) count both directions; one direction is half. It joins the 8 GPUs of one HGX
-# board; tensor parallelism beyond a board would run over the (far slower) network.
+# board; tensor parallelism beyond a board would run over the (far slower) network. PCIe to
+# host memory: the datasheets' 64 GB/s (A100, Gen4 x16) and 128 GB/s (H100, H200, Gen5 x16)
+# count both directions too.
 GPU_PRESETS: dict[str, GpuSpec] = {
     g.name: g
     for g in [
-        GpuSpec("a100-40g", 40960 * MIB, 1555e9, 312e12, 300e9, 8),
-        GpuSpec("a100-80g", 81920 * MIB, 2039e9, 312e12, 300e9, 8),
-        GpuSpec("h100-80g", 81559 * MIB, 3.35e12, 989e12, 450e9, 8),
-        GpuSpec("h200-141g", 143771 * MIB, 4.8e12, 989e12, 450e9, 8),
+        GpuSpec("a100-40g", 40960 * MIB, 1555e9, 312e12, 300e9, 8, 32e9),
+        GpuSpec("a100-80g", 81920 * MIB, 2039e9, 312e12, 300e9, 8, 32e9),
+        GpuSpec("h100-80g", 81559 * MIB, 3.35e12, 989e12, 450e9, 8, 64e9),
+        GpuSpec("h200-141g", 143771 * MIB, 4.8e12, 989e12, 450e9, 8, 64e9),
     ]
 }
 

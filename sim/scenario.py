@@ -59,6 +59,9 @@ class GpuConfig(ConfigModel):
     interconnect_gbps: PositiveFloat | None = Field(
         default=None, description="GPU-to-GPU GB/s in one direction (NVLink: half the "
         "datasheet figure); needed only for tensor parallelism")
+    host_link_gbps: PositiveFloat | None = Field(
+        default=None, description="GPU-to-host-memory GB/s in one direction (PCIe); needed "
+        "only for a host cache")
 
 
 class MemoryConfig(ConfigModel):
@@ -94,6 +97,16 @@ class PagedConfig(ConfigModel):
     eviction: Literal["lru", "lfu", "fifo", "sharing_aware"] = "lru"
     watermark: float = Field(default=0.01, ge=0, lt=1,
                              description="share of blocks admission keeps free (vLLM v0)")
+    host_cache_gib: float = Field(
+        default=0, ge=0, description="host (CPU) memory per replica that keeps the blocks the "
+        "GPU evicts, to load them back instead of recomputing them; 0: none")
+
+    @model_validator(mode="after")
+    def _host_cache_finds_by_content(self):  # type: ignore[no-untyped-def]
+        if self.host_cache_gib and not self.prefix_caching:
+            raise ValueError("host_cache_gib needs prefix_caching: true (blocks are found by "
+                             "their content)")
+        return self
 
 
 AllocatorConfig = Annotated[ContiguousConfig | PagedConfig, Field(discriminator="kind")]
@@ -218,10 +231,17 @@ class Scenario(ConfigModel):
 
     @field_validator("systems")
     @classmethod
-    def _unique_names(cls, systems: list[SystemConfig]) -> list[SystemConfig]:
+    def _unique_names(cls, systems: list[SystemConfig], info: ValidationInfo
+                      ) -> list[SystemConfig]:
         names = [s.name for s in systems]
         if len(set(names)) != len(names):
             raise ValueError(f"system names must be unique, got {names}")
+        gpu = info.data.get("gpu")
+        for system in systems:
+            if (isinstance(system.allocator, PagedConfig) and system.allocator.host_cache_gib
+                    and isinstance(gpu, GpuConfig) and gpu.host_link_gbps is None):
+                raise ValueError(f"system {system.name!r}: a host cache needs "
+                                 "gpu.host_link_gbps (GPU-to-host GB/s, one direction)")
         return systems
 
     def model_spec(self) -> ModelSpec:
@@ -233,7 +253,9 @@ class Scenario(ConfigModel):
         g = self.gpu
         return GpuSpec(g.name, int(g.memory_gib * 1024**3), g.hbm_bandwidth_gbps * 1e9,
                        g.peak_tflops * 1e12,
-                       None if g.interconnect_gbps is None else g.interconnect_gbps * 1e9)
+                       None if g.interconnect_gbps is None else g.interconnect_gbps * 1e9,
+                       None,
+                       None if g.host_link_gbps is None else g.host_link_gbps * 1e9)
 
 
 def _model_spec(model: str | ModelConfig) -> ModelSpec:

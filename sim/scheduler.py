@@ -129,6 +129,7 @@ class Batch:
     prefill_tokens: int = 0
     prefill_pairs: int = 0
     preempted: int = 0
+    loaded_tokens: int = 0  # prefix-hit tokens read from host memory at admission
 
     @property
     def empty(self) -> bool:
@@ -148,6 +149,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.lookup_tokens = 0  # prompt tokens looked up in the prefix cache, all admissions
         self.hit_tokens = 0
+        self.loaded_tokens = 0  # of hit_tokens, those read from a host tier
         self._admit_counter = 0
         # Per event kind, step -> [(admit_seq, version, request)]; an entry is stale once
         # the request's version moved on. Buckets, not a heap: every step is visited in
@@ -399,6 +401,9 @@ class Scheduler:
             request.hit_tokens += hits
             self.hit_tokens += hits
             self.lookup_tokens += spec.prompt_len
+            loaded = self.allocator.last_loaded_tokens
+            batch.loaded_tokens += loaded
+            self.loaded_tokens += loaded
             if request.resumed:
                 request.recomputed_tokens += spec.prompt_len - hits
             self.running[request.admit_seq] = request

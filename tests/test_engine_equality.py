@@ -20,6 +20,8 @@ def random_scenario(seed: int) -> dict:
                      "prefix_caching": rng.random() < 0.8,
                      "eviction": rng.choice(["lru", "lfu", "fifo", "sharing_aware"]),
                      "watermark": rng.choice([0.0, 0.01, 0.05])}
+        if allocator["prefix_caching"]:
+            allocator["host_cache_gib"] = rng.choice([0, 0, 0.02, 0.5])
     else:
         allocator = {"kind": "contiguous",
                      "reserve_policy": rng.choice(["max_model_len", "request_max", "pow2",

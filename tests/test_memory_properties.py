@@ -29,6 +29,7 @@ class _AllocatorMachine(RuleBasedStateMachine):
         self.tokens: dict[int, int] = {}
         self.next_id = 0
         self.forked = False
+        self.freed: list[SeqSpec] = []
 
     def build(self):
         raise NotImplementedError
@@ -67,6 +68,7 @@ class _AllocatorMachine(RuleBasedStateMachine):
     def free(self, data):
         seq_id = data.draw(st.sampled_from(sorted(self.specs)))
         self.allocator.free(seq_id)
+        self.freed.append(self.specs[seq_id])
         del self.specs[seq_id], self.tokens[seq_id]
 
     @precondition(lambda self: any(self.tokens[s] >= self.specs[s].prompt_len for s in self.specs))
@@ -110,10 +112,49 @@ class PagedMachine(_AllocatorMachine):
     block_size = 16
     caching = True
     eviction = "lru"
+    host_blocks = 0
+    num_blocks = 24
 
     def build(self):
-        return PagedAllocator(24, self.block_size, enable_prefix_caching=self.caching,
-                              eviction=self.eviction)
+        return PagedAllocator(self.num_blocks, self.block_size, enable_prefix_caching=self.caching,
+                              eviction=self.eviction, host_cache_blocks=self.host_blocks)
+
+    @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60),
+          extra=st.integers(0, 30), out=st.integers(0, 60))
+    def admit(self, prefix_idx, prompt, extra, out):
+        before = self.allocator.pool.num_evictions
+        super().admit(prefix_idx, prompt, extra, out)
+        loaded = self.allocator.last_loaded_tokens
+        if self.allocator.host is None:
+            assert loaded == 0
+        else:  # what the host tier holds came from GPU evictions, and fits it
+            host = self.allocator.host
+            assert loaded % self.block_size == 0
+            assert host.num_offloaded - host.num_dropped == len(host) <= self.host_blocks
+            assert host.num_offloaded <= self.allocator.pool.num_evictions
+            assert self.allocator.pool.num_evictions >= before
+
+    def _readmittable(self) -> list[SeqSpec]:
+        # As the engine re-admits a preempted request: once none of its own text is live
+        # (segments from 100 up are private to a sequence and the forks of it). Two live
+        # copies of generated text never happen there, and the duplicate count relies on it.
+        live = {seg for spec in self.specs.values() for seg, _ in spec.segments if seg >= 100}
+        return [spec for spec in self.freed
+                if not any(seg in live for seg, _ in spec.segments)]
+
+    @precondition(lambda self: self._readmittable())
+    @rule(data=st.data())
+    def readmit(self, data):
+        """A freed sequence's content again (a preempted request, a retried prompt): its
+        blocks may be cached on the GPU, in host memory, or gone."""
+        old = data.draw(st.sampled_from(self._readmittable()))
+        spec = SeqSpec(self.next_id, old.segments, old.prompt_len, old.final_len, old.max_len)
+        self.next_id += 1
+        hit = self.allocator.admit(spec)
+        if hit is not None:
+            assert 0 <= hit < spec.prompt_len
+            self.specs[spec.seq_id] = spec
+            self.tokens[spec.seq_id] = hit
 
     @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60))
     def lookup(self, prefix_idx, prompt):
@@ -164,6 +205,20 @@ class PagedBs16Fifo(PagedMachine):
     eviction = "fifo"
 
 
+class PagedBs4Host(PagedMachine):
+    """A host tier smaller than the GPU pool: blocks come back from it and fall out of it."""
+
+    block_size = 4
+    num_blocks = 20  # room for two or three sequences: evictions are frequent
+    host_blocks = 8
+
+
+class PagedBs16HostSharingAware(PagedMachine):
+    eviction = "sharing_aware"
+    num_blocks = 8
+    host_blocks = 40
+
+
 class ContiguousMachine(_AllocatorMachine):
     policy = "request_max"
     placement = "first_fit"
@@ -196,6 +251,7 @@ _SETTINGS = settings(max_examples=int(os.environ.get("KVSIM_HYPOTHESIS_EXAMPLES"
                      stateful_step_count=40, deadline=None,
                      derandomize="KVSIM_HYPOTHESIS_EXAMPLES" not in os.environ)
 for _machine in (PagedMachine, PagedBs1, PagedBs7NoCache, PagedBs32Lfu, PagedBs4SharingAware,
-                 PagedBs16Fifo, ContiguousMachine, ContiguousBestFitPow2, ContiguousMaxLen):
+                 PagedBs16Fifo, PagedBs4Host, PagedBs16HostSharingAware, ContiguousMachine,
+                 ContiguousBestFitPow2, ContiguousMaxLen):
     _machine.TestCase.settings = _SETTINGS
     globals()[f"Test{_machine.__name__}"] = _machine.TestCase

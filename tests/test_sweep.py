@@ -160,7 +160,8 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["block_size_sweep", "length_variance", "prefix_sharing",
-                                  "eviction_pressure", "rate_sweep", "router_policies"])
+                                  "eviction_pressure", "rate_sweep", "router_policies",
+                                  "host_cache"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -178,6 +179,10 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
                                       columns="system", values="throughput_tok_s")
         gain = (t["paged-16"] / t["contiguous-req"]).to_numpy()
         assert (np.diff(gain) > 0).all() and gain[-1] > 1.5
+    if name == "host_cache":  # more host memory, more prefixes loaded instead of recomputed
+        hit = outcome.table.groupby("param:systems[paged-16].allocator.host_cache_gib")[
+            "prefix_hit_rate"].mean()
+        assert hit.is_monotonic_increasing and hit.iloc[-1] > hit.iloc[0] + 0.3
     if name == "router_policies":  # cache-aware routing keeps each prompt on few replicas
         hit = outcome.table.groupby("param:engine.router.policy")["prefix_hit_rate"].min()
         assert hit["cache_aware"] > hit[["round_robin", "least_loaded"]].max() + 0.3

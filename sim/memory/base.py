@@ -77,6 +77,7 @@ class KVAllocator(ABC):
     """One interface for contiguous reservation and paged allocation."""
 
     capacity_slots: int
+    last_loaded_tokens: int  # of the last admission's hits, tokens read from a host tier
 
     @abstractmethod
     def admit(self, spec: SeqSpec) -> int | None:

@@ -14,6 +14,8 @@ import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 
+from sim.memory.host_cache import HostCache
+
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "sharing_aware")
 
 
@@ -210,11 +212,14 @@ class BlockPool:
 
     Free blocks live in two places: ``_unhashed`` (a stack of blocks with nothing worth
     keeping; taken first) and the eviction policy (ref 0 but cached). Taking a cached block
-    removes its hash from the map then, not when it was released — lazy eviction.
+    removes its hash from the map then, not when it was released — lazy eviction — and, with
+    a ``host`` tier, writes its content down to host memory.
     """
 
-    def __init__(self, num_blocks: int, eviction: str = "lru", enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, eviction: str = "lru", enable_caching: bool = True,
+                 host: HostCache | None = None) -> None:
         self.enable_caching = enable_caching
+        self.host = host
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Reversed so that pop() hands out block 0 first: easier to read in tests.
         self._unhashed: list[KVBlock] = self.blocks[::-1]
@@ -241,6 +246,8 @@ class BlockPool:
             block = self.evictable.pop()
             if self.cached.get(block.block_hash) is block:  # type: ignore[arg-type]
                 del self.cached[block.block_hash]  # type: ignore[arg-type]
+            if self.host is not None:
+                self.host.offer(block.block_hash)  # type: ignore[arg-type]
             self.num_evictions += 1
         # Inlined KVBlock.reset(): this is the allocator's hottest line.
         block.block_hash = None

@@ -83,6 +83,7 @@ class ContiguousAllocator(KVAllocator):
                 f"unknown placement {placement!r}; expected one of {', '.join(PLACEMENTS)}"
             )
         self.capacity_slots = capacity_slots
+        self.last_loaded_tokens = 0  # no host tier: nothing is ever loaded
         self.max_model_len = max_model_len
         self.reserve_policy = reserve_policy
         self.placement = placement

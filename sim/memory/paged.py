@@ -14,6 +14,10 @@ The prefix-cache rules follow vLLM v1 (see DESIGN.md, "Paged"):
    hash and become evictable, unhashed blocks are reused first;
 4. a cached block is evicted lazily, when it is handed out again;
 6. ``fork`` shares every block; writing into a shared partial block copies it first.
+
+With a host tier (:mod:`sim.memory.host_cache`), an evicted block's content goes to host
+memory, and admission continues its lookup there where the GPU cache stops: blocks found
+there are loaded into fresh GPU blocks, full and hashed, instead of being prefilled again.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections import Counter
 from sim.memory.base import AllocatorError, KVAllocator, MemorySnapshot, SeqSpec
 from sim.memory.block_pool import BlockPool, KVBlock
 from sim.memory.content import BlockHasher, DuplicateCounter
+from sim.memory.host_cache import HostCache
 
 
 class _PagedSeq:
@@ -60,6 +65,7 @@ class PagedAllocator(KVAllocator):
         enable_prefix_caching: bool = True,
         eviction: str = "lru",
         watermark: float = 0.0,
+        host_cache_blocks: int = 0,
     ) -> None:
         if not 1 <= block_size <= 256:
             raise ValueError(f"block_size must be in 1..256, got {block_size}")
@@ -74,7 +80,10 @@ class PagedAllocator(KVAllocator):
         # Blocks admission leaves free for running sequences to grow into (vLLM v0's
         # watermark), so that a new request does not force a preemption on the next step.
         self.watermark_blocks = int(watermark * num_blocks)
-        self.pool = BlockPool(num_blocks, eviction, enable_prefix_caching)
+        if host_cache_blocks and not enable_prefix_caching:
+            raise ValueError("a host cache needs prefix caching: blocks are found by content")
+        self.host = HostCache(host_cache_blocks) if host_cache_blocks else None
+        self.pool = BlockPool(num_blocks, eviction, enable_prefix_caching, self.host)
         self._seqs: dict[int, _PagedSeq] = {}
         self._token_slots = 0  # written slots in blocks with ref_cnt > 0
         self._internal_exclusive = 0  # Σ seq.internal over sequences not in _shared_tail
@@ -82,6 +91,7 @@ class PagedAllocator(KVAllocator):
         self._duplicates = DuplicateCounter()
         self.num_cow_copies = 0
         self.num_hit_blocks = 0
+        self.last_loaded_tokens = 0  # tokens the last admission loaded from the host tier
 
     # ------------------------------------------------------------------ queries
     @property
@@ -124,9 +134,11 @@ class PagedAllocator(KVAllocator):
 
     # ------------------------------------------------------------------ lifecycle
     def lookup(self, spec: SeqSpec) -> int:
-        """Prefix-hit tokens ``spec`` would get now (no state changes)."""
+        """Prefix-hit tokens ``spec`` would get now, on the GPU or in host memory (no state
+        changes)."""
         hasher = BlockHasher(spec.segments, self.block_size)
-        return len(self._hit_blocks(spec, hasher)) * self.block_size
+        hits = len(self._hit_blocks(spec, hasher))
+        return (hits + self._host_hits(spec, hasher, hits)) * self.block_size
 
     def _hit_blocks(self, spec: SeqSpec, hasher: BlockHasher) -> list[KVBlock]:
         hits: list[KVBlock] = []
@@ -139,13 +151,28 @@ class PagedAllocator(KVAllocator):
             hits.append(block)
         return hits
 
+    def _host_hits(self, spec: SeqSpec, hasher: BlockHasher, start: int) -> int:
+        """Blocks ``start``, ``start + 1``, … found in host memory, up to the first miss
+        (``hasher`` has hashed block ``start``: the GPU lookup stopped there)."""
+        host = self.host
+        if host is None:
+            return 0
+        found = 0
+        for idx in range(start, (spec.prompt_len - 1) // self.block_size):
+            block_hash = hasher.hash_upto(idx + 1)[idx]
+            if block_hash not in host:
+                break
+            found += 1
+        return found
+
     def admit(self, spec: SeqSpec) -> int | None:
         if spec.seq_id in self._seqs:
             raise AllocatorError(f"sequence {spec.seq_id} is already admitted")
         hasher = BlockHasher(spec.segments, self.block_size)
         hits = self._hit_blocks(spec, hasher)
+        loaded = self._host_hits(spec, hasher, len(hits))
         revived = sum(1 for b in hits if b.ref_cnt == 0)  # hits that leave the free set
-        need = self.blocks_for(self._admit_len(spec)) - len(hits)
+        need = self.blocks_for(self._admit_len(spec)) - len(hits)  # loaded blocks among them
         reserve = self.watermark_blocks if self._seqs else 0
         if need > self.pool.num_free - revived - reserve:
             return None
@@ -155,12 +182,26 @@ class PagedAllocator(KVAllocator):
                 self._duplicates.add(block.block_hash)  # type: ignore[arg-type]
                 block.counted = True
             self.pool.touch(block)
+        loaded_hashes = hasher.hashes[len(hits):len(hits) + loaded]
+        host = self.host
+        if host is not None:
+            # Read up before taking GPU blocks, whose evictions may fill host memory.
+            for block_hash in loaded_hashes:
+                host.load(block_hash)
         blocks = hits + [self.pool.take() for _ in range(need)]
-        seq = _PagedSeq(spec, blocks, hasher, self.block_size)
-        seq.num_tokens = len(hits) * self.block_size
+        bs = self.block_size
+        for block, block_hash in zip(blocks[len(hits):], loaded_hashes, strict=False):
+            block.num_filled = bs
+            self.pool.register(block, block_hash)
+            self._duplicates.add(block_hash)  # a prompt block: may repeat another's
+            block.counted = True
+        self._token_slots += loaded * bs
+        seq = _PagedSeq(spec, blocks, hasher, bs)
+        seq.num_tokens = (len(hits) + loaded) * bs
         self._seqs[spec.seq_id] = seq
         self._set_internal(seq)
-        self.num_hit_blocks += len(hits)
+        self.num_hit_blocks += len(hits) + loaded
+        self.last_loaded_tokens = loaded * bs
         return seq.num_tokens
 
     def append(self, seq_id: int, num_tokens: int) -> bool:
@@ -402,3 +443,5 @@ class PagedAllocator(KVAllocator):
             seen_tails.add(tail.block_id)
             expected_internal += max(0, cap - seq.spec.final_len)
         assert expected_internal == self._internal_exclusive, "internal counter drifted"
+        if self.host is not None:
+            assert len(self.host) <= self.host.capacity_blocks, "host cache over capacity"
