@@ -348,7 +348,8 @@ class _SystemRun:
             for index in np.flatnonzero(after >= 0).tolist():
                 self.replica_of[index] = self.replica_of[after[index]]
         else:
-            self.router = Router(routing.policy, replicas, pool_slots,
+            # What a replica can cache: its GPU pool and its host tier.
+            self.router = Router(routing.policy, replicas, pool_slots + host_slots,
                                  cache_threshold=routing.cache_threshold,
                                  balance_abs_threshold=routing.balance_abs_threshold,
                                  balance_rel_threshold=routing.balance_rel_threshold)

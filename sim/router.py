@@ -19,8 +19,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 Segments = Sequence[tuple[int, int]]
-RouterPolicy = Literal["round_robin", "least_loaded", "cache_aware"]
-ROUTER_POLICIES: tuple[str, ...] = ("round_robin", "least_loaded", "cache_aware")
+RouterPolicy = Literal["least_loaded", "cache_aware"]  # round robin needs no router
 
 _ARRIVE, _TOUCH, _FINISH = 0, 1, 2  # order of simultaneous events: fixed, not by insertion
 
@@ -38,8 +37,8 @@ def prefix_chain(segments: Segments) -> list[tuple[int, int]]:
 
 class ApproximateTree:
     """What the router believes one replica caches: the prompt prefixes it sent there, least
-    recently sent first out once they exceed ``capacity`` tokens (the replica's pool, which
-    cannot hold more). SGLang's router keeps such a tree per worker, of text, not tokens."""
+    recently sent first out once they exceed ``capacity`` tokens (the replica's pool and host
+    tier, which cannot hold more). SGLang's router keeps such a tree per worker, of text."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -143,4 +142,4 @@ class Router:
         return min(range(self.replicas), key=lambda r: (self.load[r], r))
 
 
-__all__ = ["ROUTER_POLICIES", "ApproximateTree", "Router", "RouterPolicy", "prefix_chain"]
+__all__ = ["ApproximateTree", "Router", "RouterPolicy", "prefix_chain"]
