@@ -100,7 +100,10 @@ def write_report(run_dir: Path) -> Path:
     figures = run_dir / "figures"
     sections = [("Summary", _summary_table(result))]
     for name, build in RUN_FIGURES.items():
-        png = save_figure(build(result), figures, name)
+        figure = build(result)
+        if figure is None:
+            continue
+        png = save_figure(figure, figures, name)
         sections.append((name.replace("_", " ").capitalize(), img_tag(png, name)))
     notes = run_notes({n: r.summary for n, r in result.systems.items()})
     page = render_html(f"kvsim report: {result.scenario['name']}", sections, result.scenario,

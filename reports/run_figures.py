@@ -1,11 +1,14 @@
-"""Figures of one run: memory over time, waste breakdown, batch and queue, latency, hits.
+"""Figures of one run: memory over time, waste breakdown, batch and queue, latency, hits,
+and the balance between replicas.
 
-Each function takes a :class:`~sim.results.ScenarioResult` and returns a matplotlib figure;
-the tables it plotted are attached as ``fig.kvsim_data`` (name → DataFrame) so tests and
-users can check exactly what is drawn.
+Each function takes a :class:`~sim.results.ScenarioResult` and returns a matplotlib figure
+(or None when it has nothing to show); the tables it plotted are attached as
+``fig.kvsim_data`` so tests and users can check exactly what is drawn.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
@@ -221,10 +224,53 @@ def hits_and_preemptions(result: ScenarioResult, bins: int = 40) -> Figure:
     return fig
 
 
-RUN_FIGURES = {
+def replica_balance(result: ScenarioResult) -> Figure | None:
+    """Per replica: requests served, TTFT p50 and prefix hit rate, bars grouped by system —
+    what a router trades (None when every system runs one replica)."""
+    systems = {n: r for n, r in result.systems.items() if r.summary.get("replicas", 1) > 1}
+    if not systems:
+        return None
+    fig, axes = new_figure(1, 3, width=11, height=3.2)
+    rows = []
+    for name, run in systems.items():
+        requests = run.requests
+        served = requests[~requests["rejected"]]
+        ttft = served["first_token_s"] - served["arrival_s"]
+        # Each replica's running totals of prompt tokens looked up and hit, at its last sample
+        # (every admission counts, re-admissions after a preemption too).
+        totals = run.memory.groupby("replica")[["hit_tokens", "lookup_tokens"]].last()
+        for replica in range(run.summary["replicas"]):
+            mine = served["replica"] == replica
+            hit, lookup = (totals.loc[replica] if replica in totals.index else (0, 0))
+            rows.append({"system": name, "replica": replica, "requests": int(mine.sum()),
+                         "ttft_p50_s": float(ttft[mine].median()) if mine.any() else np.nan,
+                         "hit_rate_pct": hit / lookup * 100 if lookup else np.nan})
+    data = pd.DataFrame(rows)
+    width = 0.8 / len(systems)
+    panels = [("requests", "requests served"), ("ttft_p50_s", "TTFT p50 (s)"),
+              ("hit_rate_pct", "prefix hit rate (% of prompt tokens)")]
+    for ax, (column, label) in zip(axes, panels, strict=True):
+        for i, (name, part) in enumerate(data.groupby("system", sort=False)):
+            ax.bar(part["replica"] + (i - (len(systems) - 1) / 2) * width, part[column],
+                   width=width, color=system_color(list(result.systems).index(name)),
+                   label=name)
+        ax.set_xlabel("replica")
+        ax.set_ylabel(label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3, axis="y")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center",
+               ncols=len(systems), fontsize=8, frameon=False)
+    fig.suptitle(f"{result.scenario['name']}: load and cache hits per replica", fontsize=11)
+    fig.kvsim_data = data  # type: ignore[attr-defined]
+    return fig
+
+
+# Figures of a run folder, in report order; a builder returns None when it has nothing to show.
+RUN_FIGURES: dict[str, Callable[[ScenarioResult], Figure | None]] = {
     "memory_over_time": memory_over_time,
     "waste_breakdown": waste_breakdown,
     "batch_and_queue": batch_and_queue,
     "latency_cdfs": latency_cdfs,
     "hits_and_preemptions": hits_and_preemptions,
+    "replica_balance": replica_balance,
 }

@@ -125,3 +125,27 @@ def test_router_settings_are_checked():
     with pytest.raises(ScenarioError, match=r"engine.router.cache_threshold: Input should be "
                        r"less than or equal to 1"):
         scenario_from_dict(routed(2, "cache_aware", cache_threshold=1.5))
+
+
+def test_the_report_shows_each_replica_only_when_there_are_several(tmp_path):
+    from reports.html import write_report
+    from reports.run_figures import replica_balance
+    from sim.results import write_run
+
+    result = run_scenario(scenario_from_dict(routed(3, "cache_aware", requests=200)))
+    fig = replica_balance(result)
+    data = fig.kvsim_data
+    assert list(data["replica"]) == [0, 1, 2]
+    requests = result.systems["paged"].requests
+    assert data["requests"].sum() == (~requests["rejected"]).sum() == 200
+    assert list(data["requests"]) == list(requests["replica"].value_counts().sort_index())
+    assert ((data["hit_rate_pct"] >= 0) & (data["hit_rate_pct"] <= 100)).all()
+    # The replicas' hits and lookups add up to the run's prefix-cache hit rate.
+    memory = result.systems["paged"].memory.groupby("replica")[["hit_tokens",
+                                                                "lookup_tokens"]].last()
+    assert memory["hit_tokens"].sum() / memory["lookup_tokens"].sum() == pytest.approx(
+        result.systems["paged"].summary["prefix_hit_rate"])
+    write_run(result, tmp_path / "three")
+    assert write_report(tmp_path / "three").read_text().count("<img ") == 6
+    assert replica_balance(run_scenario(scenario_from_dict(routed(1, "round_robin",
+                                                                  requests=50)))) is None
