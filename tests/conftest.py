@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import matplotlib.pyplot as plt
+import pytest
+
 from sim.memory import SeqSpec
+
+
+@pytest.fixture(autouse=True)
+def _close_figures() -> Iterator[None]:
+    """Tests inspect figures and drop them; pyplot keeps them until closed."""
+    yield
+    plt.close("all")
 
 # Requests in each shipped public trace (workloads/data/README.md).
 PUBLIC_TRACE_ROWS = {
