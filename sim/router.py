@@ -72,9 +72,10 @@ class Router:
     """Routes open arrivals by load (``least_loaded``, ``cache_aware``); ``round_robin`` needs
     no state and the engine assigns it up front. The engine tells the router of every request
     that will run on a replica (:meth:`assign` as it routes, :meth:`expect` for a session's
-    later turns) and of every finish (:meth:`finished`), each at its simulated time."""
+    later turns) and of every finish (:meth:`finished`), each at its simulated time.
+    ``cache_slots`` is what one replica can cache (its GPU pool and host tier)."""
 
-    def __init__(self, policy: RouterPolicy, replicas: int, pool_slots: int, *,
+    def __init__(self, policy: RouterPolicy, replicas: int, cache_slots: int, *,
                  cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
                  balance_rel_threshold: float = 1.0001) -> None:
         self.policy = policy
@@ -83,7 +84,7 @@ class Router:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.load = [0] * replicas  # requests arrived and not finished, as of the last route
-        self.trees = [ApproximateTree(pool_slots) for _ in range(replicas)]
+        self.trees = [ApproximateTree(cache_slots) for _ in range(replicas)]
         # (time, kind, request, replica, chain): applied in time order before each route.
         self._events: list[tuple[float, int, int, int, list[tuple[int, int]]]] = []
 

@@ -50,7 +50,7 @@ def test_prefix_chain_and_tree():
 
 def test_router_rules():
     chain = [(1, 600), (7, 100)]
-    router = Router("cache_aware", 3, pool_slots=10_000, balance_abs_threshold=2)
+    router = Router("cache_aware", 3, cache_slots=10_000, balance_abs_threshold=2)
     # Nothing cached anywhere: the replica caching least (ties: the first).
     assert router.route(0.0, chain, 700) == 0
     router.assign(0, chain)
@@ -73,7 +73,7 @@ def test_router_rules():
     assert router.route(10.0, chain, 700) == 2 and router.load == [3, 1, 1]
     router.assign(2, chain)
     assert router.route(10.5, chain, 700) == 0 and router.load == [0, 1, 2]
-    shortest = Router("least_loaded", 2, pool_slots=10_000)
+    shortest = Router("least_loaded", 2, cache_slots=10_000)
     shortest.assign(0, chain)
     assert shortest.route(0.0, chain, 700) == 1
 
