@@ -19,6 +19,7 @@ from matplotlib.ticker import FuncFormatter
 
 from reports.html import img_tag, render_html, save_figure
 from reports.style import new_figure, system_color
+from sim.metrics import gpu_counts_differ
 from sim.results import read_back, read_table
 
 KNEE_FRACTION = 0.9  # saturated once achieved req/s falls below 90 % of the offered rate
@@ -114,8 +115,7 @@ def _series(table: pd.DataFrame, by: str, others: list[str]
 
 def throughput_metric(table: pd.DataFrame) -> str:
     """Output throughput per GPU where the runs use different numbers of GPUs, else total."""
-    varies = "gpus" in table and table["gpus"].nunique() > 1  # older results lack the column
-    return "throughput_tok_s_per_gpu" if varies else "throughput_tok_s"
+    return "throughput_tok_s_per_gpu" if gpu_counts_differ(table) else "throughput_tok_s"
 
 
 def metric_vs_field(table: pd.DataFrame, field: str, metric: str, *,

@@ -30,7 +30,7 @@ import pandas as pd
 import simpy
 
 from sim.memory import TAXONOMY, ContiguousAllocator, KVAllocator, PagedAllocator
-from sim.presets import GIB, SizingError, kv_pool_slots
+from sim.presets import SizingError, kv_pool_slots
 from sim.results import RunResult, ScenarioResult, summarize
 from sim.router import Router
 from sim.scenario import ContiguousConfig, Scenario, ScenarioError, SystemConfig
@@ -70,12 +70,12 @@ def host_tier(scenario: Scenario, system: SystemConfig) -> tuple[int, float]:
     if not gib:
         return 0, 0.0
     tp = scenario.parallel.tensor_parallel_size
-    per_gpu_bytes = scenario.model_spec().kv_bytes_per_token_per_gpu(tp)
+    model = scenario.model_spec()
     link = scenario.gpu_spec().host_link_bytes_per_s
     if not link:  # the scenario refuses this; a GpuSpec built by hand may still lack it
         raise SizingError(f"systems[{system.name}]: a host cache needs the GPU's host link "
                           "bandwidth")
-    return int(gib * GIB // (per_gpu_bytes * tp)), per_gpu_bytes / link
+    return model.slots_in_gib(gib, tp), model.kv_bytes_per_token_per_gpu(tp) / link
 
 
 def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
@@ -443,8 +443,8 @@ class _SystemRun:
                  "gpus": len(self.replicas) * self.gpus_per_replica}
         loaded = sum(r.scheduler.loaded_tokens for r in self.replicas)
         # None (shown "—") without a host tier, as the hit rate without a prefix cache.
-        extra["host_hit_rate"] = (loaded / lookup if lookup else 0.0) if (
-            self.load_s_per_token) else None
+        has_host = getattr(self.replicas[0].allocator, "host", None) is not None
+        extra["host_hit_rate"] = (loaded / lookup if lookup else 0.0) if has_host else None
         extra["host_loaded_tokens"] = loaded
         summary_requests = requests.fillna({"finished_s": -1.0})
         summary = summarize(summary_requests, steps,

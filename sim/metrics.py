@@ -95,12 +95,18 @@ def format_summary(summaries: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def gpu_counts_differ(table: pd.DataFrame) -> bool:
+    """Whether a sweep's runs use different numbers of GPUs (tensor parallelism, replicas);
+    results written before GPUs were counted have no such column."""
+    return "gpus" in table and table["gpus"].nunique() > 1
+
+
 def sweep_metrics(table: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
     """``metrics``, with output throughput per GPU after output throughput wherever the runs
-    use different numbers of GPUs (tensor parallelism, replicas), since a bigger engine's
-    total says nothing about what each GPU sustains."""
+    use different numbers of GPUs, since a bigger engine's total says nothing about what
+    each GPU sustains."""
     shown = list(metrics)
-    if "gpus" in table and table["gpus"].nunique() > 1 and "throughput_tok_s" in shown:
+    if gpu_counts_differ(table) and "throughput_tok_s" in shown:
         shown.insert(shown.index("throughput_tok_s") + 1, "throughput_tok_s_per_gpu")
     return shown
 

@@ -53,6 +53,11 @@ class ModelSpec:
         return (2 * self.num_layers * self.kv_heads_per_gpu(tensor_parallel_size)
                 * self.head_dim * self.dtype_bytes)
 
+    def slots_in_gib(self, gib: float, tensor_parallel_size: int) -> int:
+        """Token slots ``gib`` GiB hold when spread over a tensor-parallel group's GPUs."""
+        return int(gib * GIB // (self.kv_bytes_per_token_per_gpu(tensor_parallel_size)
+                                 * tensor_parallel_size))
+
     def tensor_parallel_problem(self, tensor_parallel_size: int) -> str | None:
         """Why the model cannot be split over ``tensor_parallel_size`` GPUs, or None.
 
@@ -139,11 +144,10 @@ def kv_pool_slots(
     problem = model.tensor_parallel_problem(tensor_parallel_size)
     if problem:
         raise SizingError(problem)
-    per_gpu_bytes_per_token = model.kv_bytes_per_token_per_gpu(tensor_parallel_size)
     if kv_memory_gib is not None:
         if kv_memory_gib <= 0:
             raise SizingError(f"kv_memory_gib must be > 0, got {kv_memory_gib}")
-        return int(kv_memory_gib * GIB // (per_gpu_bytes_per_token * tensor_parallel_size))
+        return model.slots_in_gib(kv_memory_gib, tensor_parallel_size)
     if not 0 < gpu_memory_utilization <= 1:
         raise SizingError(
             f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
@@ -162,7 +166,7 @@ def kv_pool_slots(
             f"{gpu_memory_utilization:.0%} of {gpu.name} ({usable_bytes / GIB:.1f} GiB): no KV "
             f"pool left{hint}"
         )
-    return int(pool_bytes // per_gpu_bytes_per_token)
+    return int(pool_bytes // model.kv_bytes_per_token_per_gpu(tensor_parallel_size))
 
 
 def lookup_model(name: str) -> ModelSpec:

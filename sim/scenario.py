@@ -231,11 +231,16 @@ class Scenario(ConfigModel):
 
     @field_validator("systems")
     @classmethod
-    def _unique_names(cls, systems: list[SystemConfig], info: ValidationInfo
-                      ) -> list[SystemConfig]:
+    def _unique_names(cls, systems: list[SystemConfig]) -> list[SystemConfig]:
         names = [s.name for s in systems]
         if len(set(names)) != len(names):
             raise ValueError(f"system names must be unique, got {names}")
+        return systems
+
+    @field_validator("systems")
+    @classmethod
+    def _host_cache_has_a_link(cls, systems: list[SystemConfig], info: ValidationInfo
+                               ) -> list[SystemConfig]:
         gpu = info.data.get("gpu")
         for system in systems:
             if (isinstance(system.allocator, PagedConfig) and system.allocator.host_cache_gib
@@ -253,9 +258,12 @@ class Scenario(ConfigModel):
         g = self.gpu
         return GpuSpec(g.name, int(g.memory_gib * 1024**3), g.hbm_bandwidth_gbps * 1e9,
                        g.peak_tflops * 1e12,
-                       None if g.interconnect_gbps is None else g.interconnect_gbps * 1e9,
-                       None,
-                       None if g.host_link_gbps is None else g.host_link_gbps * 1e9)
+                       interconnect_bytes_per_s=_per_s(g.interconnect_gbps),
+                       host_link_bytes_per_s=_per_s(g.host_link_gbps))
+
+
+def _per_s(gbps: float | None) -> float | None:
+    return None if gbps is None else gbps * 1e9
 
 
 def _model_spec(model: str | ModelConfig) -> ModelSpec:
