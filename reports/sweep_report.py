@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from reports.html import img_tag, render_html, save_figure
+from reports.slo_figure import attainment_figure, describe_slo
 from reports.style import new_figure, system_color
 from sim.metrics import gpu_counts_differ
 from sim.results import read_back, read_table
@@ -37,6 +38,8 @@ METRIC_LABELS = {
     "mean_batch": "mean decode batch (sequences)",
     "duplicate_frac": "duplicate slots (share of pool)",
     "token_frac": "share of pool holding tokens",
+    "slo_attainment": "requests within SLO (share)",
+    "goodput_req_s": "goodput (req/s within SLO)",
 }
 
 
@@ -257,15 +260,44 @@ def eviction_figure(table: pd.DataFrame, pool_field: str, policy_field: str) -> 
     return fig
 
 
+def _first_run_scenario(sweep_dir: Path, table: pd.DataFrame) -> dict[str, Any]:
+    """The resolved scenario of the sweep's first run (what every point shares)."""
+    key = table["key"].iloc[0]
+    return dict(yaml.safe_load((sweep_dir / "runs" / key / "scenario.yaml").read_text()))
+
+
 def _rho_for(sweep_dir: Path, table: pd.DataFrame, sizes: list[int]) -> dict[int, float]:
     from sim.engine import build_timing
     from sim.scenario import scenario_from_dict
 
-    key = table["key"].iloc[0]
-    resolved = yaml.safe_load((sweep_dir / "runs" / key / "scenario.yaml").read_text())
     info = json.loads((sweep_dir / "sweep.json").read_text())
-    timing = build_timing(scenario_from_dict(resolved), Path(info["scenario"]).parent)
+    timing = build_timing(scenario_from_dict(_first_run_scenario(sweep_dir, table)),
+                          Path(info["scenario"]).parent)
     return {s: timing.rho(s) for s in sizes}
+
+
+def capacity_on_grid(part: pd.DataFrame, rate_column: str, target: float) -> float | None:
+    """The highest offered rate below which every rate on the grid keeps at least ``target``
+    of its requests within the SLO (None if even the lowest does not)."""
+    part = part.sort_values(rate_column)
+    misses = part["slo_attainment"].to_numpy() < target
+    holding = part[rate_column].to_numpy(dtype=float)[:misses.argmax() if misses.any()
+                                                       else len(part)]
+    return float(holding[-1]) if len(holding) else None
+
+
+def slo_figure(table: pd.DataFrame, field: str, slo: dict[str, Any]) -> Figure:
+    """SLO attainment and goodput against request rate, each line's capacity on the grid
+    marked (one line per system and combination of the other swept fields)."""
+    x = _param(table, field)
+    target = float(slo.get("attainment", 0.9))
+    lines, capacities = [], {}
+    for label, style, part in _series(table, "system", _other_swept(table, x, "system")):
+        mean = part.groupby(x).mean(numeric_only=True).reset_index()
+        capacities[label] = capacity_on_grid(mean, x, target)
+        lines.append((label, style, mean))
+    return attainment_figure(lines, x, target, capacities,
+                             title=f"Within SLO ({describe_slo(slo)}) against load")
 
 
 def sweep_figures(sweep_dir: Path, x: str | None = None,
@@ -291,6 +323,9 @@ def sweep_figures(sweep_dir: Path, x: str | None = None,
         pool = policy = None
     if rate:
         figures["rate_sweep"] = rate_figure(table, rate)
+        slo = _first_run_scenario(sweep_dir, table).get("slo")
+        if slo and "slo_attainment" in table:
+            figures["slo_attainment"] = slo_figure(table, rate, slo)
     if block:
         sizes = sorted(int(v) for v in table[f"param:{block}"].unique())
         figures["block_size_tradeoff"] = block_size_figure(table, block,
@@ -313,8 +348,8 @@ def sweep_figures(sweep_dir: Path, x: str | None = None,
     return figures
 
 
-TABLE_METRICS = ["throughput_tok_s", "e2e_p90_s", "waste_frac", "internal_frac_of_allocated",
-                 "prefix_hit_rate", "preemptions"]
+TABLE_METRICS = ["throughput_tok_s", "e2e_p90_s", "slo_attainment", "goodput_req_s",
+                 "waste_frac", "internal_frac_of_allocated", "prefix_hit_rate", "preemptions"]
 
 
 def _results_html(table: pd.DataFrame) -> str:

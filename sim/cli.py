@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -63,6 +64,7 @@ class _ReaderMayLeave:
 
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from reports.sweep_report import SweepReportError
+    from sim.capacity import CapacityError
     from sim.presets import SizingError
     from sim.results import OutputFolderError, RunFolderError
     from sim.scenario import ScenarioError
@@ -70,7 +72,7 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from sim.timing import CalibrationError
     from workloads import TraceError, TraceImportError, WorkloadError
 
-    return (BadInput, ScenarioError, SizingError, CalibrationError, TraceError,
+    return (BadInput, CapacityError, ScenarioError, SizingError, CalibrationError, TraceError,
             TraceImportError, WorkloadError, SweepError, SweepReportError, OutputFolderError,
             RunFolderError)
 
@@ -173,7 +175,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return EXIT_FAILED if outcome.failed else EXIT_OK
 
 
-SWEEP_TABLE_METRICS = ("throughput_tok_s", "e2e_p90_s", "waste_frac", "prefix_hit_rate")
+SWEEP_TABLE_METRICS = ("throughput_tok_s", "e2e_p90_s", "slo_attainment", "waste_frac",
+                       "prefix_hit_rate")
 
 
 def _sweep_means(table: pd.DataFrame) -> str:
@@ -191,6 +194,100 @@ def _sweep_means(table: pd.DataFrame) -> str:
     with pd.option_context("display.max_rows", 500, "display.width", 200):
         text = shown.to_string(index=False)
     return text + (f"\n(means over {seeds} seeds)" if seeds > 1 else "")
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from sim.capacity import find_capacity
+    from sim.results import make_output_folder
+    from sim.scenario import load_scenario, scenario_from_dict
+
+    path = Path(args.scenario)
+    scenario = load_scenario(path)
+    bounds = {"ttft_s": args.ttft_s, "tpot_s": args.tpot_s, "e2e_s": args.e2e_s,
+              "attainment": args.attainment}
+    given = {k: v for k, v in bounds.items() if v is not None}
+    if given:  # the command line's objectives replace the file's, bound by bound
+        slo = {**(scenario.slo.model_dump(exclude_none=True) if scenario.slo else {}), **given}
+        scenario = scenario_from_dict({**scenario.model_dump(), "slo": slo}, "command line")
+    runs = Path(scenario.output_dir or Path("runs") / scenario.name)
+    out = make_output_folder(Path(args.out or runs.with_name(f"{runs.name}-capacity")))
+
+    def progress(probe: Any) -> None:
+        if not args.quiet:
+            print(f"  {probe.system}: {probe.offered_req_s:,.4g} req/s → "
+                  f"{probe.attainment:.1%} within SLO, "
+                  f"{'holds' if probe.holds else 'misses'}", file=sys.stderr, flush=True)
+
+    try:
+        knob, capacities = find_capacity(scenario, path.parent, rel_tol=args.rel_tol,
+                                         max_probes=args.max_probes, systems=args.system,
+                                         progress=progress)
+    except _bad_input_types() as exc:
+        raise BadInput(f"{path}: {exc}") from None
+    print(_capacity_text(scenario, knob, capacities))
+    print(f"results: {_write_capacity(scenario, knob, capacities, out)}")
+    return EXIT_OK
+
+
+def _capacity_text(scenario: Any, knob: Any, capacities: list[Any]) -> str:
+    """What ``kvsim capacity`` prints: each system's capacity, then the summaries of the runs
+    at those loads side by side."""
+    from reports.slo_figure import describe_slo
+
+    speed = knob.path.endswith("speed")
+    lines = [f"{scenario.name}: capacity with {describe_slo(scenario.slo.model_dump())}, "
+             f"{knob.path} searched, seed {scenario.seed}"]
+    width = max(len(c.system) for c in capacities) + 2
+    for c in capacities:
+        if c.held is None:
+            lightest = c.at(c.failed)
+            text = (f"none: even {lightest.offered_req_s:,.4g} req/s misses "
+                    f"({lightest.attainment:.1%} within SLO)")
+        elif c.failed is None:
+            text = (f"over {knob.offered_req_s(c.held):,.4g} req/s: every load tried holds "
+                    "(the search stops at 1024× the scenario's)")
+        else:
+            text = (f"{knob.offered_req_s(c.held):,.4g} req/s"
+                    + (f" (speed ×{c.held:.4g})" if speed else "")
+                    + f", misses at {knob.offered_req_s(c.failed):,.4g}"
+                    + ("" if c.converged else " (not converged: raise --max-probes)"))
+        lines.append(f"  {c.system:<{width}}{text}  [{len(c.probes)} runs]")
+    at_capacity = {c.system: c.at(c.held).summary for c in capacities if c.held is not None}
+    if at_capacity:
+        lines += ["", "at capacity:", format_summary(at_capacity)]
+    return "\n".join(lines)
+
+
+def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path) -> Path:
+    """``capacity.json`` (each system's result), ``probes.csv`` (every run's summary) and
+    ``capacity.png``/``.svg`` (attainment and goodput against load) into ``out``."""
+    import pandas as pd
+
+    from reports.html import save_figure
+    from reports.slo_figure import attainment_figure, describe_slo
+    from reports.style import system_color
+    from sim.results import write_json
+
+    probes = pd.DataFrame([{"system": p.system, "load": p.load,
+                            "offered_req_s": p.offered_req_s, "holds": p.holds, **p.summary}
+                           for c in capacities for p in c.probes])
+    probes.to_csv(out / "probes.csv", index=False)
+    write_json({"scenario": scenario.name, "seed": scenario.seed,
+                "slo": scenario.slo.model_dump(), "knob": knob.path,
+                "systems": {c.system: {
+                    "capacity_req_s": None if c.held is None else knob.offered_req_s(c.held),
+                    "capacity_load": c.held, "misses_at_load": c.failed,
+                    "converged": c.converged, "runs": len(c.probes)} for c in capacities}},
+               out / "capacity.json")
+    lines = [(c.system, {"color": system_color(i), "marker": "o"},
+              probes[probes["system"] == c.system]) for i, c in enumerate(capacities)]
+    capacity_req_s = {c.system: None if c.held is None else knob.offered_req_s(c.held)
+                      for c in capacities}
+    slo = scenario.slo.model_dump()
+    save_figure(attainment_figure(lines, "offered_req_s", slo["attainment"], capacity_req_s,
+                                  title=f"{scenario.name}: within SLO ({describe_slo(slo)})"),
+                out, "capacity")
+    return out
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -312,6 +409,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    """An argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
@@ -348,6 +456,29 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
     sweep.add_argument("--no-report", action="store_true", help="skip the figures and report")
     sweep.set_defaults(func=cmd_sweep)
+
+    capacity = sub.add_parser(
+        "capacity", help="the highest request rate each system serves within the SLO",
+        description="Search the arrival rate (or a trace's replay speed) at which each "
+        "system still serves slo.attainment of its requests within the scenario's SLO: "
+        "doubling or halving from the scenario's rate, then bisecting.")
+    capacity.add_argument("scenario", help="scenario YAML file (its slo: section, or the "
+                          "bounds below)")
+    capacity.add_argument("--ttft-s", type=_positive_float, help="TTFT bound in seconds")
+    capacity.add_argument("--tpot-s", type=_positive_float, help="TPOT bound in seconds")
+    capacity.add_argument("--e2e-s", type=_positive_float, help="end-to-end bound in seconds")
+    capacity.add_argument("--attainment", type=_positive_float,
+                          help="share of requests that must be within the SLO (default 0.9)")
+    capacity.add_argument("--system", action="append",
+                          help="search this system only (repeatable; default: all)")
+    capacity.add_argument("--rel-tol", type=_positive_float, default=0.02,
+                          help="stop when the loads that hold and miss are this close "
+                          "(relative; default 0.02)")
+    capacity.add_argument("--max-probes", type=_positive_int, default=24,
+                          help="runs per system at most (default 24)")
+    capacity.add_argument("--out", help="results folder (default: runs/NAME-capacity)")
+    capacity.add_argument("--quiet", action="store_true", help="no line per run")
+    capacity.set_defaults(func=cmd_capacity)
 
     report = sub.add_parser("report", help="figures and report.html for a run or sweep folder")
     report.add_argument("run_dir", metavar="RUN_OR_SWEEP_DIR")

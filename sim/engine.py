@@ -315,6 +315,7 @@ class _SystemRun:
                                 "which python -O removes; run without -O, or set it false")
         self.duration_s = scenario.stop.duration_s
         self.gpus_per_replica = scenario.parallel.tensor_parallel_size
+        self.slo = scenario.slo
         host_slots, self.load_s_per_token = host_tier(scenario, system)
         self.arrival_s = trace.arrival_s.tolist()
         self.think_s = trace.think_s.tolist()
@@ -448,7 +449,8 @@ class _SystemRun:
         extra["host_loaded_tokens"] = loaded
         summary_requests = requests.fillna({"finished_s": -1.0})
         summary = summarize(summary_requests, steps,
-                            self.recorder.averages(len(self.replicas)), capacity, extra)
+                            self.recorder.averages(len(self.replicas)), capacity, extra,
+                            self.slo)
         return RunResult(self.system.name, requests, memory, steps, summary)
 
 

@@ -27,6 +27,8 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("ttft_p99_s", "TTFT p99 (s)", "{:,.3f}"),
     ("tpot_p50_s", "TPOT p50 (ms)", "ms"),
     ("e2e_p90_s", "E2E p90 (s)", "{:,.2f}"),
+    ("slo_attainment", "requests within SLO", "%"),
+    ("goodput_req_s", "goodput (req/s within SLO)", "{:,.2f}"),
     ("token_frac", "KV pool holding tokens", "%"),
     ("waste_frac", "waste (of memory in use)", "%"),
     ("internal_frac_of_allocated", "internal frag. (of allocated)", "%"),
@@ -59,14 +61,15 @@ def format_metric(value: Any, fmt: str) -> str:
 # worth showing once above 1.
 ONLY_WHEN_ABOVE_ONE = {"throughput_tok_s_per_gpu": "gpus", "replica_imbalance": "replicas"}
 # Rows of a feature most runs do not use: shown only where some system has a value.
-ONLY_WHEN_SET = {"host_hit_rate"}
+ONLY_WHEN_SET = {"host_hit_rate", "slo_attainment", "goodput_req_s"}
 
 
 def summary_rows(summaries: Iterable[dict[str, Any]]) -> list[tuple[str, str, str]]:
     """The rows of :data:`SUMMARY_ROWS` these summaries need: throughput per GPU only where
     some system runs on more than one GPU (else it repeats the throughput), replica
     imbalance only where some system has several replicas, host-cache hits only where some
-    system has a host cache."""
+    system has a host cache, SLO attainment and goodput only where the scenario sets
+    objectives."""
     summaries = list(summaries)
 
     def needed(key: str) -> bool:
@@ -104,8 +107,10 @@ def gpu_counts_differ(table: pd.DataFrame) -> bool:
 def sweep_metrics(table: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
     """``metrics``, with output throughput per GPU after output throughput wherever the runs
     use different numbers of GPUs, since a bigger engine's total says nothing about what
-    each GPU sustains."""
-    shown = list(metrics)
+    each GPU sustains; a feature's metrics (:data:`ONLY_WHEN_SET`) only where some run has
+    them."""
+    shown = [m for m in metrics
+             if m not in ONLY_WHEN_SET or (m in table and table[m].notna().any())]
     if gpu_counts_differ(table) and "throughput_tok_s" in shown:
         shown.insert(shown.index("throughput_tok_s") + 1, "throughput_tok_s_per_gpu")
     return shown

@@ -19,13 +19,17 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import yaml
 
 from sim.memory import TAXONOMY
+from sim.slo import latencies, slo_summary
+
+if TYPE_CHECKING:
+    from sim.scenario import SloConfig
 
 LATENCY_PERCENTILES = (50, 90, 99)
 
@@ -72,19 +76,19 @@ def _waiting_at(steps: pd.DataFrame, time_s: float) -> int:
 
 
 def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, float],
-              capacity_slots: int, extra: dict[str, Any]) -> dict[str, Any]:
-    """Summary metrics of one system's run (see the README's metric table)."""
+              capacity_slots: int, extra: dict[str, Any], slo: SloConfig | None = None
+              ) -> dict[str, Any]:
+    """Summary metrics of one system's run (see the README's metric table), with the
+    SLO metrics of :mod:`sim.slo` where the scenario sets objectives."""
     done = requests[requests["finished_s"] >= 0]
     start = float(requests["arrival_s"].min()) if len(requests) else 0.0
     end = float(done["finished_s"].max()) if len(done) else start
     makespan = max(end - start, 1e-12)
     generated = float((done["output_len"] * done["n"]).sum())
     prompt = float(done["prompt_len"].sum())
-    ttft = (done["first_token_s"] - done["arrival_s"]).to_numpy(dtype=float)
-    e2e = (done["finished_s"] - done["arrival_s"]).to_numpy(dtype=float)
-    multi = done[done["output_len"] > 1]
-    tpot = ((multi["finished_s"] - multi["first_token_s"]) / (multi["output_len"] - 1)).to_numpy(
-        dtype=float)
+    measured = latencies(done)
+    # One output token has no gap between tokens: no TPOT to report.
+    tpot = measured["tpot"][done["output_len"].to_numpy() > 1]
     step_count = float(steps["steps"].sum()) if len(steps) else 0.0
     batch_mean = float((steps["decode_seqs"] * steps["steps"]).sum() / step_count) if (
         step_count) else 0.0
@@ -106,9 +110,9 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
         "throughput_tok_s_per_gpu": generated / makespan / extra["gpus"],
         "total_tok_s": (generated + prompt) / makespan,
         "throughput_req_s": len(done) / makespan,
-        **_percentiles(ttft, "ttft"),
+        **_percentiles(measured["ttft"], "ttft"),
         **_percentiles(tpot, "tpot"),
-        **_percentiles(e2e, "e2e"),
+        **_percentiles(measured["e2e"], "e2e"),
         "mean_batch": batch_mean,
         "peak_batch": int(steps["decode_seqs"].max()) if len(steps) else 0,
         "mean_running": float(averages["running"]),
@@ -126,6 +130,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
         "recomputed_tokens": int(requests["recomputed_tokens"].sum()),
         "steps": int(step_count),
         "capacity_slots": capacity_slots,
+        **slo_summary(requests, makespan, slo),
     }
     summary.update({k: v for k, v in extra.items()
                     if k not in ("hit_tokens", "lookup_tokens", "prefix_caching")})

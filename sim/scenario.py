@@ -165,6 +165,25 @@ class RouterConfig(ConfigModel):
     balance_rel_threshold: float = Field(default=1.0001, ge=1)
 
 
+class SloConfig(ConfigModel):
+    """Service-level objectives: a request is served *in time* when its TTFT, its TPOT
+    (mean time between output tokens) and its end-to-end latency are within the bounds given
+    (an absent bound always holds; a request with one output token has no TPOT to miss).
+    ``attainment`` is the share of requests that must be in time for a load to count as
+    sustained: DistServe's 90 % by default (``kvsim capacity`` searches for that load)."""
+
+    ttft_s: PositiveFloat | None = None
+    tpot_s: PositiveFloat | None = None
+    e2e_s: PositiveFloat | None = None
+    attainment: float = Field(default=0.9, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _some_bound(self):  # type: ignore[no-untyped-def]
+        if self.ttft_s is None and self.tpot_s is None and self.e2e_s is None:
+            raise ValueError("give at least one of ttft_s, tpot_s, e2e_s (seconds)")
+        return self
+
+
 class EngineConfig(ConfigModel):
     """How the simulation runs: replicas and their router change results; ``mode`` does not
     (jump and step give identical request tables), nor the sampling and checks."""
@@ -192,6 +211,7 @@ class Scenario(ConfigModel):
     seed: int = Field(default=0, ge=0)
     timing: TimingConfig = TimingConfig()
     engine: EngineConfig = EngineConfig()
+    slo: SloConfig | None = None
     output_dir: str | None = None
     sweep: dict[str, Any] | None = Field(
         default=None, description="grid/zip/seeds for kvsim sweep (see sim/sweep.py)")

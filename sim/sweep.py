@@ -41,8 +41,10 @@ from typing import Any
 import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
+from sim.metrics import ONLY_WHEN_SET
 from sim.results import make_output_folder, write_json, write_table
 from sim.scenario import Scenario, ScenarioError, scenario_from_dict
+from sim.slo import SLO_KEYS
 from workloads.distributions import ConfigModel
 
 _SEGMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\[[^\]]+\])*)$")
@@ -291,8 +293,10 @@ def results_table(points: list[SweepPoint], outcomes: dict[str, dict[str, Any]])
         table["_order"] = table["system"].map(order).fillna(len(order))
         table = table.sort_values(["point", "_order", "seed"], kind="stable").drop(
             columns="_order").reset_index(drop=True)
-        if "prefix_hit_rate" in table:  # None where a system has no prefix cache: NaN here
-            table["prefix_hit_rate"] = table["prefix_hit_rate"].astype(float)
+        # None where a system lacks the feature (a prefix cache, objectives): NaN here.
+        for column in ("prefix_hit_rate", *ONLY_WHEN_SET, *SLO_KEYS):
+            if column in table:
+                table[column] = table[column].astype(float)
         for column in table.columns:
             if table[column].dtype == object and column.startswith("param:"):
                 table[column] = table[column].map(

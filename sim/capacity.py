@@ -1,0 +1,179 @@
+"""Capacity under SLO: the highest request rate a system serves with enough requests in time.
+
+Finding it is like finding a bridge's load limit with test lorries: send one at the expected
+load; while it holds, double the load, once it fails, halve it; then split the difference
+between the heaviest load that held and the lightest that failed until they are close. Each
+test is a whole simulation of the scenario at that arrival rate (the same seed, so the
+arrivals of a faster run are the slower run's, compressed in time), and a load *holds* when
+the share of requests within the scenario's SLO reaches ``slo.attainment``: DistServe's
+definition of a system's capacity (its "goodput" in requests per second).
+
+The knob is the workload's arrival ``rate`` (synthetic or Poisson-replayed traces), or the
+replay ``speed`` of a trace's own timestamps; closed-loop arrivals set their load by users
+and cannot be searched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sim.engine import build_timing, run_system, scenario_trace
+from sim.scenario import Scenario, SystemConfig, scenario_from_dict
+from sim.sweep import set_path
+from workloads import Trace
+from workloads.distributions import ClosedLoopArrivals, TraceArrivals
+
+SEARCH_RANGE = 2**10  # the search gives up beyond this factor above or below the start
+
+
+class CapacityError(ValueError):
+    """A scenario whose capacity cannot be searched (no SLO, no arrival rate)."""
+
+
+@dataclass(frozen=True)
+class LoadKnob:
+    """The field that sets the offered load, its value in the scenario, and the requests
+    per second one unit of it offers (1 for a rate; a trace's own mean rate for a speed)."""
+
+    path: str
+    start: float
+    req_s_per_unit: float
+
+    def offered_req_s(self, value: float) -> float:
+        return value * self.req_s_per_unit
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One test load: the knob's value, the share of requests in time, the run's summary."""
+
+    system: str
+    load: float
+    offered_req_s: float
+    attainment: float
+    holds: bool
+    summary: dict[str, Any]
+
+
+@dataclass
+class Capacity:
+    """One system's search: the heaviest load that held and the lightest that failed (None
+    where no load tried did: the capacity lies outside the range searched), and every probe
+    in the order run."""
+
+    system: str
+    held: float | None = None
+    failed: float | None = None
+    converged: bool = False  # the two within the search's tolerance, or either is None
+    probes: list[Probe] = field(default_factory=list)
+
+    def at(self, load: float | None) -> Probe | None:
+        """The probe run at ``load``."""
+        return next((p for p in self.probes if p.load == load), None)
+
+
+def load_knob(scenario: Scenario, trace: Trace) -> LoadKnob:
+    """Which field of ``scenario`` sets its arrival rate (``trace`` is its trace as given,
+    for the mean rate of a replayed trace)."""
+    arrival = scenario.workload.arrival
+    if isinstance(arrival, ClosedLoopArrivals):
+        raise CapacityError("workload.arrival: closed_loop arrivals have no rate to search "
+                            "(their load is set by users); use an open process such as "
+                            "poisson")
+    if isinstance(arrival, TraceArrivals):
+        span_s = float(trace.arrival_s.max() - trace.arrival_s.min()) if len(trace) else 0.0
+        if len(trace) < 2 or span_s <= 0:
+            raise CapacityError("workload: the trace needs at least two requests at different "
+                                "times to have a rate to search")
+        # The trace as given is already replayed at its speed: its rate at speed 1 is less.
+        per_unit = (len(trace) - 1) / span_s / arrival.speed
+        return LoadKnob("workload.arrival.speed", arrival.speed, per_unit)
+    return LoadKnob("workload.arrival.rate", arrival.rate, 1.0)
+
+
+def search(holds: Callable[[float], bool], start: float, *, rel_tol: float,
+           max_probes: int) -> tuple[float | None, float | None, bool]:
+    """The heaviest load that ``holds`` and the lightest that does not, bracketed from
+    ``start`` by doubling or halving, then narrowed by geometric bisection until within
+    ``rel_tol`` of each other; and whether they got that close in ``max_probes`` calls."""
+    held: float | None = None
+    failed: float | None = None
+    load = start
+    for _ in range(max_probes):
+        if holds(load):
+            held = load
+        else:
+            failed = load
+        if held is not None and failed is not None:
+            if failed / held - 1 <= rel_tol:
+                return held, failed, True
+            load = math.sqrt(held * failed)
+        elif held is None:
+            load /= 2
+            if load < start / SEARCH_RANGE:
+                return None, failed, True  # nothing holds: the answer is "none"
+        else:
+            load *= 2
+            if load > start * SEARCH_RANGE:
+                return held, None, True  # everything holds: capacity beyond the range
+    return held, failed, False
+
+
+def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
+                  max_probes: int = 24, systems: list[str] | None = None,
+                  progress: Callable[[Probe], None] | None = None) -> tuple[LoadKnob,
+                                                                            list[Capacity]]:
+    """Search each system's capacity under the scenario's SLO (see the module docstring)."""
+    if scenario.slo is None:
+        raise CapacityError("no slo section: capacity is the load at which enough requests "
+                            "meet an SLO, e.g. slo: {ttft_s: 1.0, tpot_s: 0.05}")
+    target = scenario.slo.attainment
+    chosen = _chosen_systems(scenario, systems)
+    knob = load_knob(scenario, scenario_trace(scenario, base_dir))
+    timing = build_timing(scenario, base_dir)
+    raw = scenario.model_dump(mode="json")
+    traces: dict[float, tuple[Scenario, Trace]] = {}
+
+    def at(load: float) -> tuple[Scenario, Trace]:
+        if load not in traces:
+            data = {k: v for k, v in raw.items() if k != "sweep"}
+            set_path(data, knob.path, load)
+            variant = scenario_from_dict(data, f"{knob.path}={load:g}")
+            traces[load] = variant, scenario_trace(variant, base_dir)
+        return traces[load]
+
+    results = []
+    for system in chosen:
+        result = Capacity(system.name)
+
+        def holds(load: float, system: SystemConfig = system, result: Capacity = result
+                  ) -> bool:
+            variant, trace = at(load)
+            summary = run_system(variant, system, trace, timing).summary
+            attainment = float(summary["slo_attainment"])
+            probe = Probe(system.name, load, knob.offered_req_s(load), attainment,
+                          attainment >= target, summary)
+            result.probes.append(probe)
+            if progress:
+                progress(probe)
+            return probe.holds
+
+        result.held, result.failed, result.converged = search(
+            holds, knob.start, rel_tol=rel_tol, max_probes=max_probes)
+        results.append(result)
+    return knob, results
+
+
+def _chosen_systems(scenario: Scenario, names: list[str] | None) -> list[SystemConfig]:
+    if not names:
+        return list(scenario.systems)
+    known = {s.name: s for s in scenario.systems}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise CapacityError(f"--system {unknown[0]}: no such system; systems: "
+                            f"{', '.join(known)}")
+    return [known[n] for n in names]

@@ -1,0 +1,266 @@
+"""Service-level objectives: attainment and goodput per run, capacity search, figures."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from reports.sweep_report import capacity_on_grid
+from sim.capacity import find_capacity, search
+from sim.cli import main
+from sim.engine import run_scenario
+from sim.metrics import format_summary
+from sim.scenario import ScenarioError, SloConfig, scenario_from_dict
+from sim.slo import SLO_KEYS, in_time, slo_summary
+
+
+def requests_table(rows: list[tuple[float, float, float, int, bool]]) -> pd.DataFrame:
+    """(arrival, first token, finished, output_len, rejected); NaN times: never reached."""
+    frame = pd.DataFrame(rows, columns=["arrival_s", "first_token_s", "finished_s",
+                                        "output_len", "rejected"])
+    frame["n"] = 1
+    return frame
+
+
+def test_attainment_counts_every_bound_and_every_request():
+    nan = math.nan
+    table = requests_table([
+        (0.0, 0.5, 5.5, 101, False),   # TTFT 0.5, TPOT 0.05, E2E 5.5: all met
+        (1.0, 2.5, 3.5, 11, False),    # TTFT 1.5: misses TTFT only
+        (2.0, 2.2, 22.2, 101, False),  # TPOT 0.2: misses TPOT (and E2E 20.2)
+        (3.0, 3.1, 3.1, 1, False),     # one output token: no TPOT to miss
+        (4.0, 4.9, 10.9, 61, False),   # TTFT 0.9, TPOT exactly 0.1: bounds are inclusive
+        (5.0, nan, nan, 50, True),     # rejected: never in time
+    ])
+    slo = SloConfig(ttft_s=1.0, tpot_s=0.1, e2e_s=15.0)
+    met = in_time(table, slo)
+    assert met["ttft"].tolist() == [True, False, True, True, True, False]
+    assert met["tpot"].tolist() == [True, True, False, True, True, False]
+    assert met["e2e"].tolist() == [True, True, False, True, True, False]
+    assert met["all"].tolist() == [True, False, False, True, True, False]
+    summary = slo_summary(table, makespan_s=12.0, slo=slo)
+    assert summary["slo_attainment"] == pytest.approx(3 / 6)
+    assert summary["goodput_req_s"] == pytest.approx(3 / 12.0)
+    assert summary["slo_ttft_attainment"] == pytest.approx(4 / 6)
+    assert summary["slo_tpot_attainment"] == pytest.approx(4 / 6)
+    # The summary's copy of the table marks unfinished times -1, not NaN: still a miss.
+    marked = table.fillna({"first_token_s": -1.0, "finished_s": -1.0})
+    assert in_time(marked, slo)["all"].tolist() == met["all"].tolist()
+    # Only the bounds given are checked.
+    only_ttft = in_time(table, SloConfig(ttft_s=1.0))
+    assert set(only_ttft) == {"ttft", "all"}
+    assert only_ttft["all"].tolist() == met["ttft"].tolist()
+    assert slo_summary(table, 12.0, None) == dict.fromkeys(SLO_KEYS)
+
+
+@pytest.mark.parametrize("slo, message", [
+    ({}, "slo: give at least one of ttft_s, tpot_s, e2e_s"),
+    ({"ttft_s": 1, "attainment": 1.5}, "slo.attainment: Input should be less than or equal"),
+    ({"tpot_s": -0.1}, "slo.tpot_s: Input should be greater than 0"),
+    ({"ttft": 1}, "slo.ttft: unknown key; did you mean 'ttft_s'?"),
+])
+def test_bad_objectives_are_refused_in_one_line(slo, message):
+    with pytest.raises(ScenarioError) as error:
+        scenario_from_dict(scenario(slo=slo), "s.yaml")
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def scenario(rate: float = 4.0, slo: dict | None = None, **extra) -> dict:
+    """Two systems on a 3 GiB pool: contiguous max-length reservation wastes most of it."""
+    data = {
+        "name": "slo",
+        "model": "llama-2-7b", "gpu": "a100-80g", "memory": {"kv_memory_gib": 3},
+        "workload": {"arrival": {"process": "poisson", "rate": rate},
+                     "prompt_len": {"dist": "lognormal", "mean": 300, "sigma": 0.8,
+                                    "max": 1500},
+                     "output_len": {"dist": "lognormal", "mean": 150, "sigma": 0.8,
+                                    "max": 600}},
+        "systems": [{"name": "contiguous", "allocator": {"kind": "contiguous"}},
+                    {"name": "paged", "allocator": {"kind": "paged"}}],
+        "stop": {"num_requests": 150},
+        **extra,
+    }
+    if slo is not None:
+        data["slo"] = slo
+    return data
+
+
+OBJECTIVES = {"ttft_s": 1.0, "tpot_s": 0.05}
+
+
+def test_a_run_reports_what_its_request_table_shows():
+    result = run_scenario(scenario_from_dict(scenario(slo=OBJECTIVES)))
+    for run in result.systems.values():
+        requests = run.requests
+        ttft = requests["first_token_s"] - requests["arrival_s"]
+        gaps = (requests["output_len"] - 1).clip(lower=1)
+        tpot = ((requests["finished_s"] - requests["first_token_s"]) / gaps).where(
+            requests["output_len"] > 1, 0.0)
+        in_time_by_hand = (ttft <= 1.0) & (tpot <= 0.05)
+        assert run.summary["slo_attainment"] == pytest.approx(in_time_by_hand.mean())
+        assert run.summary["goodput_req_s"] == pytest.approx(
+            in_time_by_hand.sum() / run.summary["makespan_s"])
+    table = format_summary({n: r.summary for n, r in result.systems.items()})
+    assert "requests within SLO" in table and "goodput" in table
+    # Paged memory holds a larger batch at the same rate: more requests are in time.
+    contiguous, paged = (result.systems[n].summary["slo_attainment"]
+                         for n in ("contiguous", "paged"))
+    assert paged > contiguous
+    without = run_scenario(scenario_from_dict(scenario()))
+    summaries = {n: r.summary for n, r in without.systems.items()}
+    assert all(s[k] is None for s in summaries.values() for k in SLO_KEYS)
+    assert "within SLO" not in format_summary(summaries)
+    # Objectives judge a run; they never change it.
+    for name, run in without.systems.items():
+        pd.testing.assert_frame_equal(run.requests, result.systems[name].requests)
+
+
+def test_search_brackets_the_limit_from_either_side():
+    for start in (0.3, 3.0, 40.0):
+        calls: list[float] = []
+
+        def holds(load: float, calls: list[float] = calls) -> bool:
+            calls.append(load)
+            return load <= 3.7
+
+        held, failed, converged = search(holds, start, rel_tol=0.01, max_probes=40)
+        assert converged and held is not None and failed is not None
+        assert held <= 3.7 < failed <= held * 1.01
+        assert calls[0] == start
+    assert search(lambda load: False, 1.0, rel_tol=0.01, max_probes=40)[:2] == (None,
+                                                                                 1 / 1024)
+    held, failed, converged = search(lambda load: True, 1.0, rel_tol=0.01, max_probes=40)
+    assert (held, failed, converged) == (1024.0, None, True)
+    held, failed, converged = search(lambda load: load <= 3.7, 1.0, rel_tol=1e-6,
+                                     max_probes=6)
+    assert not converged and held is not None and failed is not None and held < failed
+
+
+def test_capacity_is_the_load_where_attainment_crosses_the_target():
+    data = scenario(slo={**OBJECTIVES, "attainment": 0.8})
+    knob, capacities = find_capacity(scenario_from_dict(data), Path(), rel_tol=0.05)
+    assert knob.path == "workload.arrival.rate" and knob.start == 4.0
+    by_name = {c.system: c for c in capacities}
+    for c in capacities:
+        assert c.converged and c.held is not None and c.failed is not None
+        assert c.failed / c.held - 1 <= 0.05
+        assert c.at(c.held).attainment >= 0.8 > c.at(c.failed).attainment
+        # Every probe that held ran at a load no heavier than any probe that missed, or
+        # the search would have moved past it.
+        assert max(p.load for p in c.probes if p.holds) == c.held
+        # The probe at capacity is an ordinary run of the scenario at that rate.
+        direct = run_scenario(scenario_from_dict(scenario(rate=c.held, slo={
+            **OBJECTIVES, "attainment": 0.8}))).systems[c.system].summary
+        assert direct == c.at(c.held).summary
+    assert by_name["paged"].held > 1.5 * by_name["contiguous"].held
+    again = find_capacity(scenario_from_dict(data), Path(), rel_tol=0.05)[1]
+    assert [(c.held, c.failed) for c in again] == [(c.held, c.failed) for c in capacities]
+
+
+def test_a_replayed_trace_is_searched_by_its_speed():
+    data = {**scenario(slo={"ttft_s": 2.0}),
+            "workload": {"kind": "trace", "path": "builtin:azure_llm_2023_conv.csv",
+                         "arrival": {"process": "trace", "speed": 2.0}},
+            "model": "llama-3.1-8b", "gpu": "h100-80g", "memory": {"kv_memory_gib": 4},
+            "stop": {"num_requests": 200}}
+    data["systems"] = data["systems"][1:]
+    knob, (paged,) = find_capacity(scenario_from_dict(data), Path(), rel_tol=0.1)
+    assert knob.path == "workload.arrival.speed" and knob.start == 2.0
+    from sim.engine import scenario_trace
+
+    trace = scenario_trace(scenario_from_dict(data), Path())
+    span = float(trace.arrival_s.max() - trace.arrival_s.min())
+    # Replayed at speed 2 the trace offers (n − 1) / span requests per second.
+    assert knob.offered_req_s(2.0) == pytest.approx((len(trace) - 1) / span)
+    assert paged.held is not None and paged.at(paged.held).holds
+
+
+def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(
+        tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(scenario(slo=OBJECTIVES)))
+    out = tmp_path / "cap"
+    assert main(["capacity", str(path), "--system", "paged", "--rel-tol", "0.1",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "paged" in printed.out and "req/s" in printed.out and "at capacity:" in printed.out
+    assert "within SLO, holds" in printed.err  # one line per run
+    result = json.loads((out / "capacity.json").read_text())
+    paged = result["systems"]["paged"]
+    assert set(result["systems"]) == {"paged"}
+    probes = pd.read_csv(out / "probes.csv")
+    assert len(probes) == paged["runs"]
+    assert probes.loc[probes["holds"], "load"].max() == paged["capacity_load"]
+    assert (probes.loc[probes["holds"], "slo_attainment"] >= 0.9).all()
+    assert (out / "capacity.png").stat().st_size > 10_000
+    # The command line's bounds replace the file's: a looser TTFT allows a higher rate.
+    loose = tmp_path / "loose"
+    assert main(["capacity", str(path), "--system", "paged", "--rel-tol", "0.1",
+                 "--tpot-s", "0.2", "--out", str(loose), "--quiet"]) == 0
+    looser = json.loads((loose / "capacity.json").read_text())
+    assert looser["slo"]["tpot_s"] == 0.2 and looser["slo"]["ttft_s"] == 1.0
+    assert looser["systems"]["paged"]["capacity_load"] >= paged["capacity_load"]
+    capsys.readouterr()
+
+    def refused(data: dict, *args: str) -> str:
+        path.write_text(yaml.safe_dump(data))
+        assert main(["capacity", str(path), "--out", str(tmp_path / "x"), *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err
+        return err
+
+    assert "no slo section" in refused(scenario())
+    closed = scenario(slo=OBJECTIVES)
+    closed["workload"]["arrival"] = {"process": "closed_loop", "users": 8}
+    assert "closed_loop arrivals have no rate" in refused(closed)
+    assert "--system nope: no such system; systems: contiguous, paged" in refused(
+        scenario(slo=OBJECTIVES), "--system", "nope")
+    assert "slo.attainment" in refused(scenario(slo=OBJECTIVES), "--attainment", "2")
+
+
+def test_capacity_on_a_grid_stops_at_the_first_miss():
+    grid = pd.DataFrame({"rate": [1, 2, 4, 8, 16], "slo_attainment": [1.0, 0.95, 0.85,
+                                                                      0.92, 0.1]})
+    assert capacity_on_grid(grid, "rate", 0.9) == 2.0
+    assert capacity_on_grid(grid, "rate", 0.99) == 1.0
+    assert capacity_on_grid(grid, "rate", 0.05) == 16.0
+    assert capacity_on_grid(grid.iloc[::-1], "rate", 0.9) == 2.0  # order does not matter
+    assert capacity_on_grid(grid.assign(slo_attainment=0.0), "rate", 0.9) is None
+
+
+def test_a_rate_sweep_with_objectives_draws_attainment(tmp_path):
+    import yaml
+
+    from reports.sweep_report import sweep_figures
+    from sim.sweep import run_sweep
+
+    data = scenario(slo=OBJECTIVES)
+    data["stop"] = {"num_requests": 60}
+    data["sweep"] = {"grid": {"workload.arrival.rate": [1, 4, 16]}}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(data))
+    outcome = run_sweep(path, out_dir=tmp_path / "sweep", jobs=1)
+    assert outcome.table["slo_attainment"].dtype == np.float64
+    figures = sweep_figures(tmp_path / "sweep")
+    capacities = figures["slo_attainment"].kvsim_data["capacities"]
+    table = outcome.table
+    for system, capacity in capacities.items():
+        part = table[table["system"] == system].sort_values("param:workload.arrival.rate")
+        holding = part["slo_attainment"].to_numpy() >= 0.9
+        expected = (part["param:workload.arrival.rate"].to_numpy()[:holding.argmin()]
+                    if not holding.all() else part["param:workload.arrival.rate"].to_numpy())
+        assert (capacity if not math.isnan(capacity) else None) == (
+            float(expected[-1]) if len(expected) else None)
+    # A sweep without objectives draws no such figure.
+    del data["slo"]
+    path.write_text(yaml.safe_dump(data))
+    run_sweep(path, out_dir=tmp_path / "plain", jobs=1)
+    assert "slo_attainment" not in sweep_figures(tmp_path / "plain")
