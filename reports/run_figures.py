@@ -19,6 +19,7 @@ from reports.style import TAXONOMY_COLORS, TAXONOMY_LABELS, new_figure, system_c
 from sim.memory import TAXONOMY
 from sim.results import ScenarioResult
 from sim.scenario import scenario_from_dict
+from sim.slo import latencies
 
 GIB = 1024**3
 
@@ -155,23 +156,29 @@ def batch_and_queue(result: ScenarioResult) -> Figure:
 
 
 def latency_cdfs(result: ScenarioResult) -> Figure:
-    """CDFs of TTFT, TPOT and end-to-end latency per system."""
+    """CDFs of TTFT, TPOT and end-to-end latency per system, with the scenario's SLO bounds
+    where it sets them."""
     fig, axes = new_figure(1, 3, width=11, height=3.2)
     data: dict[str, pd.DataFrame] = {}
-    metrics = {
-        "TTFT (s)": lambda r: r["first_token_s"] - r["arrival_s"],
-        "TPOT (ms)": lambda r: ((r["finished_s"] - r["first_token_s"])
-                                / (r["output_len"] - 1)).where(r["output_len"] > 1) * 1000,
-        "E2E latency (s)": lambda r: r["finished_s"] - r["arrival_s"],
-    }
-    for ax, (label, metric) in zip(axes, metrics.items(), strict=True):
+    slo = result.scenario.get("slo") or {}
+    # (label, latency, unit scale, SLO key); TPOT only where there is a gap between tokens.
+    metrics = [("TTFT (s)", "ttft", 1, "ttft_s"), ("TPOT (ms)", "tpot", 1000, "tpot_s"),
+               ("E2E latency (s)", "e2e", 1, "e2e_s")]
+    measured = {name: latencies(run.requests) for name, run in result.systems.items()}
+    for ax, (label, kind, scale, bound) in zip(axes, metrics, strict=True):
         columns = {}
         for i, (name, run) in enumerate(result.systems.items()):
-            values = np.sort(metric(run.requests).dropna().to_numpy(dtype=float))
+            values = measured[name][kind] * scale
+            if kind == "tpot":
+                values = values[run.requests["output_len"].to_numpy() > 1]
+            values = np.sort(values[np.isfinite(values)])
             columns[name] = pd.Series(values)
             if len(values):
                 ax.plot(values, np.arange(1, len(values) + 1) / len(values),
                         color=system_color(i), label=name, linewidth=1.2)
+        if slo.get(bound) is not None:
+            ax.axvline(slo[bound] * scale, color="#555555", linestyle=":", linewidth=1.0,
+                       label="SLO")
         data[label] = pd.DataFrame(columns)
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of requests")

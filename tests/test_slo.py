@@ -264,3 +264,22 @@ def test_a_rate_sweep_with_objectives_draws_attainment(tmp_path):
     path.write_text(yaml.safe_dump(data))
     run_sweep(path, out_dir=tmp_path / "plain", jobs=1)
     assert "slo_attainment" not in sweep_figures(tmp_path / "plain")
+
+
+def test_latency_figure_marks_the_bounds_and_plots_the_same_latencies():
+    from reports.run_figures import latency_cdfs
+
+    result = run_scenario(scenario_from_dict(scenario(slo={"ttft_s": 1.5, "tpot_s": 0.04})))
+    fig = latency_cdfs(result)
+    bounds = [[line.get_xdata()[0] for line in ax.get_lines() if line.get_label() == "SLO"]
+              for ax in fig.axes]
+    assert bounds == [[1.5], [40.0], []]  # TPOT is drawn in ms; no E2E bound given
+    paged = result.systems["paged"].requests
+    ttft = np.sort((paged["first_token_s"] - paged["arrival_s"]).to_numpy())
+    np.testing.assert_allclose(fig.kvsim_data["TTFT (s)"]["paged"].to_numpy(), ttft)
+    multi = paged[paged["output_len"] > 1]
+    tpot_ms = np.sort(((multi["finished_s"] - multi["first_token_s"])
+                       / (multi["output_len"] - 1)).to_numpy() * 1000)
+    assert len(fig.kvsim_data["TPOT (ms)"]["paged"].dropna()) == len(tpot_ms)
+    np.testing.assert_allclose(fig.kvsim_data["TPOT (ms)"]["paged"].dropna().to_numpy(),
+                               tpot_ms)
