@@ -224,6 +224,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                                          progress=progress)
     except _bad_input_types() as exc:
         raise BadInput(f"{path}: {exc}") from None
+    if scenario.sweep:
+        print(f"note: {path} has a sweep section; this searched its base scenario only")
     print(_capacity_text(scenario, knob, capacities))
     print(f"results: {_write_capacity(scenario, knob, capacities, out)}")
     return EXIT_OK

@@ -30,7 +30,7 @@ import pandas as pd
 import simpy
 
 from sim.memory import TAXONOMY, ContiguousAllocator, KVAllocator, PagedAllocator
-from sim.presets import SizingError, kv_pool_slots
+from sim.presets import KV_CACHE_DTYPE_BYTES, SizingError, kv_pool_slots
 from sim.results import RunResult, ScenarioResult, summarize
 from sim.router import Router
 from sim.scenario import ContiguousConfig, Scenario, ScenarioError, SystemConfig
@@ -93,6 +93,14 @@ def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
             raise CalibrationError(
                 f"{path}: tensor_parallel_size: calibrated on {calibration.tensor_parallel_size} "
                 f"GPU(s), but the scenario runs parallel.tensor_parallel_size {tp}")
+        kv_dtype = scenario.memory.kv_cache_dtype
+        if KV_CACHE_DTYPE_BYTES.get(calibration.kv_cache_dtype) != KV_CACHE_DTYPE_BYTES.get(
+                kv_dtype):
+            raise CalibrationError(
+                f"{path}: kv_cache_dtype: timed with kv_cache_dtype "
+                f"{calibration.kv_cache_dtype}, but the scenario's memory.kv_cache_dtype is "
+                f"{kv_dtype}, whose attention reads a different number of bytes per token "
+                "(drop timing.calibration to use the roofline)")
         return calibration.to_model(str(path), scenario.timing.step_overhead_s)
     base = roofline(model, scenario.gpu_spec(), scenario.timing.step_overhead_s,
                     tensor_parallel_size=scenario.parallel.tensor_parallel_size,

@@ -28,11 +28,19 @@ class ModelSpec:
     num_params: float
     max_model_len: int
     dtype_bytes: int = 2
+    # Bytes of one cached K or V element when the cache is stored narrower than the weights
+    # (vLLM's --kv-cache-dtype fp8: 1); None: the weights' dtype.
+    kv_dtype_bytes: int | None = None
+
+    @property
+    def kv_element_bytes(self) -> int:
+        """Bytes of one cached K or V element."""
+        return self.kv_dtype_bytes or self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V, every layer, every KV head: 2 × layers × kv_heads × head_dim × dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """K and V, every layer, every KV head: 2 × layers × kv_heads × head_dim × KV dtype."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_element_bytes
 
     @property
     def weight_bytes(self) -> float:
@@ -51,7 +59,7 @@ class ModelSpec:
     def kv_bytes_per_token_per_gpu(self, tensor_parallel_size: int) -> int:
         """One token's K and V on one GPU of a tensor-parallel group."""
         return (2 * self.num_layers * self.kv_heads_per_gpu(tensor_parallel_size)
-                * self.head_dim * self.dtype_bytes)
+                * self.head_dim * self.kv_element_bytes)
 
     def slots_in_gib(self, gib: float, tensor_parallel_size: int) -> int:
         """Token slots ``gib`` GiB hold when spread over a tensor-parallel group's GPUs."""
@@ -121,6 +129,12 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         GpuSpec("h200-141g", 143771 * MIB, 4.8e12, 989e12, 450e9, 8, 64e9),
     ]
 }
+
+
+# vLLM's --kv-cache-dtype values that store the cache narrower than a 16-bit model: bytes
+# per element. "auto" (absent here) keeps the model's dtype.
+KV_CACHE_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+KV_CACHE_DTYPES = ("auto", *KV_CACHE_DTYPE_BYTES)
 
 
 class SizingError(ValueError):

@@ -9,6 +9,7 @@ the field path and what was expected.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -26,7 +27,13 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from sim.memory import EVICTION_POLICIES, PLACEMENTS, RESERVE_POLICIES
-from sim.presets import GPU_PRESETS, MODEL_PRESETS, GpuSpec, ModelSpec
+from sim.presets import (
+    GPU_PRESETS,
+    KV_CACHE_DTYPE_BYTES,
+    MODEL_PRESETS,
+    GpuSpec,
+    ModelSpec,
+)
 from sim.timing import DEFAULT_ALLREDUCE_LATENCY_S
 from workloads.distributions import ConfigModel
 from workloads.spec import Workload
@@ -65,10 +72,14 @@ class GpuConfig(ConfigModel):
 
 
 class MemoryConfig(ConfigModel):
-    """The KV pool: ``kv_memory_gib`` if given, else GPU memory × utilization − weights."""
+    """The KV pool: ``kv_memory_gib`` if given, else GPU memory × utilization − weights;
+    ``kv_cache_dtype`` as vLLM's ``--kv-cache-dtype`` (fp8: half the bytes per token of a
+    16-bit model, so twice the tokens in the same memory and half the bytes to read)."""
 
     kv_memory_gib: PositiveFloat | None = None
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        default="auto", description="auto: the model's dtype; fp8 variants: one byte")
 
 
 class ParallelConfig(ConfigModel):
@@ -270,7 +281,10 @@ class Scenario(ConfigModel):
         return systems
 
     def model_spec(self) -> ModelSpec:
-        return _model_spec(self.model)
+        """The model, with its KV cache stored as ``memory.kv_cache_dtype`` says."""
+        model = _model_spec(self.model)
+        kv_bytes = KV_CACHE_DTYPE_BYTES.get(self.memory.kv_cache_dtype)
+        return dataclasses.replace(model, kv_dtype_bytes=kv_bytes) if kv_bytes else model
 
     def gpu_spec(self) -> GpuSpec:
         if isinstance(self.gpu, str):

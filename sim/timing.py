@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from sim.presets import GpuSpec, ModelSpec
+from sim.presets import KV_CACHE_DTYPES, GpuSpec, ModelSpec
 
 DEFAULT_STEP_OVERHEAD_S = 1.0e-3  # scheduler + kernel launches per step, typical of vLLM
 DEFAULT_PAGED_ALPHA = 2.0  # ρ(bs) = 1 + alpha/bs: +12.5% attention time at bs=16
@@ -136,6 +136,7 @@ class Calibration:
         rho: {8: 1.21, 16: 1.12, 32: 1.07, 64: 1.04, 128: 1.03}               # optional
         fit: {mape: 0.031, max_error: 0.08, held_out_points: 40}              # optional
         tensor_parallel_size: 1       # optional: GPUs the timings span (a scenario must match)
+        kv_cache_dtype: auto          # optional: the KV cache's dtype in the timed kernels
     """
 
     model: str
@@ -144,6 +145,7 @@ class Calibration:
     rho: dict[int, float]
     fit: dict[str, float]
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
@@ -174,6 +176,10 @@ class Calibration:
                 or tensor_parallel_size < 1):
             raise CalibrationError(f"{path}: tensor_parallel_size: expected a whole number >= 1 "
                                    f"(the GPUs the timings span), got {tensor_parallel_size!r}")
+        kv_cache_dtype = data.get("kv_cache_dtype", "auto")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise CalibrationError(f"{path}: kv_cache_dtype: expected one of "
+                                   f"{', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         return cls(
             model=str(data.get("model", "")),
             device=str(data.get("device", "")),
@@ -181,6 +187,7 @@ class Calibration:
             rho={int(k): float(v) for k, v in rho.items()},
             fit=dict(data.get("fit") or {}),
             tensor_parallel_size=tensor_parallel_size,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     def dump(self, path: Path) -> None:
@@ -192,6 +199,7 @@ class Calibration:
             "rho": self.rho,
             "fit": self.fit,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "kv_cache_dtype": self.kv_cache_dtype,
         }, sort_keys=False))
 
     def to_model(self, source: str, step_overhead_s: float = 0.0) -> StepTimeModel:

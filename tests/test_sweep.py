@@ -161,7 +161,7 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
 
 @pytest.mark.parametrize("name", ["block_size_sweep", "length_variance", "prefix_sharing",
                                   "eviction_pressure", "rate_sweep", "router_policies",
-                                  "host_cache"])
+                                  "host_cache", "kv_cache_dtype"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -173,7 +173,13 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         assert data["internal_waste_pct"].is_monotonic_increasing
         assert data["overhead_pct"].is_monotonic_decreasing
     if name == "rate_sweep":
-        assert "rate_sweep" in figures
+        assert {"rate_sweep", "slo_attainment"} <= set(figures)
+    if name == "kv_cache_dtype":  # twice the tokens per GiB: more requests in time
+        goodput = outcome.table.pivot_table(index="system", columns="param:memory.kv_cache_dtype",
+                                            values="goodput_req_s", aggfunc="sum")
+        assert (goodput["fp8"] > 1.2 * goodput["auto"]).all()
+        capacities = figures["slo_attainment"].kvsim_data["capacities"]
+        assert len(capacities) == 4  # a line per system and dtype
     if name == "length_variance":  # the seed's claim: paged gains most when lengths vary
         t = outcome.table.pivot_table(index="param:workload.output_len.sigma",
                                       columns="system", values="throughput_tok_s")
