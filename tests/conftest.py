@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pytest
@@ -15,6 +19,33 @@ def _close_figures() -> Iterator[None]:
     """Tests inspect figures and drop them; pyplot keeps them until closed."""
     yield
     plt.close("all")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class CliOutcome:
+    """What a ``kvsim`` command returned and printed (as ``subprocess.CompletedProcess``)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def kvsim_in_process(*args: str, cwd: Path = ROOT) -> CliOutcome:
+    """``kvsim ARGS`` run by :func:`sim.cli.main` in this process: the same code as the
+    console script without a second of interpreter start-up and imports per call. Tests
+    that need a process of their own (hash seeds, ``python -O``, a closed pipe) start one."""
+    from sim.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse: --help, --version, usage errors
+            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    return CliOutcome(code, out.getvalue(), err.getvalue())
+
 
 # Requests in each shipped public trace (workloads/data/README.md).
 PUBLIC_TRACE_ROWS = {

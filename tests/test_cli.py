@@ -10,7 +10,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from conftest import PUBLIC_TRACE_ROWS
+from conftest import PUBLIC_TRACE_ROWS, kvsim_in_process
 
 from sim import CORE
 
@@ -32,14 +32,18 @@ stop: {num_requests: 60}
 """
 
 
-def kvsim(*args: str, cwd: Path = ROOT, python_flags: tuple[str, ...] = ()
-          ) -> subprocess.CompletedProcess:
+def kvsim_process(*args: str, cwd: Path = ROOT, python_flags: tuple[str, ...] = ()
+                  ) -> subprocess.CompletedProcess:
+    """``kvsim ARGS`` in a Python process of its own (``python_flags`` for it)."""
     return subprocess.run([sys.executable, *python_flags, "-m", "sim.cli", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300, check=False)
 
 
+kvsim = kvsim_in_process  # the same code, without a process's start-up per call
+
+
 def test_seed_scenario_prints_63_4_percent(tmp_path):
-    proc = kvsim("run", "scenarios/seed_63_percent.yaml", "--out", str(tmp_path), "--quiet",
+    proc = kvsim_process("run", "scenarios/seed_63_percent.yaml", "--out", str(tmp_path), "--quiet",
                  "--no-report")
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.startswith("internal frag. at"))
@@ -61,8 +65,9 @@ def test_same_seed_gives_identical_files(tmp_path):
     outs = []
     for name in ("a", "b"):
         out = tmp_path / name
-        proc = kvsim("run", str(scenario), "--out", str(out), "--quiet", "--no-report",
-                     "--seed", "3")
+        # A process each: string hashing differs between them, as between users' runs.
+        proc = kvsim_process("run", str(scenario), "--out", str(out), "--quiet",
+                             "--no-report", "--seed", "3")
         assert proc.returncode == 0, proc.stderr
         outs.append(out)
     files = sorted(p.relative_to(outs[0]) for p in outs[0].rglob("*") if p.is_file())
@@ -252,8 +257,8 @@ def test_trace_stats_and_export(tmp_path):
 def test_invariant_checks_refuse_python_O(tmp_path):
     path = tmp_path / "debug.yaml"
     path.write_text(GOOD + "engine: {debug_invariants: true}\n")
-    proc = kvsim("run", str(path), "--out", str(tmp_path / "out"), "--quiet", "--no-report",
-                 python_flags=("-O",))
+    proc = kvsim_process("run", str(path), "--out", str(tmp_path / "out"), "--quiet",
+                         "--no-report", python_flags=("-O",))
     assert proc.returncode == 2
     assert proc.stderr == (f"kvsim: error: {path}: engine.debug_invariants: its checks are "
                            "assert statements, which python -O removes; run without -O, or "

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import kvsim_in_process
 
 from reports.sweep_report import capacity_on_grid
 from sim.capacity import find_capacity, search
-from sim.cli import main
 from sim.engine import run_scenario
 from sim.metrics import format_summary
 from sim.scenario import ScenarioError, SloConfig, scenario_from_dict
@@ -181,18 +181,17 @@ def test_a_replayed_trace_is_searched_by_its_speed():
     assert paged.held is not None and paged.at(paged.held).holds
 
 
-def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(
-        tmp_path, capsys):
+def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(tmp_path):
     import yaml
 
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(scenario(slo=OBJECTIVES)))
     out = tmp_path / "cap"
-    assert main(["capacity", str(path), "--system", "paged", "--rel-tol", "0.1",
-                 "--out", str(out)]) == 0
-    printed = capsys.readouterr()
-    assert "paged" in printed.out and "req/s" in printed.out and "at capacity:" in printed.out
-    assert "within SLO, holds" in printed.err  # one line per run
+    printed = kvsim_in_process("capacity", str(path), "--system", "paged", "--rel-tol", "0.1",
+                               "--out", str(out))
+    assert printed.returncode == 0, printed.stderr
+    assert all(text in printed.stdout for text in ("paged", "req/s", "at capacity:"))
+    assert "within SLO, holds" in printed.stderr  # one line per run
     result = json.loads((out / "capacity.json").read_text())
     paged = result["systems"]["paged"]
     assert set(result["systems"]) == {"paged"}
@@ -203,17 +202,17 @@ def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(
     assert (out / "capacity.png").stat().st_size > 10_000
     # The command line's bounds replace the file's: a looser TTFT allows a higher rate.
     loose = tmp_path / "loose"
-    assert main(["capacity", str(path), "--system", "paged", "--rel-tol", "0.1",
-                 "--tpot-s", "0.2", "--out", str(loose), "--quiet"]) == 0
+    assert kvsim_in_process("capacity", str(path), "--system", "paged", "--rel-tol", "0.1",
+                            "--tpot-s", "0.2", "--out", str(loose), "--quiet").returncode == 0
     looser = json.loads((loose / "capacity.json").read_text())
     assert looser["slo"]["tpot_s"] == 0.2 and looser["slo"]["ttft_s"] == 1.0
     assert looser["systems"]["paged"]["capacity_load"] >= paged["capacity_load"]
-    capsys.readouterr()
 
     def refused(data: dict, *args: str) -> str:
         path.write_text(yaml.safe_dump(data))
-        assert main(["capacity", str(path), "--out", str(tmp_path / "x"), *args]) == 2
-        err = capsys.readouterr().err.strip()
+        proc = kvsim_in_process("capacity", str(path), "--out", str(tmp_path / "x"), *args)
+        assert proc.returncode == 2
+        err = proc.stderr.strip()
         assert "\n" not in err
         return err
 

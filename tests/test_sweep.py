@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from conftest import kvsim_in_process
 
 from reports.sweep_report import saturation_knee, sweep_figures, write_sweep_report
 from sim.sweep import SweepError, expand, run_sweep, set_path
@@ -77,9 +78,7 @@ def test_expand_grid_zip_seeds():
 ])
 def test_invalid_points_are_reported_before_any_run(tmp_path, sweep, message):
     path = write(tmp_path, dict(BASE, sweep=sweep))
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", "sweep", str(path), "--out",
-                           str(tmp_path / "out"), "--quiet"], capture_output=True, text=True,
-                          check=False, cwd=ROOT)
+    proc = kvsim_in_process("sweep", str(path), "--out", str(tmp_path / "out"), "--quiet")
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out" / "runs").exists() or not any(
@@ -102,9 +101,8 @@ def test_local_and_ray_give_identical_tables(tmp_path):
 def test_failing_point_is_recorded_and_the_rest_runs(tmp_path):
     data = dict(BASE, sweep={"grid": {"memory.kv_memory_gib": [2, 0.000001]}})
     path = write(tmp_path, data)
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", "sweep", str(path), "--out",
-                           str(tmp_path / "out"), "--quiet", "--no-report", "--jobs", "2"],
-                          capture_output=True, text=True, check=False, cwd=ROOT)
+    proc = kvsim_in_process("sweep", str(path), "--out", str(tmp_path / "out"), "--quiet",
+                            "--no-report", "--jobs", "2")
     assert proc.returncode == 1, proc.stderr
     table = pd.read_parquet(tmp_path / "out" / "results.parquet")
     assert (table.groupby("param:memory.kv_memory_gib")["status"].first().to_dict()
@@ -251,15 +249,12 @@ def test_sweep_figures_show_labelled_series(tmp_path):
                               else f"{record['prefix_hit_rate'] * 100:.1f}%")
     for flag, value, message in (("--x", "nope", "--x nope: not a swept field"),
                                  ("--y", "nope", "--y nope: not a summary metric")):
-        proc = subprocess.run([sys.executable, "-m", "sim.cli", "report", str(outcome.out_dir),
-                               flag, value], cwd=ROOT, capture_output=True, text=True,
-                              check=False)
+        proc = kvsim_in_process("report", str(outcome.out_dir), flag, value)
         assert proc.returncode == 2
         assert proc.stderr.startswith(f"kvsim: error: {message}")
         assert len(proc.stderr.strip().splitlines()) == 1
     (outcome.out_dir / "results.parquet").unlink()  # a damaged sweep folder: named, exit 2
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", "report", str(outcome.out_dir)],
-                          cwd=ROOT, capture_output=True, text=True, check=False)
+    proc = kvsim_in_process("report", str(outcome.out_dir))
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"kvsim: error: {outcome.out_dir}: results.parquet is "
                                    "missing; rerun kvsim run or kvsim sweep to rebuild it")

@@ -3,13 +3,12 @@ checks, the engine's per-GPU figures and the sweep figures that keep GPU counts 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from conftest import kvsim_in_process
 
 from reports.run_figures import memory_over_time
 from reports.sweep_report import sweep_figures
@@ -188,9 +187,8 @@ def test_too_large_a_model_fails_in_one_line_with_the_fix(tmp_path):
     del data["parallel"]
     path = tmp_path / "big.yaml"
     path.write_text(yaml.safe_dump(data))
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", "run", str(path), "--out",
-                           str(tmp_path / "out"), "--quiet", "--no-report"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = kvsim_in_process("run", str(path), "--out", str(tmp_path / "out"), "--quiet",
+                            "--no-report")
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1
     assert "parallel.tensor_parallel_size, at least 2" in proc.stderr
