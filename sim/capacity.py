@@ -24,7 +24,7 @@ from typing import Any
 from sim.engine import build_timing, run_system, scenario_trace
 from sim.scenario import Scenario, SystemConfig, scenario_from_dict
 from sim.sweep import set_path
-from workloads import Trace
+from workloads import Trace, WorkloadError
 from workloads.distributions import ClosedLoopArrivals, TraceArrivals
 
 SEARCH_RANGE = 2**10  # the search gives up beyond this factor above or below the start
@@ -162,8 +162,14 @@ def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
                 progress(probe)
             return probe.holds
 
-        result.held, result.failed, result.converged = search(
-            holds, knob.start, rel_tol=rel_tol, max_probes=max_probes)
+        try:
+            result.held, result.failed, result.converged = search(
+                holds, knob.start, rel_tol=rel_tol, max_probes=max_probes)
+        except WorkloadError:
+            # Halving left no requests before stop.duration_s: no lighter load can be
+            # judged, and none tried held.
+            result.held, result.failed, result.converged = None, min(
+                p.load for p in result.probes), True
         results.append(result)
     return knob, results
 

@@ -282,3 +282,14 @@ def test_latency_figure_marks_the_bounds_and_plots_the_same_latencies():
     assert len(fig.kvsim_data["TPOT (ms)"]["paged"].dropna()) == len(tpot_ms)
     np.testing.assert_allclose(fig.kvsim_data["TPOT (ms)"]["paged"].dropna().to_numpy(),
                                tpot_ms)
+
+
+def test_an_slo_nothing_meets_gives_no_capacity_rather_than_an_error():
+    # Halving the rate under a duration stop soon leaves no requests to judge: the search
+    # ends there with "none", the lightest load tried as the one that missed.
+    data = scenario(rate=1.0, slo={"ttft_s": 1e-6}, stop={"duration_s": 20})
+    knob, capacities = find_capacity(scenario_from_dict(data), Path(), systems=["paged"])
+    (paged,) = capacities
+    assert paged.held is None and paged.converged
+    assert paged.failed == min(p.load for p in paged.probes) < knob.start
+    assert not any(p.holds for p in paged.probes)
