@@ -20,7 +20,7 @@ from matplotlib.ticker import FuncFormatter
 from reports.html import img_tag, render_html, save_figure
 from reports.slo_figure import attainment_figure, describe_slo
 from reports.style import new_figure, system_color
-from sim.metrics import gpu_counts_differ
+from sim.metrics import PER_GPU, gpu_counts_differ
 from sim.results import read_back, read_table
 
 KNEE_FRACTION = 0.9  # saturated once achieved req/s falls below 90 % of the offered rate
@@ -39,6 +39,8 @@ METRIC_LABELS = {
     "duplicate_frac": "duplicate slots (share of pool)",
     "token_frac": "share of pool holding tokens",
     "slo_attainment": "requests within SLO (share)",
+    "capacity_req_s": "capacity under SLO (requests/s)",
+    "capacity_req_s_per_gpu": "capacity under SLO per GPU (requests/s)",
     "goodput_req_s": "goodput (req/s within SLO)",
 }
 
@@ -116,9 +118,9 @@ def _series(table: pd.DataFrame, by: str, others: list[str]
     return lines
 
 
-def throughput_metric(table: pd.DataFrame) -> str:
-    """Output throughput per GPU where the runs use different numbers of GPUs, else total."""
-    return "throughput_tok_s_per_gpu" if gpu_counts_differ(table) else "throughput_tok_s"
+def per_gpu_where_counts_differ(table: pd.DataFrame, metric: str = "throughput_tok_s") -> str:
+    """``metric``'s share per GPU where the runs use different numbers of GPUs, else it."""
+    return PER_GPU[metric] if gpu_counts_differ(table) else metric
 
 
 def metric_vs_field(table: pd.DataFrame, field: str, metric: str, *,
@@ -171,7 +173,7 @@ def rate_figure(table: pd.DataFrame, field: str = "workload.arrival.rate") -> Fi
     """Throughput and p90 latency against request rate, each line's knee marked (one line
     per system and combination of the other swept fields)."""
     x = _param(table, field)
-    throughput = throughput_metric(table)
+    throughput = per_gpu_where_counts_differ(table)
     lines = _series(table, "system", _other_swept(table, x, "system"))
     fig, axes = new_figure(2, 1, height=3.0 if len(lines) <= 5 else 3.4, sharex=True)
     knees = {}
@@ -332,20 +334,37 @@ def sweep_figures(sweep_dir: Path, x: str | None = None,
                                                            _rho_for(sweep_dir, table, sizes))
     if pool and policy:
         figures["eviction_pressure"] = eviction_figure(table, pool, policy)
-    throughput = throughput_metric(table)
-    drawn = [f"param:{f}" for f in (rate, block, pool, policy) if f]
-    for field in fields:
-        if field in (rate, block) or (field in (pool, policy) and pool and policy):
-            continue
-        if any(_follows(table, f"param:{field}", d) for d in drawn):
-            continue  # zipped with a field already on an axis: the same figure again
-        drawn.append(f"param:{field}")
-        numeric = pd.to_numeric(table[f"param:{field}"], errors="coerce").notna().all()
-        if numeric:
-            slug = field.replace(".", "_").replace("[", "_").replace("]", "")
-            figures[f"throughput_vs_{slug}"] = metric_vs_field(table, field, throughput)
-            figures[f"waste_vs_{slug}"] = metric_vs_field(table, field, "waste_frac")
+    throughput = per_gpu_where_counts_differ(table)
+    drawn = [f for f in (rate, block) if f] + ([pool, policy] if pool and policy else [])
+    for field, slug in numeric_fields_left(table, fields, drawn):
+        figures[f"throughput_vs_{slug}"] = metric_vs_field(table, field, throughput)
+        figures[f"waste_vs_{slug}"] = metric_vs_field(table, field, "waste_frac")
     return figures
+
+
+def numeric_fields_left(table: pd.DataFrame, fields: list[str], drawn: list[str]
+                        ) -> list[tuple[str, str]]:
+    """The numeric swept ``fields`` not yet on a figure's axis (``drawn``) nor zipped with
+    one, which would only draw the same figure again; each with a slug for file names."""
+    taken = [f"param:{f}" for f in drawn]
+    left = []
+    for field in fields:
+        column = f"param:{field}"
+        if field in drawn or any(_follows(table, column, d) for d in taken):
+            continue
+        taken.append(column)
+        if pd.to_numeric(table[column], errors="coerce").notna().all():
+            left.append((field, field.replace(".", "_").replace("[", "_").replace("]", "")))
+    return left
+
+
+def capacity_figures(table: pd.DataFrame, fields: list[str]) -> dict[str, Figure]:
+    """``kvsim capacity --sweep``: capacity under SLO (per GPU where the GPU counts differ)
+    against each numeric swept field, a line per system and other swept values."""
+    metric = per_gpu_where_counts_differ(table, "capacity_req_s")
+    done = table[table["status"] == "ok"]
+    return {f"capacity_vs_{slug}": metric_vs_field(done, field, metric)
+            for field, slug in numeric_fields_left(done, fields, [])}
 
 
 TABLE_METRICS = ["throughput_tok_s", "e2e_p90_s", "slo_attainment", "goodput_req_s",

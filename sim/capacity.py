@@ -16,14 +16,18 @@ and cannot be searched.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from sim.engine import build_timing, run_system, scenario_trace
 from sim.scenario import Scenario, SystemConfig, scenario_from_dict
-from sim.sweep import set_path
+from sim.sweep import SweepPoint, expand, set_path
 from workloads import Trace, WorkloadError
 from workloads.distributions import ClosedLoopArrivals, TraceArrivals
 
@@ -76,14 +80,22 @@ class Capacity:
         return next((p for p in self.probes if p.load == load), None)
 
 
-def load_knob(scenario: Scenario, trace: Trace) -> LoadKnob:
-    """Which field of ``scenario`` sets its arrival rate (``trace`` is its trace as given,
-    for the mean rate of a replayed trace)."""
+def knob_path(scenario: Scenario) -> str:
+    """The field that sets ``scenario``'s arrival rate."""
     arrival = scenario.workload.arrival
     if isinstance(arrival, ClosedLoopArrivals):
         raise CapacityError("workload.arrival: closed_loop arrivals have no rate to search "
                             "(their load is set by users); use an open process such as "
                             "poisson")
+    return "workload.arrival.speed" if isinstance(arrival, TraceArrivals) else (
+        "workload.arrival.rate")
+
+
+def load_knob(scenario: Scenario, trace: Trace) -> LoadKnob:
+    """Which field of ``scenario`` sets its arrival rate (``trace`` is its trace as given,
+    for the mean rate of a replayed trace)."""
+    path = knob_path(scenario)
+    arrival = scenario.workload.arrival
     if isinstance(arrival, TraceArrivals):
         span_s = float(trace.arrival_s.max() - trace.arrival_s.min()) if len(trace) else 0.0
         if len(trace) < 2 or span_s <= 0:
@@ -91,8 +103,8 @@ def load_knob(scenario: Scenario, trace: Trace) -> LoadKnob:
                                 "times to have a rate to search")
         # The trace as given is already replayed at its speed: its rate at speed 1 is less.
         per_unit = (len(trace) - 1) / span_s / arrival.speed
-        return LoadKnob("workload.arrival.speed", arrival.speed, per_unit)
-    return LoadKnob("workload.arrival.rate", arrival.rate, 1.0)
+        return LoadKnob(path, arrival.speed, per_unit)
+    return LoadKnob(path, arrival.rate, 1.0)  # type: ignore[union-attr]
 
 
 def search(holds: Callable[[float], bool], start: float, *, rel_tol: float,
@@ -183,3 +195,78 @@ def _chosen_systems(scenario: Scenario, names: list[str] | None) -> list[SystemC
         raise CapacityError(f"--system {unknown[0]}: no such system; systems: "
                             f"{', '.join(known)}")
     return [known[n] for n in names]
+
+
+# ---------------------------------------------------------------------- over a sweep
+def capacity_points(path: Path, *, quick: bool = False) -> tuple[Scenario, list[SweepPoint]]:
+    """The sweep file's base scenario and its points, with the arrival rate taken off the
+    grid: it is what each point's search varies."""
+    import yaml
+
+    from sim.scenario import load_scenario
+
+    scenario = load_scenario(path)
+    if not scenario.sweep:
+        raise CapacityError("--sweep: the file has no sweep section")
+    searched = knob_path(scenario)
+    raw = yaml.safe_load(path.read_text())
+    sweep = dict(raw["sweep"])
+    if searched in (sweep.get("zip") or {}):
+        raise CapacityError(f"sweep.zip: moves {searched} with other fields, and capacity "
+                            "searches it; sweep the other fields alone")
+    sweep["grid"] = {k: v for k, v in (sweep.get("grid") or {}).items() if k != searched}
+    return scenario, expand({**raw, "sweep": sweep}, str(path), quick=quick)
+
+
+def point_capacity(scenario_data: dict[str, Any], base_dir: str, rel_tol: float,
+                   max_probes: int) -> list[dict[str, Any]]:
+    """One row per system of the point's search (in a worker): its capacity in requests/s
+    (and per GPU), the lightest load that missed, and the summary of the run at capacity."""
+    scenario = scenario_from_dict(scenario_data)
+    gpus = scenario.engine.replicas * scenario.parallel.tensor_parallel_size
+    try:
+        knob, capacities = find_capacity(scenario, Path(base_dir), rel_tol=rel_tol,
+                                         max_probes=max_probes)
+    except Exception as exc:  # recorded with the point; the others go on
+        return [{"system": s.name, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+                for s in scenario.systems]
+    rows = []
+    for c in capacities:
+        held = c.at(c.held)
+        capacity = None if c.held is None else knob.offered_req_s(c.held)
+        rows.append({
+            "system": c.system, "status": "ok", "error": "",
+            "capacity_req_s": capacity,
+            "capacity_req_s_per_gpu": None if capacity is None else capacity / gpus,
+            "misses_at_req_s": None if c.failed is None else knob.offered_req_s(c.failed),
+            "converged": c.converged, "runs": len(c.probes),
+            **(held.summary if held else {"gpus": gpus})})
+    return rows
+
+
+def capacity_sweep(path: Path, *, jobs: int | None = None, rel_tol: float = 0.02,
+                   max_probes: int = 24, quick: bool = False,
+                   progress: Callable[[int], Callable[[int], None]] | None = None
+                   ) -> pd.DataFrame:
+    """Each sweep point's capacity, searched in parallel processes: one row per point,
+    seed and system, with the point's parameters as ``param:PATH`` columns."""
+    _, points = capacity_points(path, quick=quick)
+    base_dir = str(path.parent.resolve())
+    tick = progress(len(points)) if progress else None
+    rows = []
+    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        futures = {pool.submit(point_capacity, p.scenario, base_dir, rel_tol, max_probes): p
+                   for p in points}
+        results = {}
+        for future in as_completed(futures):
+            results[futures[future].key] = future.result()
+            if tick:
+                tick(1)
+    for point in points:  # in the sweep's order, whatever order they finished in
+        base = {"point": point.point, "seed": point.seed,
+                **{f"param:{p}": v for p, v in point.params.items()}}
+        rows += [{**base, **row} for row in results[point.key]]
+    table = pd.DataFrame(rows)
+    for column in ("capacity_req_s", "capacity_req_s_per_gpu", "misses_at_req_s"):
+        table[column] = table[column].astype(float)
+    return table

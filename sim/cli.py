@@ -11,7 +11,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -164,7 +164,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(f"sweep: {outcome.ran} points ran, {outcome.skipped} already done, "
           f"{outcome.failed} failed; {len(table)} rows in {outcome.out_dir / 'results.parquet'}")
     if not table.empty and "throughput_tok_s" in table:
-        print(_sweep_means(table))
+        print(_sweep_means(table, SWEEP_TABLE_METRICS))
     if table is not None and (table.get("status") == "failed").any():
         for error in table.loc[table["status"] == "failed", "error"].unique()[:5]:
             print(f"failed: {error}", file=sys.stderr)
@@ -179,15 +179,16 @@ SWEEP_TABLE_METRICS = ("throughput_tok_s", "e2e_p90_s", "slo_attainment", "waste
                        "prefix_hit_rate")
 
 
-def _sweep_means(table: pd.DataFrame) -> str:
-    """The sweep's finished runs averaged over seeds, one row per point and system."""
+def _sweep_means(table: pd.DataFrame, metrics: Sequence[str]) -> str:
+    """The sweep's finished runs averaged over seeds, one row per point and system, with
+    ``metrics`` labelled and formatted as in a run's summary."""
     import pandas as pd
 
     from sim.metrics import labelled_sweep_table, sweep_metrics
 
     keys = [c for c in table.columns if c.startswith("param:")] + ["system"]
     done = table[table["status"] == "ok"]
-    metrics = sweep_metrics(done, SWEEP_TABLE_METRICS)
+    metrics = sweep_metrics(done, metrics)
     means = done.groupby(keys, sort=False)[metrics].mean().reset_index()
     seeds = done["seed"].nunique()
     shown = labelled_sweep_table(means, metrics)
@@ -206,11 +207,15 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     bounds = {"ttft_s": args.ttft_s, "tpot_s": args.tpot_s, "e2e_s": args.e2e_s,
               "attainment": args.attainment}
     given = {k: v for k, v in bounds.items() if v is not None}
+    if given and args.sweep:
+        raise BadInput("--sweep searches the file's own slo section; put the bounds there")
     if given:  # the command line's objectives replace the file's, bound by bound
         slo = {**(scenario.slo.model_dump(exclude_none=True) if scenario.slo else {}), **given}
         scenario = scenario_from_dict({**scenario.model_dump(), "slo": slo}, "command line")
     runs = Path(scenario.output_dir or Path("runs") / scenario.name)
     out = make_output_folder(Path(args.out or runs.with_name(f"{runs.name}-capacity")))
+    if args.sweep:
+        return _capacity_sweep(path, args, out)
 
     def progress(probe: Any) -> None:
         if not args.quiet:
@@ -225,10 +230,54 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     except _bad_input_types() as exc:
         raise BadInput(f"{path}: {exc}") from None
     if scenario.sweep:
-        print(f"note: {path} has a sweep section; this searched its base scenario only")
+        print(f"note: {path} has a sweep section; this searched its base scenario only "
+              "(--sweep searches every point)")
     print(_capacity_text(scenario, knob, capacities))
     print(f"results: {_write_capacity(scenario, knob, capacities, out)}")
     return EXIT_OK
+
+
+CAPACITY_TABLE_METRICS = ("capacity_req_s", "slo_attainment", "ttft_p99_s", "tpot_p50_s",
+                          "throughput_tok_s")
+
+
+def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
+    """``kvsim capacity --sweep``: every point's search, a table, figures."""
+    from reports.html import save_figure
+    from reports.sweep_report import capacity_figures
+    from sim.capacity import capacity_sweep
+    from sim.results import write_table
+
+    def progress(total: int) -> Callable[[int], None]:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="capacity", unit="point",
+                   disable=None if not args.quiet else True, file=sys.stderr)
+
+        def update(n: int) -> None:
+            bar.update(n)
+            if bar.n >= total:
+                bar.close()
+
+        return update
+
+    try:
+        table = capacity_sweep(path, jobs=args.jobs, rel_tol=args.rel_tol,
+                               max_probes=args.max_probes, quick=args.quick,
+                               progress=progress)
+    except _bad_input_types() as exc:
+        raise BadInput(f"{path}: {exc}") from None
+    written = write_table(table, out / "capacity.parquet")
+    print(_sweep_means(table, CAPACITY_TABLE_METRICS))
+    print("(the other columns: the run at each capacity)")
+    fields = [c.removeprefix("param:") for c in table.columns if c.startswith("param:")]
+    for name, fig in capacity_figures(table, fields).items():
+        save_figure(fig, out / "figures", name)
+    failed = table[table["status"] != "ok"]
+    for error in failed["error"].unique()[:5]:
+        print(f"failed: {error}", file=sys.stderr)
+    print(f"results: {written}")
+    return EXIT_FAILED if len(failed) else EXIT_OK
 
 
 def _capacity_text(scenario: Any, knob: Any, capacities: list[Any]) -> str:
@@ -478,6 +527,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "(relative; default 0.02)")
     capacity.add_argument("--max-probes", type=_positive_int, default=24,
                           help="runs per system at most (default 24)")
+    capacity.add_argument("--sweep", action="store_true",
+                          help="search every point of the file's sweep section (its rate axis "
+                          "dropped), in parallel")
+    capacity.add_argument("--jobs", type=_positive_int,
+                          help="--sweep: parallel searches (default: all cores)")
+    capacity.add_argument("--quick", action="store_true",
+                          help="--sweep: a quarter of the requests, ≤3 values per axis")
     capacity.add_argument("--out", help="results folder (default: runs/NAME-capacity)")
     capacity.add_argument("--quiet", action="store_true", help="no line per run")
     capacity.set_defaults(func=cmd_capacity)

@@ -477,6 +477,9 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
                                gpu_memory_utilization=scenario.memory.gpu_memory_utilization,
                                tensor_parallel_size=scenario.parallel.tensor_parallel_size)
     block_size = getattr(system.allocator, "block_size", 1)
+    if pool_slots < 1:
+        raise SizingError(f"memory: the KV pool holds not one token ({model.name} takes "
+                          f"{model.kv_bytes_per_token:,} bytes a token)")
     if pool_slots < block_size:
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than one block "
                           f"({block_size} slots) of system {system.name!r}")

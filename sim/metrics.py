@@ -41,6 +41,9 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("preemptions", "preemptions", "{:,.0f}"),
     ("recomputed_tokens", "recomputed tokens", "{:,.0f}"),
     ("makespan_s", "makespan (s)", "{:,.1f}"),
+    # kvsim capacity --sweep: the search's answer, beside the summary of the run at it.
+    ("capacity_req_s", "capacity under SLO (req/s)", "{:,.2f}"),
+    ("capacity_req_s_per_gpu", "capacity under SLO per GPU (req/s)", "{:,.2f}"),
 ]
 
 
@@ -61,7 +64,11 @@ def format_metric(value: Any, fmt: str) -> str:
 # worth showing once above 1.
 ONLY_WHEN_ABOVE_ONE = {"throughput_tok_s_per_gpu": "gpus", "replica_imbalance": "replicas"}
 # Rows of a feature most runs do not use: shown only where some system has a value.
-ONLY_WHEN_SET = {"host_hit_rate", "slo_attainment", "goodput_req_s"}
+ONLY_WHEN_SET = {"host_hit_rate", "slo_attainment", "goodput_req_s", "capacity_req_s",
+                 "capacity_req_s_per_gpu"}
+# A total and its share per GPU, shown beside it where runs use different numbers of GPUs.
+PER_GPU = {"throughput_tok_s": "throughput_tok_s_per_gpu",
+           "capacity_req_s": "capacity_req_s_per_gpu"}
 
 
 def summary_rows(summaries: Iterable[dict[str, Any]]) -> list[tuple[str, str, str]]:
@@ -105,14 +112,16 @@ def gpu_counts_differ(table: pd.DataFrame) -> bool:
 
 
 def sweep_metrics(table: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
-    """``metrics``, with output throughput per GPU after output throughput wherever the runs
-    use different numbers of GPUs, since a bigger engine's total says nothing about what
-    each GPU sustains; a feature's metrics (:data:`ONLY_WHEN_SET`) only where some run has
-    them."""
+    """``metrics``, each total of :data:`PER_GPU` followed by its share per GPU wherever the
+    runs use different numbers of GPUs, since a bigger engine's total says nothing about
+    what each GPU sustains; a feature's metrics (:data:`ONLY_WHEN_SET`) only where some run
+    has them."""
     shown = [m for m in metrics
              if m not in ONLY_WHEN_SET or (m in table and table[m].notna().any())]
-    if gpu_counts_differ(table) and "throughput_tok_s" in shown:
-        shown.insert(shown.index("throughput_tok_s") + 1, "throughput_tok_s_per_gpu")
+    if gpu_counts_differ(table):
+        for total, per_gpu in PER_GPU.items():
+            if total in shown:
+                shown.insert(shown.index(total) + 1, per_gpu)
     return shown
 
 

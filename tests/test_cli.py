@@ -88,9 +88,11 @@ BAD = [
      "memory.kv_memory_gib: Input should be greater than 0"),
     ("block size 0", GOOD.replace("block_size: 16", "block_size: 0"),
      "systems[1].allocator.block_size: Input should be greater than or equal to 1"),
-    ("pool below one block", GOOD.replace("kv_memory_gib: 2", "kv_memory_gib: 0.000001")
+    ("pool below one block", GOOD.replace("kv_memory_gib: 2", "kv_memory_gib: 0.004")
      .replace("- name: contiguous\n    allocator: {kind: contiguous}\n  ", ""),
-     "smaller than one block"),
+     "the KV pool (8 slots) is smaller than one block (16 slots) of system 'paged'"),
+    ("pool of no token", GOOD.replace("kv_memory_gib: 2", "kv_memory_gib: 0.000001"),
+     "memory: the KV pool holds not one token (llama-2-7b takes 524,288 bytes a token)"),
     ("bad yaml", GOOD.replace("stop: {num_requests: 60}", "stop: {num_requests: 60"),
      "not valid YAML"),
     ("duplicate systems", GOOD.replace("name: paged", "name: contiguous"),

@@ -12,7 +12,7 @@ import pytest
 from conftest import kvsim_in_process
 
 from reports.sweep_report import capacity_on_grid
-from sim.capacity import find_capacity, search
+from sim.capacity import CapacityError, find_capacity, search
 from sim.engine import run_scenario
 from sim.metrics import format_summary
 from sim.scenario import ScenarioError, SloConfig, scenario_from_dict
@@ -293,3 +293,67 @@ def test_an_slo_nothing_meets_gives_no_capacity_rather_than_an_error():
     assert paged.held is None and paged.converged
     assert paged.failed == min(p.load for p in paged.probes) < knob.start
     assert not any(p.holds for p in paged.probes)
+
+
+def sweep_file(tmp_path: Path, sweep: dict, **extra) -> Path:
+    import yaml
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({**scenario(slo=OBJECTIVES, **extra), "sweep": sweep}))
+    return path
+
+
+def test_a_sweep_searches_each_point_with_its_rate_axis_dropped(tmp_path):
+    from sim.capacity import capacity_points, capacity_sweep
+
+    path = sweep_file(tmp_path, {"grid": {"workload.arrival.rate": [1, 2, 4],
+                                          "memory.kv_memory_gib": [2, 4]}})
+    _, points = capacity_points(path)
+    assert [p.params for p in points] == [{"memory.kv_memory_gib": 2},
+                                          {"memory.kv_memory_gib": 4}]
+    table = capacity_sweep(path, jobs=2, rel_tol=0.05)
+    assert list(table["system"]) == ["contiguous", "paged"] * 2
+    assert (table["status"] == "ok").all()
+    for point in points:  # each row is that point's own search
+        _, capacities = find_capacity(scenario_from_dict(point.scenario), Path(),
+                                      rel_tol=0.05)
+        rows = table[table["param:memory.kv_memory_gib"] == point.params[
+            "memory.kv_memory_gib"]].set_index("system")
+        for c in capacities:
+            assert rows.loc[c.system, "capacity_req_s"] == c.held
+            assert rows.loc[c.system, "slo_attainment"] == c.at(c.held).attainment
+    # A larger pool sustains at least the load of a smaller one.
+    by_pool = table.pivot_table(index="system", columns="param:memory.kv_memory_gib",
+                                values="capacity_req_s")
+    assert (by_pool[4] >= by_pool[2]).all()
+    with pytest.raises(CapacityError, match=r"sweep\.zip: moves workload\.arrival\.rate with"):
+        capacity_points(sweep_file(tmp_path, {"zip": {"workload.arrival.rate": [1, 2],
+                                                      "memory.kv_memory_gib": [2, 4]}}))
+
+
+def test_capacity_sweep_command_tables_figures_and_failures(tmp_path):
+    path = sweep_file(tmp_path, {"grid": {"memory.kv_memory_gib": [0.000001, 2, 4]}})
+    proc = kvsim_in_process("capacity", str(path), "--sweep", "--jobs", "2", "--rel-tol",
+                            "0.1", "--out", str(tmp_path / "out"), "--quiet")
+    assert proc.returncode == 1  # one point cannot run: recorded, the others go on
+    assert proc.stderr == ("failed: SizingError: memory: the KV pool holds not one token "
+                           "(llama-2-7b takes 524,288 bytes a token)\n")
+    table = pd.read_parquet(tmp_path / "out" / "capacity.parquet")
+    assert (table.groupby("param:memory.kv_memory_gib")["status"].first().to_dict()
+            == {1e-06: "failed", 2.0: "ok", 4.0: "ok"})
+    assert "capacity under SLO (req/s)" in proc.stdout
+    assert (tmp_path / "out" / "figures" / "capacity_vs_memory_kv_memory_gib.png").is_file()
+    refused = kvsim_in_process("capacity", str(path), "--sweep", "--ttft-s", "1", "--out",
+                               str(tmp_path / "x"))
+    assert refused.returncode == 2 and "put the bounds there" in refused.stderr
+
+
+def test_per_gpu_capacity_is_shown_where_gpu_counts_differ():
+    from sim.metrics import sweep_metrics
+
+    table = pd.DataFrame({"gpus": [1, 2], "capacity_req_s": [1.0, 2.0],
+                          "capacity_req_s_per_gpu": [1.0, 1.0]})
+    assert sweep_metrics(table, ["capacity_req_s"]) == ["capacity_req_s",
+                                                        "capacity_req_s_per_gpu"]
+    assert sweep_metrics(table.assign(gpus=2), ["capacity_req_s"]) == ["capacity_req_s"]
+    assert sweep_metrics(table.assign(capacity_req_s=np.nan), ["capacity_req_s"]) == []

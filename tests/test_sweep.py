@@ -107,7 +107,8 @@ def test_failing_point_is_recorded_and_the_rest_runs(tmp_path):
     table = pd.read_parquet(tmp_path / "out" / "results.parquet")
     assert (table.groupby("param:memory.kv_memory_gib")["status"].first().to_dict()
             == {2.0: "ok", 1e-06: "failed"})
-    assert table.loc[table["status"] == "failed", "error"].str.contains("smaller than one").all()
+    assert table.loc[table["status"] == "failed", "error"].str.contains(
+        "the KV pool holds not one token").all()
 
 
 def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
