@@ -259,3 +259,14 @@ def test_sweep_figures_show_labelled_series(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"kvsim: error: {outcome.out_dir}: results.parquet is "
                                    "missing; rerun kvsim run or kvsim sweep to rebuild it")
+
+
+def test_a_pool_size_swept_alone_gets_its_figures(tmp_path):
+    # The eviction figure wants pool size and policy together; alone, pool size is a field
+    # like any other (it once fell between the two and got no figure at all).
+    path = write(tmp_path, dict(BASE, sweep={"grid": {"memory.kv_memory_gib": [1, 2, 4]}}))
+    outcome = run_sweep(path, out_dir=tmp_path / "out", jobs=2)
+    figures = sweep_figures(outcome.out_dir)
+    assert {"throughput_vs_memory_kv_memory_gib", "waste_vs_memory_kv_memory_gib"} <= set(
+        figures)
+    assert "eviction_pressure" not in figures
