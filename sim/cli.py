@@ -292,16 +292,18 @@ def _capacity_text(scenario: Any, knob: Any, capacities: list[Any]) -> str:
     for c in capacities:
         if c.held is None:
             lightest = c.at(c.failed)
-            text = (f"none: even {lightest.offered_req_s:,.4g} req/s misses "
+            text = (f"{'none: even' if c.converged else 'below'} "
+                    f"{lightest.offered_req_s:,.4g} req/s, which misses "
                     f"({lightest.attainment:.1%} within SLO)")
         elif c.failed is None:
-            text = (f"over {knob.offered_req_s(c.held):,.4g} req/s: every load tried holds "
-                    "(the search stops at 1024× the scenario's)")
+            text = (f"over {knob.offered_req_s(c.held):,.4g} req/s: every load tried holds"
+                    + (" (the search stops at 1024× the scenario's)" if c.converged else ""))
         else:
             text = (f"{knob.offered_req_s(c.held):,.4g} req/s"
                     + (f" (speed ×{c.held:.4g})" if speed else "")
-                    + f", misses at {knob.offered_req_s(c.failed):,.4g}"
-                    + ("" if c.converged else " (not converged: raise --max-probes)"))
+                    + f", misses at {knob.offered_req_s(c.failed):,.4g}")
+        if not c.converged:
+            text += " (not converged: raise --max-probes)"
         lines.append(f"  {c.system:<{width}}{text}  [{len(c.probes)} runs]")
     at_capacity = {c.system: c.at(c.held).summary for c in capacities if c.held is not None}
     if at_capacity:
