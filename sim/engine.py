@@ -35,7 +35,13 @@ from sim.results import RunResult, ScenarioResult, summarize
 from sim.router import Router
 from sim.scenario import ContiguousConfig, Scenario, ScenarioError, SystemConfig
 from sim.scheduler import Batch, Request, Scheduler
-from sim.timing import Calibration, CalibrationError, StepTimeModel, roofline
+from sim.timing import (
+    Calibration,
+    CalibrationError,
+    StepTimeModel,
+    roofline,
+    with_host_loads,
+)
 from workloads import Trace, build_trace
 
 MEMORY_COLUMNS = (*TAXONOMY, "duplicate")
@@ -283,8 +289,9 @@ class _Replica:
                 snap = snap_end = sched.snapshot().as_dict()
                 duration = timing.step_time(batch.decode_seqs, batch.context_tokens,
                                             batch.prefill_tokens, batch.prefill_pairs, self.rho)
-                if batch.loaded_tokens:  # host-cache hits, read up before the step computes
-                    duration += batch.loaded_tokens * sim.load_s_per_token
+                if batch.loaded_tokens:  # host-cache hits, read up for the step
+                    duration = with_host_loads(duration, batch.loaded_tokens
+                                               * sim.load_s_per_token, sim.pipelined_layers)
                 clock = start + duration
                 steps = 1
                 finished = sched.finish_step(batch, clock)
@@ -325,6 +332,8 @@ class _SystemRun:
         self.gpus_per_replica = scenario.parallel.tensor_parallel_size
         self.slo = scenario.slo
         host_slots, self.load_s_per_token = host_tier(scenario, system)
+        self.pipelined_layers = (scenario.model_spec().num_layers if getattr(
+            system.allocator, "host_load", "serial") == "layerwise" else 0)
         self.arrival_s = trace.arrival_s.tolist()
         self.think_s = trace.think_s.tolist()
         # One row per finished or rejected request, written when it is done, so that the

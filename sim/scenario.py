@@ -111,6 +111,9 @@ class PagedConfig(ConfigModel):
     host_cache_gib: float = Field(
         default=0, ge=0, description="host (CPU) memory per replica that keeps the blocks the "
         "GPU evicts, to load them back instead of recomputing them; 0: none")
+    host_load: Literal["serial", "layerwise"] = Field(
+        default="serial", description="serial: a step's host loads finish before it "
+        "computes; layerwise: layer i+1 loads while layer i computes (LMCache, HiCache)")
 
     @model_validator(mode="after")
     def _host_cache_finds_by_content(self):  # type: ignore[no-untyped-def]

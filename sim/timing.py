@@ -82,6 +82,16 @@ class StepTimeModel:
         return lambda context_tokens: fixed + per_context * context_tokens
 
 
+def with_host_loads(compute_s: float, load_s: float, pipelined_layers: int) -> float:
+    """A step's time when it also loads ``load_s`` of KV from host memory: after it
+    (``pipelined_layers`` 0), or layer by layer under the computation of the layer before
+    (``pipelined_layers`` = the model's layers L): the first layer's load and the last
+    layer's computation stand alone, so the step takes max(C, T) + min(C, T) / L."""
+    if not pipelined_layers:
+        return compute_s + load_s
+    return max(compute_s, load_s) + min(compute_s, load_s) / pipelined_layers
+
+
 def roofline(model: ModelSpec, gpu: GpuSpec,
              step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S, *,
              tensor_parallel_size: int = 1,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sim.engine import build_timing, host_tier, run_scenario
@@ -132,3 +133,33 @@ def test_the_summary_shows_host_hits_only_with_a_host_tier():
     (row,) = [line for line in format_summary({"plain": plain, "tiered": tiered}).splitlines()
               if line.startswith("prefix hits from host memory")]
     assert row.split()[-2:] == ["—", f"{tiered['host_hit_rate'] * 100:.1f}%"]
+
+
+def test_layerwise_loads_hide_under_the_computation():
+    from sim.timing import with_host_loads
+
+    # 32 layers, computation 10 ms: a 4 ms load shows only its first layer's eighth of a ms;
+    # a 40 ms load hides all but the last layer's computation.
+    assert with_host_loads(0.010, 0.004, 0) == pytest.approx(0.014)
+    assert with_host_loads(0.010, 0.004, 32) == pytest.approx(0.010 + 0.004 / 32)
+    assert with_host_loads(0.010, 0.040, 32) == pytest.approx(0.040 + 0.010 / 32)
+    data = scenario(8)
+    data["systems"].append({"name": "layerwise", "allocator": {
+        "kind": "paged", "host_cache_gib": 8, "host_load": "layerwise"}})
+    tiered_scenario = scenario_from_dict(data)
+    runs = run_scenario(tiered_scenario).systems
+    _, load_s = host_tier(tiered_scenario, tiered_scenario.systems[1])
+    timing = build_timing(tiered_scenario, Path())
+    steps = runs["layerwise"].steps
+    loads = steps[(steps["steps"] == 1) & (steps["loaded_tokens"] > 0)]
+    assert len(loads) > 5
+    shape = (timing.a + timing.b * loads["decode_seqs"]
+             + timing.rho(16) * timing.c * loads["context_tokens"]
+             + timing.d * loads["prefill_tokens"])
+    transfer = loads["loaded_tokens"] * load_s
+    # At least the longer of the two, and shorter than one after the other.
+    assert (loads["duration_s"] >= np.maximum(shape, transfer) - 1e-12).all()
+    assert (loads["duration_s"] < shape + transfer).all()
+    serial = runs["paged"].summary
+    assert runs["layerwise"].summary["makespan_s"] <= serial["makespan_s"]
+    assert runs["layerwise"].summary["host_loaded_tokens"] > 0
