@@ -16,9 +16,7 @@ and cannot be searched.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ import pandas as pd
 
 from sim.engine import build_timing, run_system, scenario_trace
 from sim.scenario import Scenario, SystemConfig, scenario_from_dict
-from sim.sweep import SweepPoint, expand, set_path
+from sim.sweep import SweepPoint, expand, make_executor, set_path
 from workloads import Trace, WorkloadError
 from workloads.distributions import ClosedLoopArrivals, TraceArrivals
 
@@ -244,24 +242,25 @@ def point_capacity(scenario_data: dict[str, Any], base_dir: str, rel_tol: float,
     return rows
 
 
-def capacity_sweep(path: Path, *, jobs: int | None = None, rel_tol: float = 0.02,
-                   max_probes: int = 24, quick: bool = False,
+def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "local",
+                   address: str | None = None, rel_tol: float = 0.02, max_probes: int = 24,
+                   quick: bool = False,
                    progress: Callable[[int], Callable[[int], None]] | None = None
                    ) -> pd.DataFrame:
-    """Each sweep point's capacity, searched in parallel processes: one row per point,
-    seed and system, with the point's parameters as ``param:PATH`` columns."""
+    """Each sweep point's capacity, searched in parallel (local processes or Ray, as
+    :func:`sim.sweep.make_executor`): one row per point, seed and system, with the point's
+    parameters as ``param:PATH`` columns."""
     _, points = capacity_points(path, quick=quick)
     base_dir = str(path.parent.resolve())
     tick = progress(len(points)) if progress else None
+    execute = make_executor(executor, jobs, address)
+    results = {}
+    for key, rows_of_point in execute(point_capacity, [
+            (p.key, (p.scenario, base_dir, rel_tol, max_probes)) for p in points]):
+        results[key] = rows_of_point
+        if tick:
+            tick(1)
     rows = []
-    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        futures = {pool.submit(point_capacity, p.scenario, base_dir, rel_tol, max_probes): p
-                   for p in points}
-        results = {}
-        for future in as_completed(futures):
-            results[futures[future].key] = future.result()
-            if tick:
-                tick(1)
     for point in points:  # in the sweep's order, whatever order they finished in
         base = {"point": point.point, "seed": point.seed,
                 **{f"param:{p}": v for p, v in point.params.items()}}

@@ -262,7 +262,8 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
         return update
 
     try:
-        table = capacity_sweep(path, jobs=args.jobs, rel_tol=args.rel_tol,
+        table = capacity_sweep(path, jobs=args.jobs, executor=args.executor,
+                               address=args.address, rel_tol=args.rel_tol,
                                max_probes=args.max_probes, quick=args.quick,
                                progress=progress)
     except _bad_input_types() as exc:
@@ -534,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "dropped), in parallel")
     capacity.add_argument("--jobs", type=_positive_int,
                           help="--sweep: parallel searches (default: all cores)")
+    capacity.add_argument("--executor", choices=["local", "ray"], default="local",
+                          help="--sweep: where the searches run, as for kvsim sweep")
+    capacity.add_argument("--address", help="--sweep --executor ray: a Ray cluster address")
     capacity.add_argument("--quick", action="store_true",
                           help="--sweep: a quarter of the requests, ≤3 values per axis")
     capacity.add_argument("--out", help="results folder (default: runs/NAME-capacity)")

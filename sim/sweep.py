@@ -304,12 +304,16 @@ def results_table(points: list[SweepPoint], outcomes: dict[str, dict[str, Any]])
     return table
 
 
-def _local_executor(jobs: int) -> Callable[[list[tuple[SweepPoint, str, str]]],
-                                           Iterator[tuple[SweepPoint, dict[str, Any]]]]:
-    def execute(tasks):  # type: ignore[no-untyped-def]
+# An executor runs ``fn(*args)`` for each (key, args) task and yields (key, result) as they
+# finish: local processes or Ray tasks, the same results either way.
+Executor = Callable[[Callable[..., Any], list[tuple[Any, tuple[Any, ...]]]],
+                    Iterator[tuple[Any, Any]]]
+
+
+def _local_executor(jobs: int) -> Executor:
+    def execute(fn, tasks):  # type: ignore[no-untyped-def]
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            pending: dict[Future, SweepPoint] = {
-                pool.submit(run_point, p.scenario, base, run): p for p, base, run in tasks}
+            pending: dict[Future, Any] = {pool.submit(fn, *args): key for key, args in tasks}
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
@@ -318,22 +322,22 @@ def _local_executor(jobs: int) -> Callable[[list[tuple[SweepPoint, str, str]]],
     return execute
 
 
-def _ray_executor(jobs: int, address: str | None):  # type: ignore[no-untyped-def]
+def _ray_executor(jobs: int, address: str | None) -> Executor:
     try:
         import ray
     except ImportError:
         raise SweepError("--executor ray needs Ray: pip install 'kvsim[ray]'") from None
 
-    def execute(tasks):  # type: ignore[no-untyped-def]
+    def execute(fn, tasks):  # type: ignore[no-untyped-def]
         started_here = not ray.is_initialized()
         if started_here:
             if address:
                 ray.init(address=address, log_to_driver=False)
             else:
                 ray.init(num_cpus=jobs, log_to_driver=False, include_dashboard=False)
-        remote = ray.remote(num_cpus=1)(run_point)
+        remote = ray.remote(num_cpus=1)(fn)
         try:
-            pending = {remote.remote(p.scenario, base, run): p for p, base, run in tasks}
+            pending = {remote.remote(*args): key for key, args in tasks}
             while pending:
                 done, _ = ray.wait(list(pending), num_returns=1)
                 for ref in done:
@@ -343,6 +347,13 @@ def _ray_executor(jobs: int, address: str | None):  # type: ignore[no-untyped-de
                 ray.shutdown()
 
     return execute
+
+
+def make_executor(executor: str, jobs: int | None, address: str | None = None) -> Executor:
+    """``local`` processes (``jobs``, default all cores) or ``ray`` tasks (a local Ray of
+    ``jobs`` CPUs, or the cluster at ``address``)."""
+    jobs = jobs or os.cpu_count() or 1
+    return _ray_executor(jobs, address) if executor == "ray" else _local_executor(jobs)
 
 
 def load_sweep_points(path: Path, *, quick: bool = False) -> tuple[Scenario, list[SweepPoint]]:
@@ -386,11 +397,11 @@ def run_sweep(
         else:
             todo.append((point, str(path.parent.resolve()), str(runs / point.key)))
     skipped = len(points) - len(todo)
-    jobs = jobs or os.cpu_count() or 1
-    execute = (_ray_executor(jobs, address) if executor == "ray" else _local_executor(jobs))
+    execute = make_executor(executor, jobs, address)
     tick = progress(len(todo), skipped) if progress and todo else None
     failed = 0
-    for point, outcome in execute(todo):
+    for point, outcome in execute(run_point, [(point, (point.scenario, base, run))
+                                              for point, base, run in todo]):
         outcomes[point.key] = outcome
         failed += outcome["status"] != "ok"
         if tick:

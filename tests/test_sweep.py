@@ -96,6 +96,15 @@ def test_local_and_ray_give_identical_tables(tmp_path):
     again = run_sweep(path, out_dir=tmp_path / "local", jobs=2)
     assert again.ran == 0 and again.skipped == 8
     pd.testing.assert_frame_equal(again.table, local.table)
+    # Capacity searches go through the same executors.
+    from sim.capacity import capacity_sweep
+
+    slo_path = write(tmp_path, dict(BASE, stop={"num_requests": 40}, slo={"ttft_s": 1.0},
+                                    sweep={"grid": {"memory.kv_memory_gib": [1, 2]}}),
+                     "slo.yaml")
+    on_ray = capacity_sweep(slo_path, jobs=2, executor="ray", rel_tol=0.2)
+    assert (on_ray["status"] == "ok").all() and on_ray["capacity_req_s"].notna().all()
+    pd.testing.assert_frame_equal(on_ray, capacity_sweep(slo_path, jobs=2, rel_tol=0.2))
 
 
 def test_failing_point_is_recorded_and_the_rest_runs(tmp_path):
