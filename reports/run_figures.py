@@ -33,8 +33,22 @@ def kv_bytes_per_slot(result: ScenarioResult) -> tuple[int, str]:
     return scenario.model_spec().kv_bytes_per_token_per_gpu(tp), label
 
 
-def _first_replica(frame: pd.DataFrame) -> pd.DataFrame:
-    return frame[frame["replica"] == 0] if "replica" in frame else frame
+def _shown_replica(result: ScenarioResult, decoding: bool) -> tuple[int, str]:
+    """The replica a per-replica figure shows, and the title's note saying so: the first
+    one, or under prefill/decode disaggregation, for what decoding holds (batch, memory),
+    the first decode replica."""
+    runs = result.systems.values()
+    replicas = max(run.summary.get("replicas", 1) for run in runs)
+    split = max(run.summary.get("prefill_replicas", 0) for run in runs)
+    index = split if decoding else 0
+    if replicas == 1:
+        return index, ""
+    role = "" if not split else ", decode" if decoding else ", prefill"
+    return index, f" (replica {index}{role})"
+
+
+def _rows_of(frame: pd.DataFrame, replica: int) -> pd.DataFrame:
+    return frame[frame["replica"] == replica] if "replica" in frame else frame
 
 
 # A figure is about a thousand pixels wide: more points than this add nothing to see, and an
@@ -64,21 +78,16 @@ def time_binned(frame: pd.DataFrame, columns: list[str],
     return pd.DataFrame(binned)
 
 
-def _replica_note(result: ScenarioResult) -> str:
-    """Title suffix for figures drawn from replica 0 alone."""
-    replicas = max(run.summary.get("replicas", 1) for run in result.systems.values())
-    return " (replica 0)" if replicas > 1 else ""
-
-
 def memory_over_time(result: ScenarioResult) -> Figure:
     """Stacked areas of the taxonomy per system (GiB on the left, % of the pool on the right)."""
     names = list(result.systems)
     fig, axes = new_figure(len(names), 1, height=2.8, sharex=True)
     per_token, gib_label = kv_bytes_per_slot(result)
+    replica, note = _shown_replica(result, decoding=True)
     data = {}
     for ax, name in zip(axes, names, strict=True):
         run = result.systems[name]
-        memory = time_binned(_first_replica(run.memory), list(TAXONOMY))
+        memory = time_binned(_rows_of(run.memory, replica), list(TAXONOMY))
         capacity = run.summary["capacity_slots"]
         gib = memory[list(TAXONOMY)] * per_token / GIB
         data[name] = pd.concat([memory["time_s"], gib], axis=1)
@@ -91,7 +100,7 @@ def memory_over_time(result: ScenarioResult) -> Figure:
             lower = upper
         ax.set_ylabel(gib_label)
         ax.set_ylim(0, capacity * per_token / GIB)
-        ax.set_title(f"{name}: KV pool over time{_replica_note(result)}",
+        ax.set_title(f"{name}: KV pool over time{note}",
                      loc="left", fontsize=10)
         pct = ax.secondary_yaxis("right", functions=(
             lambda g, c=capacity: g * GIB / per_token / c * 100,
@@ -137,9 +146,10 @@ def waste_breakdown(result: ScenarioResult) -> Figure:
 def batch_and_queue(result: ScenarioResult) -> Figure:
     """Decode batch size and waiting-queue length over time, one line per system."""
     fig, axes = new_figure(2, 1, height=2.6, sharex=True)
+    replica, note = _shown_replica(result, decoding=True)
     data = {}
     for i, (name, run) in enumerate(result.systems.items()):
-        steps = time_binned(_first_replica(run.steps), ["decode_seqs", "waiting"])
+        steps = time_binned(_rows_of(run.steps, replica), ["decode_seqs", "waiting"])
         data[name] = steps
         axes[0].step(steps["time_s"], steps["decode_seqs"], where="post",
                      color=system_color(i), label=name, linewidth=1)
@@ -149,8 +159,8 @@ def batch_and_queue(result: ScenarioResult) -> Figure:
     axes[1].set_ylabel("waiting requests")
     axes[1].set_xlabel("simulated time (s)")
     axes[0].legend(fontsize=8, frameon=False)
-    axes[0].set_title(f"{result.scenario['name']}: batch size and queue length"
-                      f"{_replica_note(result)}", loc="left", fontsize=11)
+    axes[0].set_title(f"{result.scenario['name']}: batch size and queue length{note}",
+                      loc="left", fontsize=11)
     fig.kvsim_data = data  # type: ignore[attr-defined]
     return fig
 
@@ -193,9 +203,10 @@ def latency_cdfs(result: ScenarioResult) -> Figure:
 def hits_and_preemptions(result: ScenarioResult, bins: int = 40) -> Figure:
     """Prefix-cache hit rate per time window and cumulative preemptions, per system."""
     fig, axes = new_figure(2, 1, height=2.6, sharex=True)
+    replica, note = _shown_replica(result, decoding=False)
     data = {}
     for i, (name, run) in enumerate(result.systems.items()):
-        memory = _first_replica(run.memory)
+        memory = _rows_of(run.memory, replica)
         if memory.empty:
             continue
         edges = np.linspace(memory["time_s"].min(), memory["time_s"].max() + 1e-9, bins + 1)
@@ -224,8 +235,7 @@ def hits_and_preemptions(result: ScenarioResult, bins: int = 40) -> Figure:
     axes[1].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[1].set_xlabel("simulated time (s)")
     axes[1].legend(fontsize=8, frameon=False)
-    axes[0].set_title(f"{result.scenario['name']}: prefix-cache hits and preemptions"
-                      f"{_replica_note(result)}",
+    axes[0].set_title(f"{result.scenario['name']}: prefix-cache hits and preemptions{note}",
                       loc="left", fontsize=11)
     fig.kvsim_data = data  # type: ignore[attr-defined]
     return fig
@@ -233,7 +243,8 @@ def hits_and_preemptions(result: ScenarioResult, bins: int = 40) -> Figure:
 
 def replica_balance(result: ScenarioResult) -> Figure | None:
     """Per replica: requests served, TTFT p50 and prefix hit rate, bars grouped by system —
-    what a router trades (None when every system runs one replica)."""
+    what a router trades (None when every system runs one replica). Under prefill/decode
+    disaggregation TTFT and hits belong to prefill replicas, served requests to both."""
     systems = {n: r for n, r in result.systems.items() if r.summary.get("replicas", 1) > 1}
     if not systems:
         return None
@@ -247,9 +258,12 @@ def replica_balance(result: ScenarioResult) -> Figure | None:
         # (every admission counts, re-admissions after a preemption too).
         totals = run.memory.groupby("replica")[["hit_tokens", "lookup_tokens"]].last()
         for replica in range(run.summary["replicas"]):
-            mine = served["replica"] == replica
+            mine = served["replica"] == replica  # routed here: its prompt was read here
+            # Under disaggregation a decode replica serves what prefill replicas hand over.
+            handled = mine | (served["decode_replica"] == replica if "decode_replica" in served
+                              else False)
             hit, lookup = (totals.loc[replica] if replica in totals.index else (0, 0))
-            rows.append({"system": name, "replica": replica, "requests": int(mine.sum()),
+            rows.append({"system": name, "replica": replica, "requests": int(handled.sum()),
                          "ttft_p50_s": float(ttft[mine].median()) if mine.any() else np.nan,
                          "hit_rate_pct": hit / lookup * 100 if lookup else np.nan})
     data = pd.DataFrame(rows)

@@ -1,5 +1,6 @@
 """Figures of a sweep: metric against swept field per system, the saturation knee, the
-block-size trade-off, hit rate against pool size per eviction policy.
+block-size trade-off, hit rate against pool size per eviction policy, bars for a field of
+names, requests within SLO against rate, and capacity under SLO per point.
 
 Every figure averages over seeds (bars show the min–max range) and attaches its table as
 ``fig.kvsim_data``.
@@ -339,13 +340,20 @@ def sweep_figures(sweep_dir: Path, x: str | None = None,
     for field, slug in numeric_fields_left(table, fields, drawn):
         figures[f"throughput_vs_{slug}"] = metric_vs_field(table, field, throughput)
         figures[f"waste_vs_{slug}"] = metric_vs_field(table, field, "waste_frac")
+    # A field of names or sections gets bars, when nothing else varies to be averaged away.
+    metrics = [throughput] + (["slo_attainment"] if "slo_attainment" in table
+                              and table["slo_attainment"].notna().any() else [])
+    for field, slug in numeric_fields_left(table, fields, drawn, numeric=False):
+        if not _other_swept(table, f"param:{field}"):
+            figures[f"by_{slug}"] = category_figure(table, field, metrics)
     return figures
 
 
-def numeric_fields_left(table: pd.DataFrame, fields: list[str], drawn: list[str]
-                        ) -> list[tuple[str, str]]:
-    """The numeric swept ``fields`` not yet on a figure's axis (``drawn``) nor zipped with
-    one, which would only draw the same figure again; each with a slug for file names."""
+def numeric_fields_left(table: pd.DataFrame, fields: list[str], drawn: list[str],
+                        numeric: bool = True) -> list[tuple[str, str]]:
+    """The numeric (or, with ``numeric`` False, the other) swept ``fields`` not yet on a
+    figure's axis (``drawn``) nor zipped with one, which would only draw the same figure
+    again; each with a slug for file names."""
     taken = [f"param:{f}" for f in drawn]
     left = []
     for field in fields:
@@ -353,9 +361,33 @@ def numeric_fields_left(table: pd.DataFrame, fields: list[str], drawn: list[str]
         if field in drawn or any(_follows(table, column, d) for d in taken):
             continue
         taken.append(column)
-        if pd.to_numeric(table[column], errors="coerce").notna().all():
+        if pd.to_numeric(table[column], errors="coerce").notna().all() == numeric:
             left.append((field, field.replace(".", "_").replace("[", "_").replace("]", "")))
     return left
+
+
+def category_figure(table: pd.DataFrame, field: str, metrics: list[str]) -> Figure:
+    """``metrics`` for each value of a swept field that is not a number (a policy, a dtype,
+    a section switched on or off), bars grouped by system; seeds averaged."""
+    x = _param(table, field)
+    data = table.groupby([x, "system"], sort=False)[metrics].mean().reset_index()
+    values = list(pd.unique(data[x]))
+    systems = list(pd.unique(data["system"]))
+    fig, axes = new_figure(len(metrics), 1, height=2.8, sharex=True)
+    width = 0.8 / len(systems)
+    for ax, metric in zip(axes, metrics, strict=True):
+        for i, system in enumerate(systems):
+            part = data[data["system"] == system].set_index(x).reindex(values)
+            ax.bar(np.arange(len(values)) + (i - (len(systems) - 1) / 2) * width,
+                   part[metric], width=width, color=system_color(i), label=system)
+        ax.set_ylabel(METRIC_LABELS.get(metric, metric))
+        ax.grid(alpha=0.3, axis="y")
+    axes[-1].set_xticks(np.arange(len(values)), [str(v) for v in values], fontsize=8)
+    axes[-1].set_xlabel(field)
+    axes[0].legend(fontsize=8, frameon=False)
+    axes[0].set_title(f"Each value of {field}", loc="left", fontsize=11)
+    fig.kvsim_data = {"series": data}  # type: ignore[attr-defined]
+    return fig
 
 
 def capacity_figures(table: pd.DataFrame, fields: list[str]) -> dict[str, Figure]:
@@ -363,8 +395,12 @@ def capacity_figures(table: pd.DataFrame, fields: list[str]) -> dict[str, Figure
     against each numeric swept field, a line per system and other swept values."""
     metric = per_gpu_where_counts_differ(table, "capacity_req_s")
     done = table[table["status"] == "ok"]
-    return {f"capacity_vs_{slug}": metric_vs_field(done, field, metric)
-            for field, slug in numeric_fields_left(done, fields, [])}
+    figures = {f"capacity_vs_{slug}": metric_vs_field(done, field, metric)
+               for field, slug in numeric_fields_left(done, fields, [])}
+    for field, slug in numeric_fields_left(done, fields, [], numeric=False):
+        if not _other_swept(done, f"param:{field}"):
+            figures[f"capacity_by_{slug}"] = category_figure(done, field, [metric])
+    return figures
 
 
 TABLE_METRICS = ["throughput_tok_s", "e2e_p90_s", "slo_attainment", "goodput_req_s",

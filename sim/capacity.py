@@ -25,7 +25,7 @@ import pandas as pd
 
 from sim.engine import build_timing, run_system, scenario_trace
 from sim.scenario import Scenario, SystemConfig, scenario_from_dict
-from sim.sweep import SweepPoint, expand, make_executor, set_path
+from sim.sweep import SweepPoint, expand, make_executor, params_as_text, set_path
 from workloads import Trace, WorkloadError
 from workloads.distributions import ClosedLoopArrivals, TraceArrivals
 
@@ -265,7 +265,7 @@ def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "loca
         base = {"point": point.point, "seed": point.seed,
                 **{f"param:{p}": v for p, v in point.params.items()}}
         rows += [{**base, **row} for row in results[point.key]]
-    table = pd.DataFrame(rows)
+    table = params_as_text(pd.DataFrame(rows))
     for column in ("capacity_req_s", "capacity_req_s_per_gpu", "misses_at_req_s"):
         table[column] = table[column].astype(float)
     return table

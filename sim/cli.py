@@ -189,7 +189,8 @@ def _sweep_means(table: pd.DataFrame, metrics: Sequence[str]) -> str:
     keys = [c for c in table.columns if c.startswith("param:")] + ["system"]
     done = table[table["status"] == "ok"]
     metrics = sweep_metrics(done, metrics)
-    means = done.groupby(keys, sort=False)[metrics].mean().reset_index()
+    # dropna=False: a field swept to null (off) is a row of its own, not dropped.
+    means = done.groupby(keys, sort=False, dropna=False)[metrics].mean().reset_index()
     seeds = done["seed"].nunique()
     shown = labelled_sweep_table(means, metrics)
     with pd.option_context("display.max_rows", 500, "display.width", 200):

@@ -196,9 +196,10 @@ class _Replica:
     """One engine instance: a scheduler over its own allocator, driven by SimPy."""
 
     def __init__(self, env: simpy.Environment, index: int, sim: _SystemRun,
-                 allocator: KVAllocator) -> None:
+                 allocator: KVAllocator, role: str = "both") -> None:
         self.env = env
         self.index = index
+        self.role = role  # "both", or "prefill" / "decode" under disaggregation
         self.sim = sim
         self.allocator = allocator
         self.scheduler = Scheduler(allocator, sim.system.scheduler, sim.debug)
@@ -206,7 +207,9 @@ class _Replica:
                                   else None)
         self.open: list[int] = []  # open-arrival request indices, in arrival order
         self.open_pos = 0
-        self.released: list[tuple[float, int]] = []  # (release time, request index) heap
+        # (release time, request index, the Request if already made) heap: session turns,
+        # and requests handed over from a prefill replica.
+        self.released: list[tuple[float, int, Request | None]] = []
         self.clock = 0.0
         self.wake: simpy.Event = env.event()
         self.idle = False
@@ -232,12 +235,13 @@ class _Replica:
             t = min(t_open, t_rel)
             if t > self.clock:
                 return
+            prepared = None
             if t_open <= t_rel:
                 index = self.open[self.open_pos]
                 self.open_pos += 1
             else:
-                _, index = heapq.heappop(self.released)
-            request = Request(sim.trace, index, t)
+                _, index, prepared = heapq.heappop(self.released)
+            request = prepared or sim.new_request(index, t, self)
             if not self.scheduler.add(request):
                 sim.on_done(self, request, t)
 
@@ -260,14 +264,17 @@ class _Replica:
             self.pull_arrivals()
             if not sched.running and not sched.waiting:
                 t = self.next_arrival()
-                if t == math.inf:
+                if t == math.inf and not sim.handovers:
                     return
-                self.clock = max(self.clock, t)
                 if t > self.env.now:
+                    # Until the next arrival, or until another replica hands one over.
                     self.idle = True
                     self.wake = self.env.event()
-                    yield self.wake | self.env.timeout(t - self.env.now)
+                    yield (self.wake if t == math.inf
+                           else self.wake | self.env.timeout(t - self.env.now))
                     self.idle = False
+                    t = self.env.now
+                self.clock = max(self.clock, t)
                 continue
             start = self.clock
             if sim.jump and sched.fast_step_ready() and sched.fast_step():
@@ -277,6 +284,8 @@ class _Replica:
                 snap = sched.snapshot().as_dict()
                 # An arrival matters only to an empty queue (behind a blocked head it waits).
                 stop_at = self.next_arrival() if not sched.waiting else math.inf
+                if self.role == "decode" and not sched.waiting:
+                    stop_at = min(stop_at, sim.handover_horizon())
                 steps, clock, finished = sched.decode_quietly(
                     timing.decode_step_time(batch.decode_seqs, self.rho), start, stop_at)
                 snap_end = sched.snapshot().as_dict() if steps > 1 else snap
@@ -331,17 +340,29 @@ class _SystemRun:
         self.duration_s = scenario.stop.duration_s
         self.gpus_per_replica = scenario.parallel.tensor_parallel_size
         self.slo = scenario.slo
+        # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode.
+        split = scenario.engine.disaggregation
+        self.prefill_replicas = split.prefill_replicas if split else 0
+        self.handovers = split is not None  # replicas receive requests from one another
+        if split is not None:
+            tp = scenario.parallel.tensor_parallel_size
+            # Each GPU sends its share of the KV heads over its own link, side by side.
+            self.transfer_s_per_token = (scenario.model_spec().kv_bytes_per_token_per_gpu(tp)
+                                         / (split.kv_transfer_gbps * 1e9))
+            self.transfer_latency_s = split.kv_transfer_latency_s
         host_slots, self.load_s_per_token = host_tier(scenario, system)
         self.pipelined_layers = (scenario.model_spec().num_layers if getattr(
             system.allocator, "host_load", "serial") == "layerwise" else 0)
         self.arrival_s = trace.arrival_s.tolist()
+        self.output_lens = trace.column_lists()["output_len"]  # a prefill replica's is 1
         self.think_s = trace.think_s.tolist()
         # One row per finished or rejected request, written when it is done, so that the
         # Request object (its content, its spec) is freed then, not kept to the end.
         self.request_rows = _RowBuffer([
             "request", "arrival_s", "admitted_s", "first_token_s", "finished_s", "prompt_len",
             "output_len", "n", "preemptions", "prefix_hit_tokens", "recomputed_tokens",
-            "rejected", "replica", "allocated_at_finish"], {"rejected": bool})
+            "rejected", "replica", "allocated_at_finish",
+            *(["decode_replica"] if self.handovers else [])], {"rejected": bool})
         self.allocated_at_finish = np.zeros(len(trace), dtype=np.int64)
         self.recorder = _Recorder(scenario.engine.sample_interval_s)
         self.progress = progress
@@ -355,6 +376,7 @@ class _SystemRun:
         # Routing: open arrivals round-robin up front, or by the router as they come;
         # dependents follow the request they wait on.
         replicas = scenario.engine.replicas
+        routed = self.prefill_replicas or replicas  # the replicas new requests go to
         routing = scenario.engine.router
         self.replica_of = np.zeros(len(trace), dtype=np.int64)
         roots = np.flatnonzero(after < 0)
@@ -362,12 +384,12 @@ class _SystemRun:
         self.unrouted: list[int] = []  # open arrivals the router has yet to place, in order
         self.unrouted_pos = 0
         if routing.policy == "round_robin":
-            self.replica_of[roots] = np.arange(len(roots)) % replicas
+            self.replica_of[roots] = np.arange(len(roots)) % routed
             for index in np.flatnonzero(after >= 0).tolist():
                 self.replica_of[index] = self.replica_of[after[index]]
         else:
             # What a replica can cache: its GPU pool and its host tier.
-            self.router = Router(routing.policy, replicas, pool_slots + host_slots,
+            self.router = Router(routing.policy, routed, pool_slots + host_slots,
                                  cache_threshold=routing.cache_threshold,
                                  balance_abs_threshold=routing.balance_abs_threshold,
                                  balance_rel_threshold=routing.balance_rel_threshold)
@@ -377,7 +399,9 @@ class _SystemRun:
         for r in range(replicas):
             allocator = build_allocator(system, pool_slots, scenario.model_spec().max_model_len,
                                         host_slots)
-            replica = _Replica(self.env, r, self, allocator)
+            role = ("both" if not self.handovers
+                    else "prefill" if r < self.prefill_replicas else "decode")
+            replica = _Replica(self.env, r, self, allocator, role)
             if self.router is None:
                 replica.open = roots[self.replica_of[roots] == r].tolist()
             self.replicas.append(replica)
@@ -397,35 +421,100 @@ class _SystemRun:
             self.unrouted_pos += 1
             arrival_s = self.arrival_s[index]
             request = Request(self.trace, index, arrival_s)
-            replica = router.route(arrival_s, request.prompt_segments, request.prompt_len)
-            self.replica_of[index] = replica
-            self.replicas[replica].open.append(index)
+            target = self.replicas[router.route(arrival_s, request.prompt_segments,
+                                                request.prompt_len)]
+            self.replica_of[index] = target.index
+            target.open.append(index)
+            self.serve_as(request, target)
             # Requests the pool will refuse never load a replica: the router knows at once.
-            if self.replicas[replica].scheduler.fits_ever(request):
-                router.assign(replica, request.prompt_segments)
+            if target.scheduler.fits_ever(request):
+                router.assign(target.index, request.prompt_segments)
+
+    def new_request(self, index: int, arrival_s: float, replica: _Replica) -> Request:
+        """Request ``index`` as ``replica`` serves it (see :meth:`serve_as`)."""
+        return self.serve_as(Request(self.trace, index, arrival_s), replica)
+
+    @staticmethod
+    def serve_as(request: Request, replica: _Replica) -> Request:
+        """``request`` as ``replica`` serves it: a prefill replica reads the prompt and
+        gives the first token, so for it the request ends there."""
+        if replica.role == "prefill":
+            request.output_len = 1
+            request.max_len = request.prompt_len + 1
+        return request
+
+    def release(self, replica: _Replica, release_s: float, index: int,
+                request: Request | None = None) -> None:
+        """Queue ``index`` to join ``replica`` at ``release_s`` (waking it if idle)."""
+        heapq.heappush(replica.released, (release_s, index, request))
+        if replica.idle and not replica.wake.triggered:
+            replica.wake.succeed()
+
+    def handover_horizon(self) -> float:
+        """The earliest a prefill replica can still hand a request over: its next step
+        starts no earlier than its clock (or, idle, its next arrival; with session turns,
+        which decode replicas release, now), lasts at least the step's fixed cost, and the
+        transfer its fixed latency. A decode replica's jump stops there, so it sees every
+        handover when stepping would."""
+        earliest = math.inf
+        for replica in self.replicas[:self.prefill_replicas]:
+            sched = replica.scheduler
+            if sched.running or sched.waiting:
+                start = replica.clock
+            elif self.dependents:
+                start = self.env.now
+            else:
+                start = max(replica.clock, replica.next_arrival())
+            earliest = min(earliest, start)
+        return earliest + self.timing.a + self.transfer_latency_s
+
+    def _hand_over(self, request: Request, now_s: float) -> None:
+        """A prefill replica gave ``request`` its first token: send its KV to a decode
+        replica (the same one for a given request, whichever prefill replica served it)."""
+        index = request.index
+        decode = self.replicas[self.prefill_replicas
+                               + index % (len(self.replicas) - self.prefill_replicas)]
+        rest = Request(self.trace, index, request.arrival_s)
+        # As if preempted after its first token: its prompt is the prompt and that token,
+        # all of whose KV but the token's own arrives ready.
+        rest.gen_sync = 1
+        rest.transferred = request.prompt_len
+        for carried in ("admitted_s", "first_token_s", "preemptions", "hit_tokens",
+                        "recomputed_tokens"):
+            setattr(rest, carried, getattr(request, carried))
+        self.release(decode, now_s + self.transfer_latency_s
+                     + request.prompt_len * self.transfer_s_per_token, index, rest)
 
     def on_done(self, replica: _Replica, request: Request, now_s: float) -> None:
         """A request finished or was rejected: record it, release whoever waits on it."""
+        if self.router is not None and not request.rejected and replica.role != "decode":
+            self.router.finished(request.index, replica.index, now_s)
+        if (replica.role == "prefill" and not request.rejected
+                and self.output_lens[request.index] > 1):
+            self._hand_over(request, now_s)
+            return
         self.request_rows.append((
             request.index, request.arrival_s, request.admitted_s, request.first_token_s,
-            request.finished_s, request.prompt_len, request.output_len, request.n,
-            request.preemptions, request.hit_tokens, request.recomputed_tokens, request.rejected,
-            int(self.replica_of[request.index]), int(self.allocated_at_finish[request.index])))
+            request.finished_s, request.prompt_len, self.output_lens[request.index],
+            request.n, request.preemptions, request.hit_tokens, request.recomputed_tokens,
+            request.rejected, int(self.replica_of[request.index]),
+            int(self.allocated_at_finish[request.index]),
+            *((replica.index if replica.role == "decode" else -1,) if self.handovers else ())))
         self.done += 1
         if self.progress:
             self.progress(1)
-        if self.router is not None and not request.rejected:
-            self.router.finished(request.index, replica.index, now_s)
+        # A session's next turn goes where its conversation's prompts are read.
+        home = self.replicas[int(self.replica_of[request.index])]
         for index in self.dependents.get(request.index, []):
             release = now_s + self.think_s[index]
             if self.duration_s is not None and release > self.duration_s:
                 continue
-            heapq.heappush(replica.released, (release, index))
+            self.release(home, release, index)
             if self.router is not None:
-                self.replica_of[index] = replica.index
-                turn = Request(self.trace, index, release)
-                if replica.scheduler.fits_ever(turn):
-                    self.router.expect(index, replica.index, release, turn.prompt_segments)
+                self.replica_of[index] = home.index
+                turn = self.new_request(index, release, home)
+                if home.scheduler.fits_ever(turn):
+                    self.router.expect(index, home.index, release, turn.prompt_segments)
 
     def run(self) -> RunResult:
         for replica in self.replicas:
@@ -457,7 +546,10 @@ class _SystemRun:
                  "evictions": sum(getattr(getattr(r.allocator, "pool", None), "num_evictions", 0)
                                   for r in self.replicas),
                  "replicas": len(self.replicas),
-                 "replica_imbalance": _imbalance(requests["replica"], len(self.replicas)),
+                 # Over the replicas new requests go to (prefill replicas, if split).
+                 "replica_imbalance": _imbalance(requests["replica"],
+                                                 self.prefill_replicas or len(self.replicas)),
+                 "prefill_replicas": self.prefill_replicas,
                  "gpus": len(self.replicas) * self.gpus_per_replica}
         loaded = sum(r.scheduler.loaded_tokens for r in self.replicas)
         # None (shown "—") without a host tier, as the hit rate without a prefix cache.

@@ -198,6 +198,20 @@ class SloConfig(ConfigModel):
         return self
 
 
+class DisaggregationConfig(ConfigModel):
+    """Prefill/decode disaggregation (DistServe, Splitwise, Mooncake): the first
+    ``prefill_replicas`` replicas only read prompts and give each request its first token;
+    its KV then travels to a decode replica (``kv_transfer_gbps`` per GPU, one direction,
+    plus ``kv_transfer_latency_s``), which generates the rest."""
+
+    prefill_replicas: PositiveInt
+    kv_transfer_gbps: PositiveFloat = Field(
+        default=25.0, description="GB/s per GPU between prefill and decode replicas (one "
+        "200 Gb/s RDMA NIC per GPU: 25)")
+    kv_transfer_latency_s: float = Field(default=1e-3, ge=0,
+                                         description="fixed cost of one request's transfer")
+
+
 class EngineConfig(ConfigModel):
     """How the simulation runs: replicas and their router change results; ``mode`` does not
     (jump and step give identical request tables), nor the sampling and checks."""
@@ -205,9 +219,19 @@ class EngineConfig(ConfigModel):
     mode: Literal["jump", "step"] = "jump"
     replicas: PositiveInt = 1
     router: RouterConfig = RouterConfig()
+    disaggregation: DisaggregationConfig | None = None
     sample_interval_s: float = Field(default=0.0, ge=0,
                                      description="0 = one memory sample per scheduling point")
     debug_invariants: bool = False
+
+    @model_validator(mode="after")
+    def _a_decode_replica_left(self):  # type: ignore[no-untyped-def]
+        split = self.disaggregation
+        if split is not None and split.prefill_replicas >= self.replicas:
+            raise ValueError(f"disaggregation.prefill_replicas ({split.prefill_replicas}) "
+                             f"must leave decode replicas among engine.replicas "
+                             f"({self.replicas})")
+        return self
 
 
 class Scenario(ConfigModel):
@@ -262,6 +286,14 @@ class Scenario(ConfigModel):
                              f"boards; use at most {joined}, or engine.replicas for more GPUs, "
                              "or give gpu explicitly with the interconnect_gbps you have")
         return value
+
+    @model_validator(mode="after")
+    def _disaggregation_has_one_sample(self):  # type: ignore[no-untyped-def]
+        if self.engine.disaggregation is not None and self.workload.sampling.forks > 1:
+            raise ValueError("engine.disaggregation: one sample per request (workload."
+                             "sampling n and beam_width 1); parallel samples across a "
+                             "prefill/decode split are not modelled")
+        return self
 
     @field_validator("systems")
     @classmethod

@@ -59,6 +59,7 @@ class Request:
         "resumed",
         "spec_cache",
         "tok_sync",
+        "transferred",
         "version",
     )
 
@@ -89,6 +90,9 @@ class Request:
         self.rejected = False
         self.resumed = False  # re-admitted after a preemption that discarded computed KV
         self.computed = False  # some step has computed KV for it
+        # Prompt tokens whose KV another replica computed and sent (disaggregated prefill):
+        # admission writes them without computing them, once.
+        self.transferred = 0
         self.spec_cache: SeqSpec | None = None
 
     @property
@@ -384,7 +388,8 @@ class Scheduler:
             if not self.config.chunked_prefill and spec.prompt_len > budget and batch.prefill:
                 # The whole prompt must fit this step's budget unless it is the only prefill.
                 lookup = getattr(self.allocator, "lookup", None)
-                if spec.prompt_len - (lookup(spec) if lookup else 0) > budget:
+                ready = max(lookup(spec) if lookup else 0, request.transferred)
+                if spec.prompt_len - ready > budget:
                     break  # not blocked for good: a step without other prefills admits it
             hits = self.allocator.admit(spec)
             if hits is None:
@@ -398,9 +403,19 @@ class Scheduler:
             self._admit_counter += 1
             if request.admitted_s < 0:
                 request.admitted_s = now_s
-            request.hit_tokens += hits
-            self.hit_tokens += hits
-            self.lookup_tokens += spec.prompt_len
+            if request.transferred:
+                # Its prompt was read elsewhere: write what the cache lacks, compute nothing
+                # (not a lookup either: the prefix cache saved no computation here).
+                arrived = max(request.transferred - hits, 0)
+                if arrived:
+                    written = self.allocator.append(request.index * MAX_SAMPLES, arrived)
+                    assert written  # admission claimed the prompt's blocks
+                request.prefilled += arrived
+                request.transferred = 0  # after a preemption, recompute here
+            else:
+                request.hit_tokens += hits
+                self.hit_tokens += hits
+                self.lookup_tokens += spec.prompt_len
             loaded = self.allocator.last_loaded_tokens
             batch.loaded_tokens += loaded
             self.loaded_tokens += loaded
@@ -408,7 +423,7 @@ class Scheduler:
                 request.recomputed_tokens += spec.prompt_len - hits
             self.running[request.admit_seq] = request
             self.prefilling += 1
-            remaining = spec.prompt_len - hits
+            remaining = spec.prompt_len - request.prefilled
             chunk = min(remaining, budget) if self.config.chunked_prefill else remaining
             if not self._prefill(request, chunk, batch):
                 break

@@ -297,10 +297,19 @@ def results_table(points: list[SweepPoint], outcomes: dict[str, dict[str, Any]])
         for column in ("prefix_hit_rate", *ONLY_WHEN_SET, *SLO_KEYS):
             if column in table:
                 table[column] = table[column].astype(float)
-        for column in table.columns:
-            if table[column].dtype == object and column.startswith("param:"):
-                table[column] = table[column].map(
-                    lambda v: json.dumps(v) if isinstance(v, dict | list) else v)
+        table = params_as_text(table)
+    return table
+
+
+def params_as_text(table: pd.DataFrame) -> pd.DataFrame:
+    """A swept field whose values include mappings or lists (a whole section swept, null
+    switching it off) as JSON text, every value of it, so that tables group by it and
+    files store one type per column."""
+    for column in table.columns:
+        values = table[column]
+        if (column.startswith("param:") and values.dtype == object
+                and any(isinstance(v, dict | list) for v in values)):
+            table[column] = values.map(json.dumps)
     return table
 
 

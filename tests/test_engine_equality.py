@@ -1,5 +1,7 @@
 """Jump mode (runs of decode steps advanced at once) must equal stepping one at a time, with
-every router (its decisions must not depend on how far a replica has run ahead)."""
+every router (its decisions must not depend on how far a replica has run ahead) and with
+prefill/decode disaggregation (a decode replica must see every handover when stepping
+would)."""
 
 from __future__ import annotations
 
@@ -48,6 +50,13 @@ def random_scenario(seed: int) -> dict:
     replicas = rng.choice([1, 1, 2])
     router = {"policy": rng.choice(["round_robin", "least_loaded", "cache_aware"]),
               "balance_abs_threshold": rng.choice([0, 2, 32])}
+    engine: dict = {"replicas": replicas, "router": router}
+    # Drawn last, so the scenarios drawn before disaggregation existed stay as they were.
+    if rng.random() < 0.3 and "sampling" not in workload:
+        engine["replicas"] = rng.choice([2, 3])
+        engine["disaggregation"] = {"prefill_replicas": rng.randint(1, engine["replicas"] - 1),
+                                    "kv_transfer_gbps": rng.choice([5, 50]),
+                                    "kv_transfer_latency_s": rng.choice([0.0, 0.002])}
     return {
         "name": f"random-{seed}",
         "model": "llama-2-7b",
@@ -61,7 +70,7 @@ def random_scenario(seed: int) -> dict:
                                                                     "fewest_generated"])}}],
         "stop": {"num_requests": rng.randint(10, 60)},
         "seed": seed,
-        "engine": {"replicas": replicas, "router": router},
+        "engine": engine,
     }
 
 

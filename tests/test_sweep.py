@@ -169,7 +169,7 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
 
 @pytest.mark.parametrize("name", ["block_size_sweep", "length_variance", "prefix_sharing",
                                   "eviction_pressure", "rate_sweep", "router_policies",
-                                  "host_cache", "kv_cache_dtype"])
+                                  "host_cache", "kv_cache_dtype", "disaggregation"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -182,6 +182,23 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         assert data["overhead_pct"].is_monotonic_decreasing
     if name == "rate_sweep":
         assert {"rate_sweep", "slo_attainment"} <= set(figures)
+    if name == "disaggregation":  # a whole section swept, null among its values
+        assert list(outcome.table["param:engine.disaggregation"]) == [
+            "null", '{"prefill_replicas": 1}', '{"prefill_replicas": 2}',
+            '{"prefill_replicas": 3}']
+        split = outcome.table.set_index("param:engine.disaggregation")
+        assert split.loc["null", "prefill_replicas"] == 0
+        assert split.loc['{"prefill_replicas": 3}', "prefill_replicas"] == 3
+        bars = figures["by_engine_disaggregation"].kvsim_data["series"].set_index(
+            "param:engine.disaggregation")
+        assert (bars["slo_attainment"] == split["slo_attainment"]).all()
+        from reports.sweep_report import capacity_figures
+
+        # kvsim capacity --sweep draws the same bars for its capacities.
+        table = outcome.table.assign(capacity_req_s=[1.0, 2.0, 3.0, 4.0])
+        drawn = capacity_figures(table, ["engine.disaggregation"])
+        capacity = drawn["capacity_by_engine_disaggregation"].kvsim_data["series"]
+        assert list(capacity["capacity_req_s"]) == [1.0, 2.0, 3.0, 4.0]
     if name == "kv_cache_dtype":  # twice the tokens per GiB: more requests in time
         goodput = outcome.table.pivot_table(index="system", columns="param:memory.kv_cache_dtype",
                                             values="goodput_req_s", aggfunc="sum")
@@ -279,3 +296,21 @@ def test_a_pool_size_swept_alone_gets_its_figures(tmp_path):
     assert {"throughput_vs_memory_kv_memory_gib", "waste_vs_memory_kv_memory_gib"} <= set(
         figures)
     assert "eviction_pressure" not in figures
+
+
+def test_a_field_swept_to_null_keeps_its_rows(tmp_path):
+    # Null beside numbers stays a missing number; the printed means keep its row.
+    from conftest import kvsim_in_process
+
+    data = dict(BASE, sweep={"grid": {"systems[paged].scheduler.max_num_seqs": [8, 64],
+                                      "memory.kv_memory_gib": [None, 2]}})
+    data["memory"] = {"gpu_memory_utilization": 0.9}
+    path = write(tmp_path, data)
+    proc = kvsim_in_process("sweep", str(path), "--out", str(tmp_path / "out"), "--quiet",
+                            "--no-report", "--jobs", "2")
+    assert proc.returncode == 0, proc.stderr
+    table = pd.read_parquet(tmp_path / "out" / "results.parquet")
+    assert table["param:memory.kv_memory_gib"].isna().sum() == 4  # 2 points × 2 systems
+    rows = [line for line in proc.stdout.splitlines() if line.split()[:1] in (["NaN"],
+                                                                              ["2.0"])]
+    assert len(rows) == 8  # every point and system, the null ones included

@@ -1,0 +1,127 @@
+"""Prefill/decode disaggregation: prefill replicas give the first token, decode replicas the
+rest, the KV travelling between them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from reports.run_figures import memory_over_time, replica_balance
+from sim.engine import build_timing, run_scenario
+from sim.presets import lookup_model
+from sim.scenario import ScenarioError, scenario_from_dict
+
+
+def scenario(prefill_replicas: int = 2, replicas: int = 4, **split) -> dict:
+    return {
+        "name": "split", "model": "llama-2-7b", "gpu": "a100-80g",
+        "memory": {"kv_memory_gib": 8},
+        "engine": {"replicas": replicas,
+                   "disaggregation": {"prefill_replicas": prefill_replicas, **split}},
+        "workload": {"arrival": {"process": "poisson", "rate": 10},
+                     "prompt_len": {"dist": "lognormal", "mean": 800, "sigma": 0.7,
+                                    "max": 3000},
+                     "output_len": {"dist": "uniform", "low": 1, "high": 200},
+                     "prefix_groups": {"groups": 3, "length": 256, "fraction": 0.5}},
+        "systems": [{"name": "paged", "allocator": {"kind": "paged"}},
+                    {"name": "contiguous", "allocator": {"kind": "contiguous",
+                                                         "reserve_policy": "request_max"}}],
+        "stop": {"num_requests": 300},
+    }
+
+
+def test_prefill_replicas_give_the_first_token_and_decode_replicas_the_rest():
+    data = scenario(kv_transfer_gbps=10, kv_transfer_latency_s=0.005)
+    parsed = scenario_from_dict(data)
+    result = run_scenario(parsed)
+    a = build_timing(parsed, Path()).a
+    per_token_s = lookup_model("llama-2-7b").kv_bytes_per_token / 10e9
+    for run in result.systems.values():
+        requests, steps = run.requests, run.steps
+        assert run.summary["preemptions"] == 0  # ample memory: every count below is exact
+        assert set(requests["replica"]) == {0, 1}  # new requests go to prefill replicas
+        single = requests["output_len"] == 1
+        # One output token is all a prefill replica gives: nothing to hand over.
+        assert (requests.loc[single, "decode_replica"] == -1).all()
+        assert (requests.loc[single, "finished_s"] == requests.loc[single, "first_token_s"]
+                ).all()
+        rest = requests[~single]
+        assert (rest["decode_replica"] == 2 + rest["request"] % 2).all()
+        # The KV travels (latency + bytes / bandwidth), then each later token takes a step.
+        earliest = (rest["first_token_s"] + 0.005 + rest["prompt_len"] * per_token_s
+                    + (rest["output_len"] - 1) * a)
+        assert (rest["finished_s"] >= earliest - 1e-9).all()
+        # Prefill replicas never decode; decode replicas compute one token per handover
+        # (the first token's own KV), never a prompt.
+        prefill_steps = steps[steps["replica"] < 2]
+        decode_steps = steps[steps["replica"] >= 2]
+        assert (prefill_steps["decode_seqs"] == 0).all()
+        assert decode_steps["prefill_tokens"].sum() == len(rest)
+        assert prefill_steps["prefill_tokens"].sum() == (
+            requests["prompt_len"].sum() - requests["prefix_hit_tokens"].sum())
+        # Prefix hits count where prompts are read: at prefill replicas only.
+        decode_memory = run.memory[run.memory["replica"] >= 2]
+        assert (decode_memory["lookup_tokens"] == 0).all()
+        assert run.summary["prefill_replicas"] == 2
+        assert run.summary["replica_imbalance"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_the_transfer_is_what_the_link_makes_it():
+    def e2e_minus_ttft(**split) -> pd.Series:
+        run = run_scenario(scenario_from_dict(scenario(**split))).systems["paged"]
+        many = run.requests[run.requests["output_len"] > 1]
+        return many["finished_s"] - many["first_token_s"]
+
+    slow = e2e_minus_ttft(kv_transfer_gbps=1, kv_transfer_latency_s=0.0)
+    fast = e2e_minus_ttft(kv_transfer_gbps=100, kv_transfer_latency_s=0.0)
+    late = e2e_minus_ttft(kv_transfer_gbps=100, kv_transfer_latency_s=1.0)
+    assert slow.mean() > fast.mean() + 0.1  # 800 tokens × 0.5 MiB at 1 GB/s: 0.4 s
+    assert (late >= 1.0).all()
+
+
+def test_a_split_needs_a_decode_replica_and_one_sample():
+    with pytest.raises(ScenarioError, match=r"engine: disaggregation.prefill_replicas \(2\) "
+                       r"must leave decode replicas among engine.replicas \(2\)"):
+        scenario_from_dict(scenario(2, replicas=2), "s.yaml")
+    data = scenario()
+    data["workload"]["sampling"] = {"n": 2}
+    with pytest.raises(ScenarioError, match="one sample per request"):
+        scenario_from_dict(data, "s.yaml")
+
+
+def test_sessions_and_routers_stay_exact_across_the_split():
+    # A session's next turn is released by the decode replica that finished the last one,
+    # and read by the prefill replica that holds its conversation.
+    data = scenario(1, replicas=3)
+    data["workload"]["sessions"] = {"turns": {"dist": "uniform", "low": 2, "high": 4},
+                                    "think_time_s": 0.5}
+    data["engine"]["router"] = {"policy": "cache_aware"}
+    tables = {}
+    for mode in ("jump", "step"):
+        data["engine"]["mode"] = mode
+        tables[mode] = run_scenario(scenario_from_dict(data)).systems
+    for name in ("paged", "contiguous"):
+        pd.testing.assert_frame_equal(tables["jump"][name].requests,
+                                      tables["step"][name].requests)
+        requests = tables["jump"][name].requests
+        assert (requests["replica"] == 0).all()
+        assert set(requests.loc[requests["output_len"] > 1, "decode_replica"]) == {1, 2}
+
+
+def test_figures_show_decode_replicas_for_decoding():
+    result = run_scenario(scenario_from_dict(scenario()))
+    memory = memory_over_time(result)
+    assert "(replica 2, decode)" in memory.axes[0].get_title(loc="left")
+    balance = replica_balance(result)
+    assert balance is not None
+    served = balance.kvsim_data.pivot_table(index="replica", columns="system",
+                                            values="requests")
+    requests = result.systems["paged"].requests
+    handed_over = requests[requests["output_len"] > 1]
+    assert served.loc[2, "paged"] + served.loc[3, "paged"] == len(handed_over)
+    assert served.loc[0, "paged"] + served.loc[1, "paged"] == len(requests)
+    assert np.isnan(balance.kvsim_data.set_index(["system", "replica"]).loc[
+        ("paged", 2), "ttft_p50_s"])
