@@ -405,7 +405,8 @@ class Scheduler:
                 request.admitted_s = now_s
             if request.transferred:
                 # Its prompt was read elsewhere: write what the cache lacks, compute nothing
-                # (not a lookup either: the prefix cache saved no computation here).
+                # (not a lookup either: the prefix cache saved no computation here, and
+                # blocks found in a host tier came over the network anyway).
                 arrived = max(request.transferred - hits, 0)
                 if arrived:
                     written = self.allocator.append(request.index * MAX_SAMPLES, arrived)
@@ -416,9 +417,9 @@ class Scheduler:
                 request.hit_tokens += hits
                 self.hit_tokens += hits
                 self.lookup_tokens += spec.prompt_len
-            loaded = self.allocator.last_loaded_tokens
-            batch.loaded_tokens += loaded
-            self.loaded_tokens += loaded
+                loaded = self.allocator.last_loaded_tokens
+                batch.loaded_tokens += loaded
+                self.loaded_tokens += loaded
             if request.resumed:
                 request.recomputed_tokens += spec.prompt_len - hits
             self.running[request.admit_seq] = request

@@ -125,3 +125,19 @@ def test_figures_show_decode_replicas_for_decoding():
     assert served.loc[0, "paged"] + served.loc[1, "paged"] == len(requests)
     assert np.isnan(balance.kvsim_data.set_index(["system", "replica"]).loc[
         ("paged", 2), "ttft_p50_s"])
+
+
+def test_a_decode_replica_takes_the_network_copy_not_its_host_tier():
+    # Small pools that keep evicting shared prompts to host memory; a light load, so that
+    # no decode replica preempts (a preempted request recomputes there, host hits and all).
+    data = scenario()
+    data["memory"] = {"kv_memory_gib": 2}
+    data["workload"]["arrival"]["rate"] = 0.5
+    data["workload"]["prefix_groups"] = {"groups": 16, "length": 512, "fraction": 1.0}
+    data["systems"] = [{"name": "paged", "allocator": {"kind": "paged", "host_cache_gib": 4}}]
+    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    steps = run.steps
+    assert run.summary["preemptions"] == 0
+    assert steps.loc[steps["replica"] < 2, "loaded_tokens"].sum() > 0  # prefill: host hits
+    assert (steps.loc[steps["replica"] >= 2, "loaded_tokens"] == 0).all()
+    assert 0 < run.summary["host_hit_rate"] <= run.summary["prefix_hit_rate"] <= 1
