@@ -241,7 +241,9 @@ class _Replica:
                 self.open_pos += 1
             else:
                 _, index, prepared = heapq.heappop(self.released)
-            request = prepared or sim.new_request(index, t, self)
+            request = prepared or Request(sim.trace, index, t)
+            if self.role == "prefill":
+                sim.serve_as(request, self)
             if not self.scheduler.add(request):
                 sim.on_done(self, request, t)
 
@@ -493,19 +495,23 @@ class _SystemRun:
                 and self.output_lens[request.index] > 1):
             self._hand_over(request, now_s)
             return
-        self.request_rows.append((
-            request.index, request.arrival_s, request.admitted_s, request.first_token_s,
-            request.finished_s, request.prompt_len, self.output_lens[request.index],
-            request.n, request.preemptions, request.hit_tokens, request.recomputed_tokens,
-            request.rejected, int(self.replica_of[request.index]),
-            int(self.allocated_at_finish[request.index]),
-            *((replica.index if replica.role == "decode" else -1,) if self.handovers else ())))
+        routed_to = int(self.replica_of[request.index])
+        row = (request.index, request.arrival_s, request.admitted_s, request.first_token_s,
+               request.finished_s, request.prompt_len, self.output_lens[request.index],
+               request.n, request.preemptions, request.hit_tokens, request.recomputed_tokens,
+               request.rejected, routed_to, int(self.allocated_at_finish[request.index]))
+        if self.handovers:
+            row += (replica.index if replica.role == "decode" else -1,)
+        self.request_rows.append(row)
         self.done += 1
         if self.progress:
             self.progress(1)
+        dependents = self.dependents.get(request.index)
+        if not dependents:
+            return
         # A session's next turn goes where its conversation's prompts are read.
-        home = self.replicas[int(self.replica_of[request.index])]
-        for index in self.dependents.get(request.index, []):
+        home = self.replicas[routed_to]
+        for index in dependents:
             release = now_s + self.think_s[index]
             if self.duration_s is not None and release > self.duration_s:
                 continue
