@@ -218,16 +218,22 @@ def capacity_points(path: Path, *, quick: bool = False) -> tuple[Scenario, list[
 
 def point_capacity(scenario_data: dict[str, Any], base_dir: str, rel_tol: float,
                    max_probes: int) -> list[dict[str, Any]]:
-    """One row per system of the point's search (in a worker): its capacity in requests/s
-    (and per GPU), the lightest load that missed, and the summary of the run at capacity."""
+    """:func:`capacity_rows` of one sweep point's search (in a worker), or its error."""
     scenario = scenario_from_dict(scenario_data)
-    gpus = scenario.engine.replicas * scenario.parallel.tensor_parallel_size
     try:
         knob, capacities = find_capacity(scenario, Path(base_dir), rel_tol=rel_tol,
                                          max_probes=max_probes)
     except Exception as exc:  # recorded with the point; the others go on
         return [{"system": s.name, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
                 for s in scenario.systems]
+    return capacity_rows(scenario, knob, capacities)
+
+
+def capacity_rows(scenario: Scenario, knob: LoadKnob, capacities: list[Capacity]
+                  ) -> list[dict[str, Any]]:
+    """One row per system searched: its capacity in requests/s (and per GPU), the lightest
+    load that missed, and the summary of the run at capacity."""
+    gpus = scenario.engine.replicas * scenario.parallel.tensor_parallel_size
     rows = []
     for c in capacities:
         held = c.at(c.held)

@@ -98,15 +98,12 @@ def _progress_factory(quiet: bool) -> Callable[[str, int], Callable[[int], None]
 
 # ---------------------------------------------------------------------- commands
 def cmd_run(args: argparse.Namespace) -> int:
+    from sim.api import load
     from sim.engine import run_scenario
     from sim.results import make_output_folder, run_notes, write_run
-    from sim.scenario import load_scenario, scenario_from_dict
 
     path = Path(args.scenario)
-    scenario = load_scenario(path)
-    if args.seed is not None:
-        scenario = scenario_from_dict({**scenario.model_dump(), "seed": args.seed},
-                                          f"--seed {args.seed}")
+    scenario, _ = load(path, args.seed)
     out = make_output_folder(Path(args.out or scenario.output_dir
                                   or Path("runs") / scenario.name))
     try:
@@ -199,17 +196,19 @@ def _sweep_means(table: pd.DataFrame, metrics: Sequence[str]) -> str:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
+    from sim.api import load
     from sim.capacity import find_capacity
     from sim.results import make_output_folder
-    from sim.scenario import load_scenario, scenario_from_dict
+    from sim.scenario import scenario_from_dict
 
     path = Path(args.scenario)
-    scenario = load_scenario(path)
+    scenario, _ = load(path, args.seed)
     bounds = {"ttft_s": args.ttft_s, "tpot_s": args.tpot_s, "e2e_s": args.e2e_s,
               "attainment": args.attainment}
     given = {k: v for k, v in bounds.items() if v is not None}
-    if given and args.sweep:
-        raise BadInput("--sweep searches the file's own slo section; put the bounds there")
+    if (given or args.seed is not None) and args.sweep:
+        raise BadInput("--sweep searches the file's own slo section and seeds; put the bounds "
+                       "or seeds there")
     if given:  # the command line's objectives replace the file's, bound by bound
         slo = {**(scenario.slo.model_dump(exclude_none=True) if scenario.slo else {}), **given}
         scenario = scenario_from_dict({**scenario.model_dump(), "slo": slo}, "command line")
@@ -524,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("--e2e-s", type=_positive_float, help="end-to-end bound in seconds")
     capacity.add_argument("--attainment", type=_positive_float,
                           help="share of requests that must be within the SLO (default 0.9)")
+    capacity.add_argument("--seed", type=int, help="override the scenario's seed")
     capacity.add_argument("--system", action="append",
                           help="search this system only (repeatable; default: all)")
     capacity.add_argument("--rel-tol", type=_positive_float, default=0.02,

@@ -496,10 +496,11 @@ class _SystemRun:
             self._hand_over(request, now_s)
             return
         routed_to = int(self.replica_of[request.index])
-        row = (request.index, request.arrival_s, request.admitted_s, request.first_token_s,
-               request.finished_s, request.prompt_len, self.output_lens[request.index],
-               request.n, request.preemptions, request.hit_tokens, request.recomputed_tokens,
-               request.rejected, routed_to, int(self.allocated_at_finish[request.index]))
+        row: tuple[object, ...] = (
+            request.index, request.arrival_s, request.admitted_s, request.first_token_s,
+            request.finished_s, request.prompt_len, self.output_lens[request.index],
+            request.n, request.preemptions, request.hit_tokens, request.recomputed_tokens,
+            request.rejected, routed_to, int(self.allocated_at_finish[request.index]))
         if self.handovers:
             row += (replica.index if replica.role == "decode" else -1,)
         self.request_rows.append(row)

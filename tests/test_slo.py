@@ -345,7 +345,7 @@ def test_capacity_sweep_command_tables_figures_and_failures(tmp_path):
     assert (tmp_path / "out" / "figures" / "capacity_vs_memory_kv_memory_gib.png").is_file()
     refused = kvsim_in_process("capacity", str(path), "--sweep", "--ttft-s", "1", "--out",
                                str(tmp_path / "x"))
-    assert refused.returncode == 2 and "put the bounds there" in refused.stderr
+    assert refused.returncode == 2 and "put the bounds or seeds there" in refused.stderr
 
 
 def test_per_gpu_capacity_is_shown_where_gpu_counts_differ():
@@ -357,3 +357,26 @@ def test_per_gpu_capacity_is_shown_where_gpu_counts_differ():
                                                         "capacity_req_s_per_gpu"]
     assert sweep_metrics(table.assign(gpus=2), ["capacity_req_s"]) == ["capacity_req_s"]
     assert sweep_metrics(table.assign(capacity_req_s=np.nan), ["capacity_req_s"]) == []
+
+
+def test_the_python_api_finds_what_the_command_finds(tmp_path):
+    import sim
+
+    data = scenario(slo=OBJECTIVES)
+    table = sim.capacity_under_slo(data, rel_tol=0.05, systems=["paged"], seed=3)
+    _, (paged,) = find_capacity(scenario_from_dict({**data, "seed": 3}), Path(),
+                                rel_tol=0.05, systems=["paged"])
+    assert list(table.index) == ["paged"]
+    assert table.loc["paged", "capacity_req_s"] == paged.held
+    assert table.loc["paged", "slo_attainment"] == paged.at(paged.held).attainment
+    assert table.loc["paged", "runs"] == len(paged.probes)
+    import yaml
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = kvsim_in_process("capacity", str(path), "--system", "paged", "--rel-tol", "0.05",
+                            "--seed", "3", "--out", str(tmp_path / "out"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "out" / "capacity.json").read_text())
+    assert result["seed"] == 3
+    assert result["systems"]["paged"]["capacity_req_s"] == paged.held
