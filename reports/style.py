@@ -10,12 +10,13 @@ from __future__ import annotations
 import matplotlib
 
 matplotlib.use("Agg")
-# SVG element ids come from a random salt unless one is set: fixed, so that the same run
-# draws byte-identical files.
-matplotlib.rcParams["svg.hashsalt"] = "kvsim"
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
+
+# SVG element ids come from a random salt unless one is set: fixed, so that the same run
+# draws byte-identical files.
+matplotlib.rcParams["svg.hashsalt"] = "kvsim"
 
 TAXONOMY_COLORS: dict[str, str] = {
     "token": "#0072B2",  # blue: live KV

@@ -77,21 +77,27 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
             RunFolderError)
 
 
+def _progress_bar(total: int, desc: str, unit: str, *, quiet: bool = False,
+                  leave: bool = True) -> Callable[[int], None]:
+    """A tqdm bar on stderr (none when ``quiet`` or stderr is no terminal), advanced by the
+    returned function and closed when it reaches ``total``."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit=unit, leave=leave, mininterval=0.5,
+               disable=True if quiet else None, file=sys.stderr)
+
+    def update(n: int) -> None:
+        bar.update(n)
+        if bar.n >= total:
+            bar.close()
+
+    return update
+
+
 def _progress_factory(quiet: bool) -> Callable[[str, int], Callable[[int], None] | None]:
+    """A bar per system of a run, cleared when the system is done."""
     def factory(name: str, total: int) -> Callable[[int], None] | None:
-        if quiet:
-            return None
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc=name, unit="req", leave=False, disable=None,
-                   mininterval=0.5, file=sys.stderr)
-
-        def update(n: int) -> None:
-            bar.update(n)
-            if bar.n >= total:
-                bar.close()
-
-        return update
+        return None if quiet else _progress_bar(total, name, "req", leave=False)
 
     return factory
 
@@ -140,19 +146,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from sim.sweep import run_sweep
 
     def progress(total: int, skipped: int) -> Callable[[int], None]:
-        from tqdm import tqdm
-
         if skipped:
             print(f"resuming: {skipped} finished points skipped")
-        bar = tqdm(total=total, desc="sweep", unit="run", disable=None if not args.quiet
-                   else True, file=sys.stderr)
-
-        def update(n: int) -> None:
-            bar.update(n)
-            if bar.n >= total:
-                bar.close()
-
-        return update
+        return _progress_bar(total, "sweep", "run", quiet=args.quiet)
 
     outcome = run_sweep(Path(args.scenario), out_dir=Path(args.out) if args.out else None,
                         jobs=args.jobs, executor=args.executor, address=args.address,
@@ -248,24 +244,12 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
     from sim.capacity import capacity_sweep
     from sim.results import write_table
 
-    def progress(total: int) -> Callable[[int], None]:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc="capacity", unit="point",
-                   disable=None if not args.quiet else True, file=sys.stderr)
-
-        def update(n: int) -> None:
-            bar.update(n)
-            if bar.n >= total:
-                bar.close()
-
-        return update
-
     try:
         table = capacity_sweep(path, jobs=args.jobs, executor=args.executor,
                                address=args.address, rel_tol=args.rel_tol,
                                max_probes=args.max_probes, quick=args.quick,
-                               progress=progress)
+                               progress=lambda total: _progress_bar(total, "capacity", "point",
+                                                                    quiet=args.quiet))
     except _bad_input_types() as exc:
         raise BadInput(f"{path}: {exc}") from None
     written = write_table(table, out / "capacity.parquet")
