@@ -315,12 +315,12 @@ def params_as_text(table: pd.DataFrame) -> pd.DataFrame:
 
 # An executor runs ``fn(*args)`` for each (key, args) task and yields (key, result) as they
 # finish: local processes or Ray tasks, the same results either way.
-Executor = Callable[[Callable[..., Any], list[tuple[Any, tuple[Any, ...]]]],
-                    Iterator[tuple[Any, Any]]]
+Tasks = list[tuple[Any, tuple[Any, ...]]]
+Executor = Callable[[Callable[..., Any], Tasks], Iterator[tuple[Any, Any]]]
 
 
 def _local_executor(jobs: int) -> Executor:
-    def execute(fn, tasks):  # type: ignore[no-untyped-def]
+    def execute(fn: Callable[..., Any], tasks: Tasks) -> Iterator[tuple[Any, Any]]:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             pending: dict[Future, Any] = {pool.submit(fn, *args): key for key, args in tasks}
             while pending:
@@ -337,7 +337,7 @@ def _ray_executor(jobs: int, address: str | None) -> Executor:
     except ImportError:
         raise SweepError("--executor ray needs Ray: pip install 'kvsim[ray]'") from None
 
-    def execute(fn, tasks):  # type: ignore[no-untyped-def]
+    def execute(fn: Callable[..., Any], tasks: Tasks) -> Iterator[tuple[Any, Any]]:
         started_here = not ray.is_initialized()
         if started_here:
             if address:
