@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from reports.style import new_figure
+from reports.style import legend, new_figure
 
 
 def attainment_figure(lines: list[tuple[str, dict[str, Any], pd.DataFrame]], x: str,
@@ -41,11 +41,7 @@ def attainment_figure(lines: list[tuple[str, dict[str, Any], pd.DataFrame]], x: 
     axes[0].set_ylim(-3, 103)
     axes[1].set_ylabel("goodput (req/s within SLO)")
     axes[1].set_xlabel("offered load (requests/s)")
-    if len(lines) <= 5:
-        axes[0].legend(fontsize=8, frameon=False)
-    else:
-        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=2,
-                   fontsize=8, frameon=False)
+    legend(axes[0], len(lines))
     axes[0].set_title(title, loc="left", fontsize=11)
     for ax in axes:
         ax.grid(alpha=0.3)

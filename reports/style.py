@@ -7,6 +7,8 @@ scheme, which is safe too and distinct from the taxonomy colours' roles.
 
 from __future__ import annotations
 
+from typing import Any
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -48,6 +50,16 @@ def new_figure(rows: int = 1, cols: int = 1, *, width: float = 9.0, height: floa
     fig, axes = plt.subplots(rows, cols, figsize=(width, height * rows), sharex=sharex,
                              squeeze=False, layout="constrained")
     return fig, list(axes.flat)
+
+
+def legend(ax: Any, entries: int) -> None:
+    """A few lines: a legend inside the axes; more: two columns under the figure, where
+    they cover no data."""
+    if entries <= 5:
+        ax.legend(fontsize=8, frameon=False)
+    else:
+        ax.figure.legend(*ax.get_legend_handles_labels(), loc="outside lower center",
+                         ncols=2, fontsize=8, frameon=False)
 
 
 def close(fig: Figure) -> None:

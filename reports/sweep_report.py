@@ -20,7 +20,7 @@ from matplotlib.ticker import FuncFormatter
 
 from reports.html import img_tag, render_html, save_figure
 from reports.slo_figure import attainment_figure, describe_slo
-from reports.style import new_figure, system_color
+from reports.style import legend, new_figure, system_color
 from sim.metrics import PER_GPU, gpu_counts_differ
 from sim.results import read_back, read_table
 
@@ -81,16 +81,6 @@ def _follows(table: pd.DataFrame, column: str, leader: str) -> bool:
 def _short(column: str) -> str:
     """A swept column as a legend or tick names it: its last field (``block_size``)."""
     return column.removeprefix("param:").rsplit(".", 1)[-1]
-
-
-def _legend(ax: Any, entries: int) -> None:
-    """A few lines: a legend inside the axes; more: two columns under the figure, where
-    they cover no data."""
-    if entries <= 5:
-        ax.legend(fontsize=8, frameon=False)
-    else:
-        ax.figure.legend(*ax.get_legend_handles_labels(), loc="outside lower center",
-                         ncols=2, fontsize=8, frameon=False)
 
 
 LINE_STYLES = ["-", "--", ":", "-."]
@@ -157,7 +147,7 @@ def metric_vs_field(table: pd.DataFrame, field: str, metric: str, *,
     ax.set_xlabel(field)
     ax.set_ylabel(METRIC_LABELS.get(metric, metric))
     ax.grid(alpha=0.3)
-    _legend(ax, len(lines))
+    legend(ax, len(lines))
     ax.set_title(f"{METRIC_LABELS.get(metric, metric)} against {field}", loc="left",
                  fontsize=11)
     fig.kvsim_data = {"series": data}  # type: ignore[attr-defined]
@@ -199,7 +189,7 @@ def rate_figure(table: pd.DataFrame, field: str = "workload.arrival.rate") -> Fi
     axes[1].yaxis.set_minor_formatter(FuncFormatter(
         lambda value, _: f"{value:g}" if f"{value:e}"[0] in "25" else ""))
     axes[1].set_xlabel("offered load (requests/s)")
-    _legend(axes[0], len(lines))
+    legend(axes[0], len(lines))
     axes[0].set_title("Throughput and latency against load (dashed: saturation knee)",
                       loc="left", fontsize=11)
     for ax in axes:

@@ -310,17 +310,17 @@ def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path) 
                             "offered_req_s": p.offered_req_s, "holds": p.holds, **p.summary}
                            for c in capacities for p in c.probes])
     probes.to_csv(out / "probes.csv", index=False)
+    capacity_req_s = {c.system: None if c.held is None else knob.offered_req_s(c.held)
+                      for c in capacities}
     write_json({"scenario": scenario.name, "seed": scenario.seed,
                 "slo": scenario.slo.model_dump(), "knob": knob.path,
                 "systems": {c.system: {
-                    "capacity_req_s": None if c.held is None else knob.offered_req_s(c.held),
+                    "capacity_req_s": capacity_req_s[c.system],
                     "capacity_load": c.held, "misses_at_load": c.failed,
                     "converged": c.converged, "runs": len(c.probes)} for c in capacities}},
                out / "capacity.json")
     lines = [(c.system, {"color": system_color(i), "marker": "o"},
               probes[probes["system"] == c.system]) for i, c in enumerate(capacities)]
-    capacity_req_s = {c.system: None if c.held is None else knob.offered_req_s(c.held)
-                      for c in capacities}
     slo = scenario.slo.model_dump()
     save_figure(attainment_figure(lines, "offered_req_s", slo["attainment"], capacity_req_s,
                                   title=f"{scenario.name}: within SLO ({describe_slo(slo)})"),
