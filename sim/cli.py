@@ -169,7 +169,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 SWEEP_TABLE_METRICS = ("throughput_tok_s", "e2e_p90_s", "slo_attainment", "waste_frac",
-                       "prefix_hit_rate")
+                       "prefix_hit_rate", "swap_preemptions")
 
 
 def _sweep_means(table: pd.DataFrame, metrics: Sequence[str]) -> str:

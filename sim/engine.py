@@ -68,20 +68,24 @@ def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int,
                           host_cache_blocks=host_slots // cfg.block_size)
 
 
-def host_tier(scenario: Scenario, system: SystemConfig) -> tuple[int, float]:
-    """A system's host cache: its token slots per replica, and the seconds one token's KV
-    takes to load back over each GPU's PCIe link (the GPUs of a tensor-parallel group load
-    their shares side by side). (0, 0.0) without one."""
-    gib = getattr(system.allocator, "host_cache_gib", 0)
-    if not gib:
-        return 0, 0.0
+def host_memory(scenario: Scenario, system: SystemConfig) -> tuple[int, int, float]:
+    """A system's host memory per replica: the token slots of its host cache and of its
+    swap space, and the seconds one token's KV takes to cross each GPU's PCIe link (the GPUs
+    of a tensor-parallel group move their shares side by side). Zeros where it uses none."""
     tp = scenario.parallel.tensor_parallel_size
     model = scenario.model_spec()
+    cache_gib = getattr(system.allocator, "host_cache_gib", 0)
+    swap = system.scheduler.preemption_mode == "swap"
+    if not cache_gib and not swap:
+        return 0, 0, 0.0
     link = scenario.gpu_spec().host_link_bytes_per_s
     if not link:  # the scenario refuses this; a GpuSpec built by hand may still lack it
-        raise SizingError(f"systems[{system.name}]: a host cache needs the GPU's host link "
-                          "bandwidth")
-    return model.slots_in_gib(gib, tp), model.kv_bytes_per_token_per_gpu(tp) / link
+        raise SizingError(f"systems[{system.name}]: host memory (a host cache, or swap) needs "
+                          "the GPU's host link bandwidth")
+    # vLLM's --swap-space is per GPU; a tensor-parallel group swaps each GPU's share.
+    swap_slots = model.slots_in_gib(system.scheduler.swap_space_gib * tp, tp) if swap else 0
+    return (model.slots_in_gib(cache_gib, tp), swap_slots,
+            model.kv_bytes_per_token_per_gpu(tp) / link)
 
 
 def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
@@ -160,8 +164,8 @@ class _Recorder:
     def __post_init__(self) -> None:
         self.steps = _RowBuffer([
             "replica", "time_s", "duration_s", "steps", "decode_seqs", "context_tokens",
-            "prefill_tokens", "prefill_requests", "loaded_tokens", "preempted", "running",
-            "waiting"])
+            "prefill_tokens", "prefill_requests", "loaded_tokens", "swapped_slots", "preempted",
+            "running", "waiting"])
         self.memory = _RowBuffer([
             "replica", "time_s", *MEMORY_COLUMNS, "running", "waiting", "decode_seqs",
             "preemptions", "hit_tokens", "lookup_tokens"])
@@ -174,7 +178,8 @@ class _Recorder:
         running, waiting = len(sched.running), len(sched.waiting)
         self.steps.append((replica, start_s, duration_s, steps, batch.decode_seqs,
                            batch.context_tokens, batch.prefill_tokens, len(batch.prefill),
-                           batch.loaded_tokens, batch.preempted, running, waiting))
+                           batch.loaded_tokens, batch.swapped_slots, batch.preempted, running,
+                           waiting))
         for key in MEMORY_COLUMNS:
             self.weighted[key] += duration_s * (snap[key] + snap_end[key]) / 2
         self.weighted["running"] += duration_s * running
@@ -202,7 +207,7 @@ class _Replica:
         self.role = role  # "both", or "prefill" / "decode" under disaggregation
         self.sim = sim
         self.allocator = allocator
-        self.scheduler = Scheduler(allocator, sim.system.scheduler, sim.debug)
+        self.scheduler = Scheduler(allocator, sim.system.scheduler, sim.debug, sim.swap_slots)
         self.rho = sim.timing.rho(allocator.block_size if isinstance(allocator, PagedAllocator)
                                   else None)
         self.open: list[int] = []  # open-arrival request indices, in arrival order
@@ -284,9 +289,11 @@ class _Replica:
                 batch = Batch()
                 sched.fill_decode(batch)
                 snap = sched.snapshot().as_dict()
-                # An arrival matters only to an empty queue (behind a blocked head it waits).
-                stop_at = self.next_arrival() if not sched.waiting else math.inf
-                if self.role == "decode" and not sched.waiting:
+                # An arrival matters only to an empty queue (behind a blocked head it waits),
+                # unless its rejection may release others to another replica.
+                arrivals_matter = not sched.waiting or sim.rejection_releases
+                stop_at = self.next_arrival() if arrivals_matter else math.inf
+                if self.role == "decode" and arrivals_matter:
                     stop_at = min(stop_at, sim.handover_horizon())
                 steps, clock, finished = sched.decode_quietly(
                     timing.decode_step_time(batch.decode_seqs, self.rho), start, stop_at)
@@ -302,7 +309,9 @@ class _Replica:
                                             batch.prefill_tokens, batch.prefill_pairs, self.rho)
                 if batch.loaded_tokens:  # host-cache hits, read up for the step
                     duration = with_host_loads(duration, batch.loaded_tokens
-                                               * sim.load_s_per_token, sim.pipelined_layers)
+                                               * sim.host_s_per_token, sim.pipelined_layers)
+                if batch.swapped_slots:  # copied before the step computes, as vLLM v0 does
+                    duration += batch.swapped_slots * sim.host_s_per_token
                 clock = start + duration
                 steps = 1
                 finished = sched.finish_step(batch, clock)
@@ -352,7 +361,7 @@ class _SystemRun:
             self.transfer_s_per_token = (scenario.model_spec().kv_bytes_per_token_per_gpu(tp)
                                          / (split.kv_transfer_gbps * 1e9))
             self.transfer_latency_s = split.kv_transfer_latency_s
-        host_slots, self.load_s_per_token = host_tier(scenario, system)
+        host_slots, self.swap_slots, self.host_s_per_token = host_memory(scenario, system)
         self.pipelined_layers = (scenario.model_spec().num_layers if getattr(
             system.allocator, "host_load", "serial") == "layerwise" else 0)
         self.arrival_s = trace.arrival_s.tolist()
@@ -407,6 +416,13 @@ class _SystemRun:
             if self.router is None:
                 replica.open = roots[self.replica_of[roots] == r].tolist()
             self.replicas.append(replica)
+        # Whether a decode replica may reject a request that others wait on (it could never
+        # fit the pool): it is rejected the moment it is handed over, releasing them to a
+        # prefill replica, so the decode replica's jump must stop there even behind a
+        # blocked head. (A colocated replica's own dependents would wait behind that head.)
+        sizer = self.replicas[-1].scheduler
+        self.rejection_releases = self.handovers and any(
+            not sizer.fits_ever(Request(trace, index, 0.0)) for index in self.dependents)
 
     def next_unrouted_s(self) -> float:
         """Arrival time of the next open arrival the router has yet to place (inf if none)."""
@@ -563,6 +579,11 @@ class _SystemRun:
         has_host = getattr(self.replicas[0].allocator, "host", None) is not None
         extra["host_hit_rate"] = (loaded / lookup if lookup else 0.0) if has_host else None
         extra["host_loaded_tokens"] = loaded
+        # None (shown "—") for systems that preempt by recompute.
+        swaps = self.system.scheduler.preemption_mode == "swap"
+        for key in ("swap_preemptions", "swapped_out_slots", "swapped_in_slots"):
+            extra[key] = (sum(getattr(r.scheduler, key) for r in self.replicas) if swaps
+                          else None)
         summary_requests = requests.fillna({"finished_s": -1.0})
         summary = summarize(summary_requests, steps,
                             self.recorder.averages(len(self.replicas)), capacity, extra,

@@ -39,7 +39,9 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("host_hit_rate", "prefix hits from host memory", "%"),
     ("replica_imbalance", "replica imbalance (max/mean requests)", "{:,.2f}"),
     ("preemptions", "preemptions", "{:,.0f}"),
+    ("swap_preemptions", "preemptions by swap", "{:,.0f}"),
     ("recomputed_tokens", "recomputed tokens", "{:,.0f}"),
+    ("swapped_out_slots", "KV slots swapped out", "{:,.0f}"),
     ("makespan_s", "makespan (s)", "{:,.1f}"),
     # kvsim capacity --sweep: the search's answer, beside the summary of the run at it.
     ("capacity_req_s", "capacity under SLO (req/s)", "{:,.2f}"),
@@ -65,7 +67,7 @@ def format_metric(value: Any, fmt: str) -> str:
 ONLY_WHEN_ABOVE_ONE = {"throughput_tok_s_per_gpu": "gpus", "replica_imbalance": "replicas"}
 # Rows of a feature most runs do not use: shown only where some system has a value.
 ONLY_WHEN_SET = {"host_hit_rate", "slo_attainment", "goodput_req_s", "capacity_req_s",
-                 "capacity_req_s_per_gpu"}
+                 "capacity_req_s_per_gpu", "swap_preemptions", "swapped_out_slots"}
 # A total and its share per GPU, shown beside it where runs use different numbers of GPUs.
 PER_GPU = {"throughput_tok_s": "throughput_tok_s_per_gpu",
            "capacity_req_s": "capacity_req_s_per_gpu"}
@@ -75,8 +77,8 @@ def summary_rows(summaries: Iterable[dict[str, Any]]) -> list[tuple[str, str, st
     """The rows of :data:`SUMMARY_ROWS` these summaries need: throughput per GPU only where
     some system runs on more than one GPU (else it repeats the throughput), replica
     imbalance only where some system has several replicas, host-cache hits only where some
-    system has a host cache, SLO attainment and goodput only where the scenario sets
-    objectives."""
+    system has a host cache, swaps only where some system preempts by swap, SLO attainment
+    and goodput only where the scenario sets objectives."""
     summaries = list(summaries)
 
     def needed(key: str) -> bool:

@@ -133,6 +133,11 @@ class SchedulerConfig(ConfigModel):
     max_num_batched_tokens: PositiveInt = 8192
     chunked_prefill: bool = False
     preemption_victim: Literal["last_admitted", "fewest_generated"] = "last_admitted"
+    # As vLLM v0's preemption_mode: drop a victim's KV and recompute it later, or copy it to
+    # host memory and back over the host link (a request that does not fit there, or has
+    # several samples, is still recomputed).
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space_gib: float = Field(default=4.0, gt=0)  # per GPU, as vLLM's --swap-space
 
 
 class SystemConfig(ConfigModel):
@@ -305,13 +310,17 @@ class Scenario(ConfigModel):
 
     @field_validator("systems")
     @classmethod
-    def _host_cache_has_a_link(cls, systems: list[SystemConfig], info: ValidationInfo
+    def _host_memory_has_a_link(cls, systems: list[SystemConfig], info: ValidationInfo
                                ) -> list[SystemConfig]:
         gpu = info.data.get("gpu")
+        if not isinstance(gpu, GpuConfig) or gpu.host_link_gbps is not None:
+            return systems
         for system in systems:
-            if (isinstance(system.allocator, PagedConfig) and system.allocator.host_cache_gib
-                    and isinstance(gpu, GpuConfig) and gpu.host_link_gbps is None):
+            if isinstance(system.allocator, PagedConfig) and system.allocator.host_cache_gib:
                 raise ValueError(f"system {system.name!r}: a host cache needs "
+                                 "gpu.host_link_gbps (GPU-to-host GB/s, one direction)")
+            if system.scheduler.preemption_mode == "swap":
+                raise ValueError(f"system {system.name!r}: preemption_mode swap needs "
                                  "gpu.host_link_gbps (GPU-to-host GB/s, one direction)")
         return systems
 

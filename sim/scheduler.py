@@ -4,8 +4,9 @@ The scheduler is a maître d' seating diners at every course: before each engine
 serves one more token to every running request (decode), continues any prompt still being
 read (chunked prefill), then seats new requests from the front of the queue while there are
 seats (``max_num_seqs``), kitchen capacity (``max_num_batched_tokens``) and memory. When a
-running request needs memory that is not there, someone is asked to leave (preemption by
-recompute: all its KV is dropped and it goes back to the front of the queue).
+running request needs memory that is not there, someone is asked to leave and goes back to
+the front of the queue: by recompute (its KV is dropped, to be computed again), or by swap
+(its KV is parked in host memory, to be copied back when it is seated again).
 
 Decoding is accounted lazily, like interest on a bank account: a decoding request's token
 count is ``tok_sync + (steps - g_sync)``, and the allocator is only told ("synced") when the
@@ -58,6 +59,8 @@ class Request:
         "rejected",
         "resumed",
         "spec_cache",
+        "swap_slots",
+        "swapped",
         "tok_sync",
         "transferred",
         "version",
@@ -93,6 +96,10 @@ class Request:
         # Prompt tokens whose KV another replica computed and sent (disaggregated prefill):
         # admission writes them without computing them, once.
         self.transferred = 0
+        # Tokens whose KV a swap preemption parked in host memory, and the swap space
+        # (slots) they hold there until the request is seated again.
+        self.swapped = 0
+        self.swap_slots = 0
         self.spec_cache: SeqSpec | None = None
 
     @property
@@ -134,6 +141,7 @@ class Batch:
     prefill_pairs: int = 0
     preempted: int = 0
     loaded_tokens: int = 0  # prefix-hit tokens read from host memory at admission
+    swapped_slots: int = 0  # KV slots copied to host memory (swap out) or back (swap in)
 
     @property
     def empty(self) -> bool:
@@ -141,12 +149,19 @@ class Batch:
 
 
 class Scheduler:
-    """FCFS continuous batching over one allocator, with preemption by recompute."""
+    """FCFS continuous batching over one allocator, with preemption by recompute or swap
+    (into ``swap_slots`` token slots of host memory)."""
 
-    def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False):
+    def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,
+                 swap_slots: int = 0) -> None:
         self.allocator = allocator
         self.config = config
         self.debug = debug
+        self.swap_slots = swap_slots if config.preemption_mode == "swap" else 0
+        self.swap_used = 0  # slots of swap space parked requests hold
+        self.swap_preemptions = 0
+        self.swapped_out_slots = 0
+        self.swapped_in_slots = 0
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # admit_seq -> request, in admission order
         self.steps = 0  # steps completed
@@ -299,8 +314,9 @@ class Scheduler:
             return min(reversed(self.running.values()), key=self.generated)
         return next(reversed(self.running.values()))
 
-    def _preempt(self, request: Request) -> None:
-        if request.decoding:
+    def _preempt(self, request: Request, batch: Batch) -> None:
+        decoding = request.decoding
+        if decoding:
             self._sync(request, include_current=False)  # cache what it computed
             self._stop_decoding(request)
         elif request.in_prefill:
@@ -308,12 +324,14 @@ class Scheduler:
         if request.g_sync > self.steps:
             request.gen_sync -= request.g_sync - self.steps  # this step's token never happens
             request.g_sync = self.steps
+        if decoding and request.n == 1 and self.swap_slots:
+            self._swap_out(request, batch)
         for seq_id in request.seq_ids():
             self.allocator.free(seq_id)
         request.num_seqs = 0
         request.prefilled = request.prefill_target = 0
         request.preemptions += 1
-        request.resumed = request.resumed or request.computed
+        request.resumed = request.resumed or (request.computed and not request.swapped)
         if request.n > 1:
             request.gen_sync = 0  # forks cannot be rebuilt from sample 0: restart the request
         del self.running[request.admit_seq]
@@ -321,12 +339,41 @@ class Scheduler:
         self.num_preemptions += 1
         self.head_blocked = False
 
+    def _swap_out(self, request: Request, batch: Batch) -> None:
+        """Park a decoding request's KV in host memory if the swap space has room: all of
+        it but the last token, which is recomputed when it is seated again, as a fully
+        cached prompt's is (so that step computes a token for it, as a decode step would)."""
+        tokens = request.prompt_len + request.gen_sync - 1
+        bs = self._block_size
+        slots = -(-tokens // bs) * bs if bs else tokens  # paged memory moves whole blocks
+        if self.swap_used + slots > self.swap_slots:
+            return  # no room: recompute it
+        request.swapped = tokens
+        request.swap_slots = slots
+        self.swap_used += slots
+        self.swap_preemptions += 1
+        self.swapped_out_slots += slots
+        batch.swapped_slots += slots
+
+    def _swap_in(self, request: Request, hits: int, batch: Batch) -> None:
+        """Copy a parked request's KV back (what the prefix cache does not still hold)."""
+        arrived = max(request.swapped - hits, 0)
+        if arrived:
+            written = self.allocator.append(request.index * MAX_SAMPLES, arrived)
+            assert written  # admission claimed the prompt's blocks
+            request.prefilled += arrived
+            slots = max(request.swap_slots - hits, 0)
+            self.swapped_in_slots += slots
+            batch.swapped_slots += slots
+        self.swap_used -= request.swap_slots
+        request.swapped = request.swap_slots = 0
+
     def _grow_now(self, request: Request, batch: Batch) -> bool:
         """Sync ``request`` through this step's token, preempting others while memory is
         short; False if the request itself was preempted."""
         while not self._sync(request, include_current=True):
             victim = self._victim()
-            self._preempt(victim)
+            self._preempt(victim, batch)
             batch.preempted += 1
             if victim is request:
                 return False
@@ -388,7 +435,8 @@ class Scheduler:
             if not self.config.chunked_prefill and spec.prompt_len > budget and batch.prefill:
                 # The whole prompt must fit this step's budget unless it is the only prefill.
                 lookup = getattr(self.allocator, "lookup", None)
-                ready = max(lookup(spec) if lookup else 0, request.transferred)
+                ready = max(lookup(spec) if lookup else 0, request.transferred,
+                            request.swapped)
                 if spec.prompt_len - ready > budget:
                     break  # not blocked for good: a step without other prefills admits it
             hits = self.allocator.admit(spec)
@@ -403,7 +451,11 @@ class Scheduler:
             self._admit_counter += 1
             if request.admitted_s < 0:
                 request.admitted_s = now_s
-            if request.transferred:
+            if request.swapped:
+                # Its KV waits in host memory: copy it back rather than compute it (not a
+                # lookup: the prefix cache can only spare a copy here).
+                self._swap_in(request, hits, batch)
+            elif request.transferred:
                 # Its prompt was read elsewhere: write what the cache lacks, compute nothing
                 # (not a lookup either: the prefix cache saved no computation here, and
                 # blocks found in a host tier came over the network anyway).
@@ -421,7 +473,7 @@ class Scheduler:
                 batch.loaded_tokens += loaded
                 self.loaded_tokens += loaded
             if request.resumed:
-                request.recomputed_tokens += spec.prompt_len - hits
+                request.recomputed_tokens += spec.prompt_len - request.prefilled
             self.running[request.admit_seq] = request
             self.prefilling += 1
             remaining = spec.prompt_len - request.prefilled
@@ -457,7 +509,7 @@ class Scheduler:
                     if not self.allocator.fork(request.index * MAX_SAMPLES,
                                                request.spec(sample)):
                         # Contiguous memory cannot hold the samples now: retry later.
-                        self._preempt(request)
+                        self._preempt(request, batch)
                         batch.preempted += 1
                         return False
                     request.num_seqs += 1
@@ -499,6 +551,8 @@ class Scheduler:
             self.allocator.check_invariants()
             for events in self._events:  # every step is visited: nothing may be left behind
                 assert all(step >= self.steps for step in events), "an event was missed"
+            assert self.swap_used == sum(r.swap_slots for r in self.waiting) <= (
+                self.swap_slots), "swap space held by no parked request"
         return finished
 
     def decode_quietly(self, step_time: Callable[[int], float], clock_s: float,

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.engine import build_timing, host_tier, run_scenario
+from sim.engine import build_timing, host_memory, run_scenario
 from sim.memory import PagedAllocator, SeqSpec
 from sim.memory.host_cache import HostCache
 from sim.metrics import format_summary
@@ -91,9 +91,10 @@ def test_host_tier_turns_recompute_into_loads():
     assert tiered.steps["prefill_tokens"].sum() < base.steps["prefill_tokens"].sum() / 2
     assert tiered.summary["host_loaded_tokens"] == tiered.steps["loaded_tokens"].sum()
     # 8 GiB of host memory at Llama-3-8B's 128 KiB per token; 128 KiB over 32 GB/s a token.
-    slots, load_s = host_tier(tiered_scenario, tiered_scenario.systems[0])
+    slots, swap_slots, load_s = host_memory(tiered_scenario, tiered_scenario.systems[0])
     per_token = lookup_model("llama-3-8b").kv_bytes_per_token
     assert slots == 8 * GIB // per_token
+    assert swap_slots == 0  # it preempts by recompute
     assert load_s == per_token / lookup_gpu("a100-80g").host_link_bytes_per_s
     # Steps that loaded blocks took the transfer longer than their shape alone: the rest
     # of the step time is the prefill's quadratic term, e·Σ chunk·(history + chunk) ≥ 0,
@@ -122,7 +123,7 @@ def test_host_tier_settings_are_checked():
                        r"gpu.host_link_gbps"):
         scenario_from_dict(scenario(4, **explicit))
     linked = scenario_from_dict(scenario(4, **explicit, host_link_gbps=25))
-    assert host_tier(linked, linked.systems[0])[1] == pytest.approx(
+    assert host_memory(linked, linked.systems[0])[2] == pytest.approx(
         lookup_model("llama-3-8b").kv_bytes_per_token / 25e9)
 
 
@@ -148,7 +149,7 @@ def test_layerwise_loads_hide_under_the_computation():
         "kind": "paged", "host_cache_gib": 8, "host_load": "layerwise"}})
     tiered_scenario = scenario_from_dict(data)
     runs = run_scenario(tiered_scenario).systems
-    _, load_s = host_tier(tiered_scenario, tiered_scenario.systems[1])
+    *_, load_s = host_memory(tiered_scenario, tiered_scenario.systems[1])
     timing = build_timing(tiered_scenario, Path())
     steps = runs["layerwise"].steps
     loads = steps[(steps["steps"] == 1) & (steps["loaded_tokens"] > 0)]

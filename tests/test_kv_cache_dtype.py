@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.engine import build_timing, host_tier, run_scenario
+from sim.engine import build_timing, host_memory, run_scenario
 from sim.presets import GIB, kv_pool_slots
 from sim.scenario import ScenarioError, scenario_from_dict
 from sim.timing import Calibration, CalibrationError
@@ -52,8 +52,8 @@ def test_fp8_halves_the_bytes_of_a_token_and_nothing_else(fp8):
         assert getattr(narrow_timing, coefficient) == getattr(auto_timing, coefficient)
     # A host tier holds twice the tokens and loads each in half the time.
     paged = scenario_from_dict(scenario()).systems[1]
-    (auto_slots, auto_load_s), (narrow_slots, narrow_load_s) = (
-        host_tier(scenario_from_dict(scenario(d)), paged) for d in ("auto", fp8))
+    (auto_slots, _, auto_load_s), (narrow_slots, _, narrow_load_s) = (
+        host_memory(scenario_from_dict(scenario(d)), paged) for d in ("auto", fp8))
     assert narrow_slots == 2 * auto_slots
     assert narrow_load_s == pytest.approx(auto_load_s / 2)
 

@@ -169,7 +169,8 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
 
 @pytest.mark.parametrize("name", ["block_size_sweep", "length_variance", "prefix_sharing",
                                   "eviction_pressure", "rate_sweep", "router_policies",
-                                  "host_cache", "kv_cache_dtype", "disaggregation"])
+                                  "host_cache", "kv_cache_dtype", "disaggregation",
+                                  "preemption_mode"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -218,6 +219,16 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         hit = outcome.table.groupby("param:engine.router.policy")["prefix_hit_rate"].min()
         assert hit["cache_aware"] > hit[["round_robin", "least_loaded"]].max() + 0.3
         assert len(figures["rate_sweep"].kvsim_data["knees"]) == 3  # a line per policy
+    if name == "preemption_mode":  # swapped victims compute nothing again
+        tightest = outcome.table[outcome.table["param:memory.kv_memory_gib"] == 1.5].set_index(
+            "system")
+        assert (tightest["preemptions"] > 10).all()
+        swaps = tightest.loc[["swap", "swap-no-cache"]]
+        assert (swaps["swap_preemptions"] == swaps["preemptions"]).all()
+        assert (swaps["recomputed_tokens"] == 0).all()
+        # A prefix cache keeps much of a recomputed victim's KV on the GPU.
+        recomputed = tightest["recomputed_tokens"]
+        assert recomputed["recompute"] < 0.7 * recomputed["recompute-no-cache"]
     if name == "eviction_pressure":
         series = figures["eviction_pressure"].kvsim_data["series"]
         assert set(series["param:systems[paged].allocator.eviction"]) == {

@@ -1,0 +1,138 @@
+"""Preemption by swap: a victim's KV is parked in host memory and copied back when it is
+seated again, instead of being recomputed; a victim that does not fit the swap space, or
+has several samples, is still recomputed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sim.engine import build_timing, host_memory, run_scenario
+from sim.metrics import format_summary
+from sim.presets import GIB, lookup_gpu, lookup_model
+from sim.scenario import ScenarioError, scenario_from_dict
+
+
+def scenario(swap_space_gib: float = 4.0, prefix_caching: bool = False, **workload) -> dict:
+    """Llama-2-7B with 1 GiB of paged KV (about 2,000 tokens) under far more decode than
+    fits: requests are preempted again and again. (Contiguous extents are reserved whole at
+    admission and never grow, so they are never preempted for memory.)"""
+    allocator = {"kind": "paged", "block_size": 16, "prefix_caching": prefix_caching}
+    return {
+        "name": "swap", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1.0},
+        "workload": {"arrival": {"process": "poisson", "rate": 50},
+                     "prompt_len": {"dist": "uniform", "low": 100, "high": 400},
+                     "output_len": {"dist": "uniform", "low": 100, "high": 600},
+                     **workload},
+        "systems": [
+            {"name": "recompute", "allocator": allocator},
+            {"name": "swap", "allocator": allocator,
+             "scheduler": {"preemption_mode": "swap", "swap_space_gib": swap_space_gib}},
+        ],
+        "stop": {"num_requests": 80}, "seed": 1,
+    }
+
+
+def test_swap_copies_instead_of_recomputing():
+    runs = run_scenario(scenario_from_dict(scenario())).systems
+    recompute, swap = runs["recompute"], runs["swap"]
+    assert recompute.summary["recomputed_tokens"] > 10_000
+    assert recompute.summary["swap_preemptions"] is None
+    summary = swap.summary
+    # With room to spare every preemption swaps, and nothing is computed twice ...
+    assert summary["preemptions"] > 20
+    assert summary["swap_preemptions"] == summary["preemptions"]
+    assert summary["recomputed_tokens"] == 0
+    # ... but the token each seating needs to produce the next: the prompts, plus one token
+    # per swap-in (all the KV but the last token's comes back).
+    requests = swap.requests
+    assert swap.steps["prefill_tokens"].sum() == (requests["prompt_len"].sum()
+                                                  + summary["swap_preemptions"])
+    # Without a prefix cache whatever went out comes back, in whole 16-token blocks.
+    assert summary["swapped_out_slots"] == summary["swapped_in_slots"] > 0
+    assert summary["swapped_out_slots"] % 16 == 0
+    assert swap.steps["swapped_slots"].sum() == 2 * summary["swapped_out_slots"]
+    # Each request's output is the same: it resumes where it was.
+    pd.testing.assert_series_equal(requests["output_len"], recompute.requests["output_len"])
+
+
+def test_a_swap_costs_its_copy_over_the_host_link():
+    data = scenario()
+    swap_scenario = scenario_from_dict(data)
+    steps = run_scenario(swap_scenario).systems["swap"].steps
+    _, swap_slots, s_per_token = host_memory(swap_scenario, swap_scenario.systems[1])
+    per_token = lookup_model("llama-2-7b").kv_bytes_per_token
+    assert swap_slots == 4 * GIB // per_token
+    assert s_per_token == per_token / lookup_gpu("a100-80g").host_link_bytes_per_s
+    timing = build_timing(swap_scenario, Path())
+    # Steps that only decode and swap: the step time plus the copy, exactly.
+    copies = steps[(steps["steps"] == 1) & (steps["swapped_slots"] > 0)
+                   & (steps["prefill_tokens"] == 0)]
+    assert len(copies) > 5
+    expected = [timing.step_time(int(seqs), int(context), 0, 0, timing.rho(16))
+                + slots * s_per_token for seqs, context, slots in
+                zip(copies["decode_seqs"], copies["context_tokens"], copies["swapped_slots"],
+                    strict=True)]
+    np.testing.assert_allclose(copies["duration_s"], expected, rtol=1e-12)
+
+
+def test_a_full_swap_space_falls_back_to_recompute():
+    # Less than one token of swap space: every preemption recomputes, and the run is the
+    # recompute run exactly.
+    runs = run_scenario(scenario_from_dict(scenario(swap_space_gib=1e-4))).systems
+    assert runs["swap"].summary["swap_preemptions"] == 0
+    pd.testing.assert_frame_equal(runs["swap"].requests, runs["recompute"].requests)
+    # Room for a few: some swap, the rest recompute, and the space is never overdrawn
+    # (engine.debug_invariants checks what parked requests hold after every step).
+    data = scenario(swap_space_gib=0.3)
+    data["engine"] = {"mode": "step", "debug_invariants": True}
+    summary = run_scenario(scenario_from_dict(data)).systems["swap"].summary
+    assert 0 < summary["swap_preemptions"] < summary["preemptions"]
+    assert summary["recomputed_tokens"] > 0
+
+
+def test_swap_with_a_prefix_cache_copies_back_only_what_it_lost():
+    runs = run_scenario(scenario_from_dict(scenario(
+        prefix_caching=True, prefix_groups={"groups": 2, "length": 96, "fraction": 1.0}
+    ))).systems
+    summary = runs["swap"].summary
+    assert summary["swap_preemptions"] > 10
+    # Blocks still cached on the GPU when a request comes back need no copy.
+    assert summary["swapped_in_slots"] < summary["swapped_out_slots"]
+    assert summary["recomputed_tokens"] == 0
+
+
+def test_requests_with_several_samples_are_recomputed():
+    summary = run_scenario(scenario_from_dict(scenario(
+        sampling={"n": 2}))).systems["swap"].summary
+    assert summary["preemptions"] > 0
+    assert summary["swap_preemptions"] == 0
+
+
+def test_the_summary_shows_swaps_only_where_a_system_swaps():
+    data = scenario()
+    runs = run_scenario(scenario_from_dict(data)).systems
+    both = format_summary({name: run.summary for name, run in runs.items()})
+    assert "preemptions by swap" in both and "KV slots swapped out" in both
+    alone = format_summary({"recompute": runs["recompute"].summary})
+    assert "swap" not in alone
+
+
+def test_swap_settings_are_checked():
+    data = scenario()
+    data["systems"][1]["scheduler"]["swap_space_gib"] = 0
+    with pytest.raises(ScenarioError, match=r"swap_space_gib: .*greater than 0"):
+        scenario_from_dict(data)
+    data = scenario()
+    data["systems"][1]["scheduler"]["preemption_mode"] = "offload"
+    with pytest.raises(ScenarioError, match=r"preemption_mode: .*'recompute' or 'swap'"):
+        scenario_from_dict(data)
+    data = scenario()
+    data["gpu"] = {"name": "mine", "memory_gib": 80, "hbm_bandwidth_gbps": 2000,
+                   "peak_tflops": 300}
+    with pytest.raises(ScenarioError, match=r"system 'swap': preemption_mode swap needs "
+                       r"gpu.host_link_gbps"):
+        scenario_from_dict(data)
