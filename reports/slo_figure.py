@@ -13,20 +13,22 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from reports.style import legend, new_figure
+from sim.slo import judged_attainment
 
 
 def attainment_figure(lines: list[tuple[str, dict[str, Any], pd.DataFrame]], x: str,
-                      target: float, capacities: dict[str, float | None], *,
+                      slo: dict[str, Any], capacities: dict[str, float | None], *,
                       title: str) -> Figure:
-    """Attainment (top) and goodput (bottom) against ``x`` (offered requests/s), one line
-    per ``(label, matplotlib style, rows)``, each rows' ``slo_attainment`` and
-    ``goodput_req_s`` sorted by ``x``; ``capacities`` by label (None: none on the axis)."""
+    """Attainment as ``slo`` judges it (top) and goodput (bottom) against ``x`` (offered
+    requests/s), one line per ``(label, matplotlib style, rows)``, each rows' summaries
+    sorted by ``x``; ``capacities`` by label (None: none on the axis)."""
+    target = float(slo.get("attainment", 0.9))
     fig, axes = new_figure(2, 1, height=3.0 if len(lines) <= 5 else 3.4, sharex=True)
     for label, style, part in lines:
         part = part.sort_values(x)
         capacity = capacities.get(label)
         shown = f"{label} ({f'capacity {capacity:.3g}' if capacity else 'none in range'})"
-        axes[0].plot(part[x], part["slo_attainment"] * 100, markersize=4, label=shown,
+        axes[0].plot(part[x], judged_attainment(part, slo) * 100, markersize=4, label=shown,
                      **style)
         axes[1].plot(part[x], part["goodput_req_s"], markersize=4, label=shown, **style)
         if capacity:
@@ -37,7 +39,8 @@ def attainment_figure(lines: list[tuple[str, dict[str, Any], pd.DataFrame]], x: 
     axes[0].annotate(f"target {target:.0%}", (0, target * 100), xycoords=("axes fraction",
                      "data"), textcoords="offset points", xytext=(4, 3), fontsize=8,
                      color="#555555")
-    axes[0].set_ylabel("requests within SLO (%)")
+    axes[0].set_ylabel("requests within SLO (%)" if slo.get("judge", "requests") == "requests"
+                       else "requests within the tightest bound (%)")
     axes[0].set_ylim(-3, 103)
     axes[1].set_ylabel("goodput (req/s within SLO)")
     axes[1].set_xlabel("offered load (requests/s)")
@@ -47,14 +50,3 @@ def attainment_figure(lines: list[tuple[str, dict[str, Any], pd.DataFrame]], x: 
         ax.grid(alpha=0.3)
     fig.kvsim_data = {"capacities": pd.Series(capacities, dtype=float)}  # type: ignore[attr-defined]
     return fig
-
-
-def describe_slo(slo: dict[str, Any]) -> str:
-    """``TTFT ≤ 1 s, TPOT ≤ 50 ms for 90 % of requests`` from a scenario's ``slo`` section."""
-    bounds = []
-    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
-        value = slo.get(key)
-        if value is not None:
-            bounds.append(f"{name} ≤ {value * 1000:g} ms" if value < 1 else
-                          f"{name} ≤ {value:g} s")
-    return f"{', '.join(bounds)} for {slo.get('attainment', 0.9):.0%} of requests"

@@ -19,10 +19,11 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from reports.html import img_tag, render_html, save_figure
-from reports.slo_figure import attainment_figure, describe_slo
+from reports.slo_figure import attainment_figure
 from reports.style import legend, new_figure, system_color
 from sim.metrics import PER_GPU, gpu_counts_differ
 from sim.results import read_back, read_table
+from sim.slo import describe_slo, judged_attainment
 
 KNEE_FRACTION = 0.9  # saturated once achieved req/s falls below 90 % of the offered rate
 
@@ -269,11 +270,13 @@ def _rho_for(sweep_dir: Path, table: pd.DataFrame, sizes: list[int]) -> dict[int
     return {s: timing.rho(s) for s in sizes}
 
 
-def capacity_on_grid(part: pd.DataFrame, rate_column: str, target: float) -> float | None:
-    """The highest offered rate below which every rate on the grid keeps at least ``target``
-    of its requests within the SLO (None if even the lowest does not)."""
+def capacity_on_grid(part: pd.DataFrame, rate_column: str, slo: dict[str, Any]
+                     ) -> float | None:
+    """The highest offered rate below which every rate on the grid meets ``slo`` (its
+    attainment, judged as it says; None if even the lowest rate does not)."""
     part = part.sort_values(rate_column)
-    misses = part["slo_attainment"].to_numpy() < target
+    target = float(slo.get("attainment", 0.9))
+    misses = np.asarray(judged_attainment(part, slo), dtype=float) < target
     holding = part[rate_column].to_numpy(dtype=float)[:misses.argmax() if misses.any()
                                                        else len(part)]
     return float(holding[-1]) if len(holding) else None
@@ -283,13 +286,12 @@ def slo_figure(table: pd.DataFrame, field: str, slo: dict[str, Any]) -> Figure:
     """SLO attainment and goodput against request rate, each line's capacity on the grid
     marked (one line per system and combination of the other swept fields)."""
     x = _param(table, field)
-    target = float(slo.get("attainment", 0.9))
     lines, capacities = [], {}
     for label, style, part in _series(table, "system", _other_swept(table, x, "system")):
         mean = part.groupby(x).mean(numeric_only=True).reset_index()
-        capacities[label] = capacity_on_grid(mean, x, target)
+        capacities[label] = capacity_on_grid(mean, x, slo)
         lines.append((label, style, mean))
-    return attainment_figure(lines, x, target, capacities,
+    return attainment_figure(lines, x, slo, capacities,
                              title=f"Within SLO ({describe_slo(slo)}) against load")
 
 

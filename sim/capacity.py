@@ -25,6 +25,7 @@ import pandas as pd
 
 from sim.engine import build_timing, run_system, scenario_trace
 from sim.scenario import Scenario, SystemConfig, scenario_from_dict
+from sim.slo import judged_attainment
 from sim.sweep import SweepPoint, expand, make_executor, params_as_text, set_path
 from workloads import Trace, WorkloadError
 from workloads.distributions import ClosedLoopArrivals, TraceArrivals
@@ -142,6 +143,7 @@ def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
         raise CapacityError("no slo section: capacity is the load at which enough requests "
                             "meet an SLO, e.g. slo: {ttft_s: 1.0, tpot_s: 0.05}")
     target = scenario.slo.attainment
+    slo = scenario.slo.model_dump()
     chosen = _chosen_systems(scenario, systems)
     knob = load_knob(scenario, scenario_trace(scenario, base_dir))
     timing = build_timing(scenario, base_dir)
@@ -164,7 +166,7 @@ def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
                   ) -> bool:
             variant, trace = at(load)
             summary = run_system(variant, system, trace, timing).summary
-            attainment = float(summary["slo_attainment"])
+            attainment = float(judged_attainment(summary, slo))
             probe = Probe(system.name, load, knob.offered_req_s(load), attainment,
                           attainment >= target, summary)
             result.probes.append(probe)

@@ -196,11 +196,12 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     from sim.capacity import find_capacity
     from sim.results import make_output_folder
     from sim.scenario import scenario_from_dict
+    from sim.slo import describe_attainment
 
     path = Path(args.scenario)
     scenario, _ = load(path, args.seed)
     bounds = {"ttft_s": args.ttft_s, "tpot_s": args.tpot_s, "e2e_s": args.e2e_s,
-              "attainment": args.attainment}
+              "attainment": args.attainment, "judge": args.judge}
     given = {k: v for k, v in bounds.items() if v is not None}
     if (given or args.seed is not None) and args.sweep:
         raise BadInput("--sweep searches the file's own slo section and seeds; put the bounds "
@@ -213,10 +214,12 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     if args.sweep:
         return _capacity_sweep(path, args, out)
 
+    slo = scenario.slo.model_dump() if scenario.slo else {}
+
     def progress(probe: Any) -> None:
         if not args.quiet:
             print(f"  {probe.system}: {probe.offered_req_s:,.4g} req/s → "
-                  f"{probe.attainment:.1%} within SLO, "
+                  f"{describe_attainment(probe.attainment, slo)}, "
                   f"{'holds' if probe.holds else 'misses'}", file=sys.stderr, flush=True)
 
     try:
@@ -268,10 +271,11 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
 def _capacity_text(scenario: Any, knob: Any, capacities: list[Any]) -> str:
     """What ``kvsim capacity`` prints: each system's capacity, then the summaries of the runs
     at those loads side by side."""
-    from reports.slo_figure import describe_slo
+    from sim.slo import describe_attainment, describe_slo
 
     speed = knob.path.endswith("speed")
-    lines = [f"{scenario.name}: capacity with {describe_slo(scenario.slo.model_dump())}, "
+    slo = scenario.slo.model_dump()
+    lines = [f"{scenario.name}: capacity with {describe_slo(slo)}, "
              f"{knob.path} searched, seed {scenario.seed}"]
     width = max(len(c.system) for c in capacities) + 2
     for c in capacities:
@@ -279,7 +283,7 @@ def _capacity_text(scenario: Any, knob: Any, capacities: list[Any]) -> str:
             lightest = c.at(c.failed)
             text = (f"{'none: even' if c.converged else 'below'} "
                     f"{lightest.offered_req_s:,.4g} req/s, which misses "
-                    f"({lightest.attainment:.1%} within SLO)")
+                    f"({describe_attainment(lightest.attainment, slo)})")
         elif c.failed is None:
             text = (f"over {knob.offered_req_s(c.held):,.4g} req/s: every load tried holds"
                     + (" (the search stops at 1024× the scenario's)" if c.converged else ""))
@@ -302,9 +306,10 @@ def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path) 
     import pandas as pd
 
     from reports.html import save_figure
-    from reports.slo_figure import attainment_figure, describe_slo
+    from reports.slo_figure import attainment_figure
     from reports.style import system_color
     from sim.results import write_json
+    from sim.slo import describe_slo
 
     probes = pd.DataFrame([{"system": p.system, "load": p.load,
                             "offered_req_s": p.offered_req_s, "holds": p.holds, **p.summary}
@@ -322,7 +327,7 @@ def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path) 
     lines = [(c.system, {"color": system_color(i), "marker": "o"},
               probes[probes["system"] == c.system]) for i, c in enumerate(capacities)]
     slo = scenario.slo.model_dump()
-    save_figure(attainment_figure(lines, "offered_req_s", slo["attainment"], capacity_req_s,
+    save_figure(attainment_figure(lines, "offered_req_s", slo, capacity_req_s,
                                   title=f"{scenario.name}: within SLO ({describe_slo(slo)})"),
                 out, "capacity")
     return out
@@ -507,6 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("--e2e-s", type=_positive_float, help="end-to-end bound in seconds")
     capacity.add_argument("--attainment", type=_positive_float,
                           help="share of requests that must be within the SLO (default 0.9)")
+    capacity.add_argument("--judge", choices=["requests", "percentiles"],
+                          help="requests: that share meets every bound at once (default); "
+                          "percentiles: each bound alone, e.g. p99 TTFT and p99 TPOT")
     capacity.add_argument("--seed", type=int, help="override the scenario's seed")
     capacity.add_argument("--system", action="append",
                           help="search this system only (repeatable; default: all)")

@@ -28,6 +28,7 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("tpot_p50_s", "TPOT p50 (ms)", "ms"),
     ("e2e_p90_s", "E2E p90 (s)", "{:,.2f}"),
     ("slo_attainment", "requests within SLO", "%"),
+    ("slo_tightest_attainment", "requests within tightest bound", "%"),
     ("goodput_req_s", "goodput (req/s within SLO)", "{:,.2f}"),
     ("token_frac", "KV pool holding tokens", "%"),
     ("waste_frac", "waste (of memory in use)", "%"),
@@ -66,8 +67,9 @@ def format_metric(value: Any, fmt: str) -> str:
 # worth showing once above 1.
 ONLY_WHEN_ABOVE_ONE = {"throughput_tok_s_per_gpu": "gpus", "replica_imbalance": "replicas"}
 # Rows of a feature most runs do not use: shown only where some system has a value.
-ONLY_WHEN_SET = {"host_hit_rate", "slo_attainment", "goodput_req_s", "capacity_req_s",
-                 "capacity_req_s_per_gpu", "swap_preemptions", "swapped_out_slots"}
+ONLY_WHEN_SET = {"host_hit_rate", "slo_attainment", "slo_tightest_attainment", "goodput_req_s",
+                 "capacity_req_s", "capacity_req_s_per_gpu", "swap_preemptions",
+                 "swapped_out_slots"}
 # A total and its share per GPU, shown beside it where runs use different numbers of GPUs.
 PER_GPU = {"throughput_tok_s": "throughput_tok_s_per_gpu",
            "capacity_req_s": "capacity_req_s_per_gpu"}

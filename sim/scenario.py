@@ -189,12 +189,15 @@ class SloConfig(ConfigModel):
     (mean time between output tokens) and its end-to-end latency are within the bounds given
     (an absent bound always holds; a request with one output token has no TPOT to miss).
     ``attainment`` is the share of requests that must be in time for a load to count as
-    sustained: DistServe's 90 % by default (``kvsim capacity`` searches for that load)."""
+    sustained: DistServe's 90 % by default (``kvsim capacity`` searches for that load).
+    Judged by ``percentiles`` instead, each bound holds on its own for that share: MLPerf's
+    "p99 TTFT ≤ 2 s and p99 TPOT ≤ 200 ms" is attainment 0.99 of that kind."""
 
     ttft_s: PositiveFloat | None = None
     tpot_s: PositiveFloat | None = None
     e2e_s: PositiveFloat | None = None
     attainment: float = Field(default=0.9, gt=0, le=1)
+    judge: Literal["requests", "percentiles"] = "requests"
 
     @model_validator(mode="after")
     def _some_bound(self):  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ from sim.capacity import CapacityError, find_capacity, search
 from sim.engine import run_scenario
 from sim.metrics import format_summary
 from sim.scenario import ScenarioError, SloConfig, scenario_from_dict
-from sim.slo import SLO_KEYS, in_time, slo_summary
+from sim.slo import SLO_KEYS, describe_slo, in_time, judged_attainment, slo_summary
 
 
 def requests_table(rows: list[tuple[float, float, float, int, bool]]) -> pd.DataFrame:
@@ -163,6 +163,55 @@ def test_capacity_is_the_load_where_attainment_crosses_the_target():
     assert [(c.held, c.failed) for c in again] == [(c.held, c.failed) for c in capacities]
 
 
+def test_percentiles_judge_each_bound_alone():
+    # Half the requests miss TTFT only, the other half TPOT only: none is in time, but each
+    # bound's median holds.
+    table = requests_table([(0.0, 2.0, 2.9, 10, False)] * 5 + [(0.0, 0.5, 9.5, 10, False)] * 5)
+    slo = SloConfig(ttft_s=1.0, tpot_s=0.2, attainment=0.5)
+    summary = slo_summary(table, 10.0, slo)
+    assert summary["slo_attainment"] == 0.0
+    assert judged_attainment(summary, slo.model_dump()) == 0.0
+    by_percentiles = slo.model_copy(update={"judge": "percentiles"}).model_dump()
+    assert judged_attainment(summary, by_percentiles) == 0.5
+    # The summary names the tightest bound's share only when it is what is judged.
+    assert summary["slo_tightest_attainment"] is None
+    judged = slo_summary(table, 10.0, SloConfig(**by_percentiles))
+    assert judged["slo_tightest_attainment"] == 0.5
+    assert "requests within tightest bound" in format_summary({"s": judged})
+    assert "tightest" not in format_summary({"s": summary})
+    # A table of summaries, column by column; absent bounds are not judged.
+    rows = pd.DataFrame([summary, {**summary, "slo_tpot_attainment": 0.25}])
+    assert judged_attainment(rows, by_percentiles).tolist() == [0.5, 0.25]
+    assert judged_attainment(rows, {**by_percentiles, "tpot_s": None}).tolist() == [0.5, 0.5]
+    assert describe_slo(slo.model_dump()) == "TTFT ≤ 1 s, TPOT ≤ 200 ms for 50% of requests"
+    assert describe_slo({"ttft_s": 2.0, "tpot_s": 0.2, "attainment": 0.99,
+                         "judge": "percentiles"}) == "p99 TTFT ≤ 2 s, p99 TPOT ≤ 200 ms"
+
+
+def test_capacity_by_percentiles_keeps_each_percentile_within_its_bound():
+    objectives = {**OBJECTIVES, "attainment": 0.9}
+    data = scenario(slo={**objectives, "judge": "percentiles"})
+    _, capacities = find_capacity(scenario_from_dict(data), Path(), rel_tol=0.05,
+                                  systems=["paged"])
+    _, jointly = find_capacity(scenario_from_dict(scenario(slo=objectives)), Path(),
+                               rel_tol=0.05, systems=["paged"])
+    (paged,), (joint,) = capacities, jointly
+    # Meeting each bound alone is easier than meeting both at once.
+    assert paged.held >= joint.held
+    # At capacity the 90th percentiles are within their bounds; at the miss one is not.
+    for load, holds in ((paged.held, True), (paged.failed, False)):
+        requests = run_scenario(scenario_from_dict(scenario(rate=load, slo=data["slo"]))
+                                ).systems["paged"].requests
+        ttft = requests["first_token_s"] - requests["arrival_s"]
+        tpot = ((requests["finished_s"] - requests["first_token_s"])
+                / (requests["output_len"] - 1).clip(lower=1)).where(
+                    requests["output_len"] > 1, 0.0)
+        rank = math.ceil(0.9 * len(requests)) - 1  # nearest-rank p90 (NaN, a miss, sorts last)
+        within = (np.sort(ttft.to_numpy())[rank] <= 1.0
+                  and np.sort(tpot.to_numpy())[rank] <= 0.05)
+        assert within == holds
+
+
 def test_a_replayed_trace_is_searched_by_its_speed():
     data = {**scenario(slo={"ttft_s": 2.0}),
             "workload": {"kind": "trace", "path": "builtin:azure_llm_2023_conv.csv",
@@ -207,6 +256,16 @@ def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(t
     looser = json.loads((loose / "capacity.json").read_text())
     assert looser["slo"]["tpot_s"] == 0.2 and looser["slo"]["ttft_s"] == 1.0
     assert looser["systems"]["paged"]["capacity_load"] >= paged["capacity_load"]
+    # Judged by percentiles: said so in each line and the heading, and never lower.
+    by_percentiles = kvsim_in_process("capacity", str(path), "--system", "paged", "--rel-tol",
+                                      "0.1", "--judge", "percentiles", "--out",
+                                      str(tmp_path / "p90"))
+    assert by_percentiles.returncode == 0, by_percentiles.stderr
+    assert "within the tightest bound, holds" in by_percentiles.stderr
+    assert "capacity with p90 TTFT ≤ 1 s, p90 TPOT ≤ 50 ms," in by_percentiles.stdout
+    p90 = json.loads((tmp_path / "p90" / "capacity.json").read_text())
+    assert p90["slo"]["judge"] == "percentiles"
+    assert p90["systems"]["paged"]["capacity_load"] >= paged["capacity_load"]
 
     def refused(data: dict, *args: str) -> str:
         path.write_text(yaml.safe_dump(data))
@@ -228,11 +287,15 @@ def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(t
 def test_capacity_on_a_grid_stops_at_the_first_miss():
     grid = pd.DataFrame({"rate": [1, 2, 4, 8, 16], "slo_attainment": [1.0, 0.95, 0.85,
                                                                       0.92, 0.1]})
-    assert capacity_on_grid(grid, "rate", 0.9) == 2.0
-    assert capacity_on_grid(grid, "rate", 0.99) == 1.0
-    assert capacity_on_grid(grid, "rate", 0.05) == 16.0
-    assert capacity_on_grid(grid.iloc[::-1], "rate", 0.9) == 2.0  # order does not matter
-    assert capacity_on_grid(grid.assign(slo_attainment=0.0), "rate", 0.9) is None
+
+    def slo(attainment: float) -> dict:
+        return {"ttft_s": 1.0, "attainment": attainment}
+
+    assert capacity_on_grid(grid, "rate", slo(0.9)) == 2.0
+    assert capacity_on_grid(grid, "rate", slo(0.99)) == 1.0
+    assert capacity_on_grid(grid, "rate", slo(0.05)) == 16.0
+    assert capacity_on_grid(grid.iloc[::-1], "rate", slo(0.9)) == 2.0  # order does not matter
+    assert capacity_on_grid(grid.assign(slo_attainment=0.0), "rate", slo(0.9)) is None
 
 
 def test_a_rate_sweep_with_objectives_draws_attainment(tmp_path):
