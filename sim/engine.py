@@ -355,6 +355,12 @@ class _SystemRun:
         split = scenario.engine.disaggregation
         self.prefill_replicas = split.prefill_replicas if split else 0
         self.handovers = split is not None  # replicas receive requests from one another
+        self.least_loaded_decode = split is not None and split.decode_router == "least_loaded"
+        # Requests handed to each decode replica and not yet done, and a heap of (when done,
+        # decode replica) for those the least-loaded choice has yet to count out.
+        self.decode_in_flight = [0] * (scenario.engine.replicas - self.prefill_replicas
+                                       if split else 0)
+        self.decode_done: list[tuple[float, int]] = []
         if split is not None:
             tp = scenario.parallel.tensor_parallel_size
             # Each GPU sends its share of the KV heads over its own link, side by side.
@@ -486,12 +492,23 @@ class _SystemRun:
             earliest = min(earliest, start)
         return earliest + self.timing.a + self.transfer_latency_s
 
+    def _least_loaded_decode(self) -> int:
+        """The decode replica (counted from the first) with the fewest requests in flight
+        now, the first of equals. A replica that ran ahead already knows of later finishes;
+        they count only from their time, so jump and step modes choose alike."""
+        done, in_flight = self.decode_done, self.decode_in_flight
+        while done and done[0][0] <= self.env.now:
+            in_flight[heapq.heappop(done)[1]] -= 1
+        return in_flight.index(min(in_flight))
+
     def _hand_over(self, request: Request, now_s: float) -> None:
         """A prefill replica gave ``request`` its first token: send its KV to a decode
-        replica (the same one for a given request, whichever prefill replica served it)."""
+        replica (by default the same one for a given request, whichever prefill replica
+        served it; with ``decode_router: least_loaded``, the least loaded now)."""
         index = request.index
-        decode = self.replicas[self.prefill_replicas
-                               + index % (len(self.replicas) - self.prefill_replicas)]
+        position = (self._least_loaded_decode() if self.least_loaded_decode
+                    else index % len(self.decode_in_flight))
+        decode = self.replicas[self.prefill_replicas + position]
         rest = Request(self.trace, index, request.arrival_s)
         # As if preempted after its first token: its prompt is the prompt and that token,
         # all of whose KV but the token's own arrives ready.
@@ -500,11 +517,19 @@ class _SystemRun:
         for carried in ("admitted_s", "first_token_s", "preemptions", "hit_tokens",
                         "recomputed_tokens"):
             setattr(rest, carried, getattr(request, carried))
-        self.release(decode, now_s + self.transfer_latency_s
-                     + request.prompt_len * self.transfer_s_per_token, index, rest)
+        arrival_s = (now_s + self.transfer_latency_s
+                     + request.prompt_len * self.transfer_s_per_token)
+        self.decode_in_flight[position] += 1
+        if self.least_loaded_decode and not decode.scheduler.fits_ever(rest):
+            # Rejected the moment it arrives; known now, not when a replica that ran ahead
+            # gets to its arrival.
+            heapq.heappush(self.decode_done, (arrival_s, position))
+        self.release(decode, arrival_s, index, rest)
 
     def on_done(self, replica: _Replica, request: Request, now_s: float) -> None:
         """A request finished or was rejected: record it, release whoever waits on it."""
+        if self.least_loaded_decode and replica.role == "decode" and not request.rejected:
+            heapq.heappush(self.decode_done, (now_s, replica.index - self.prefill_replicas))
         if self.router is not None and not request.rejected and replica.role != "decode":
             self.router.finished(request.index, replica.index, now_s)
         if (replica.role == "prefill" and not request.rejected

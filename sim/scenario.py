@@ -218,6 +218,10 @@ class DisaggregationConfig(ConfigModel):
         "200 Gb/s RDMA NIC per GPU: 25)")
     kv_transfer_latency_s: float = Field(default=1e-3, ge=0,
                                          description="fixed cost of one request's transfer")
+    decode_router: Literal["round_robin", "least_loaded"] = Field(
+        default="round_robin", description="which decode replica takes a request: in turn by "
+        "its index, or the one with the fewest requests in flight (handed over and not yet "
+        "finished), as Splitwise's join-the-shortest-queue")
 
 
 class EngineConfig(ConfigModel):

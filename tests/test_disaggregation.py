@@ -141,3 +141,31 @@ def test_a_decode_replica_takes_the_network_copy_not_its_host_tier():
     assert steps.loc[steps["replica"] < 2, "loaded_tokens"].sum() > 0  # prefill: host hits
     assert (steps.loc[steps["replica"] >= 2, "loaded_tokens"] == 0).all()
     assert 0 < run.summary["host_hit_rate"] <= run.summary["prefix_hit_rate"] <= 1
+
+
+def test_least_loaded_decode_placement_spreads_what_round_robin_piles_up(tmp_path):
+    # Long answers at even indices, short ones at odd: in turn by index, one of the two
+    # decode replicas gets every long answer.
+    rows = [(0.05 * i, 300, 600 if i % 2 == 0 else 10) for i in range(200)]
+    pd.DataFrame(rows, columns=["t", "prompt", "output"]).to_csv(tmp_path / "t.csv",
+                                                                   index=False)
+    data = scenario(prefill_replicas=1, replicas=3)
+    data["workload"] = {"kind": "trace", "path": str(tmp_path / "t.csv"), "format": "csv",
+                        "columns": {"arrival": "t", "prompt_len": "prompt",
+                                    "output_len": "output"}}
+    data["systems"] = data["systems"][:1]
+    runs = {}
+    for router in ("round_robin", "least_loaded"):
+        data["engine"]["disaggregation"]["decode_router"] = router
+        runs[router] = run_scenario(scenario_from_dict(data)).systems["paged"]
+    piled = runs["round_robin"].requests
+    assert (piled["decode_replica"] == 1 + piled["request"] % 2).all()
+    spread = runs["least_loaded"].requests
+    tokens = {router: run.requests.groupby("decode_replica")["output_len"].sum()
+              for router, run in runs.items()}
+    assert tokens["round_robin"].max() > 20 * tokens["round_robin"].min()
+    assert tokens["least_loaded"].max() < 2 * tokens["least_loaded"].min()
+    assert set(spread["decode_replica"]) == {1, 2}
+    # Half the decode work on each replica: the long answers finish sooner.
+    assert (runs["least_loaded"].summary["e2e_p90_s"]
+            < 0.8 * runs["round_robin"].summary["e2e_p90_s"])

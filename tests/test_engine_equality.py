@@ -1,7 +1,8 @@
 """Jump mode (runs of decode steps advanced at once) must equal stepping one at a time, with
 every router (its decisions must not depend on how far a replica has run ahead) and with
 prefill/decode disaggregation (a decode replica must see every handover when stepping
-would), and with preemption by swap."""
+would, and least-loaded decode placement must see the same finishes), and with preemption
+by swap."""
 
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ def random_scenario(seed: int) -> dict:
     if rng.random() < 0.3:  # drawn after all the rest, which stays as it was before
         scheduler["preemption_mode"] = "swap"
         scheduler["swap_space_gib"] = rng.choice([0.01, 0.1, 4.0])
+    if "disaggregation" in engine and rng.random() < 0.5:
+        engine["disaggregation"]["decode_router"] = "least_loaded"
     return {
         "name": f"random-{seed}",
         "model": "llama-2-7b",

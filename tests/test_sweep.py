@@ -170,7 +170,7 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
 @pytest.mark.parametrize("name", ["block_size_sweep", "length_variance", "prefix_sharing",
                                   "eviction_pressure", "rate_sweep", "router_policies",
                                   "host_cache", "kv_cache_dtype", "disaggregation",
-                                  "preemption_mode"])
+                                  "disaggregation_chat", "preemption_mode"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -219,6 +219,9 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         hit = outcome.table.groupby("param:engine.router.policy")["prefix_hit_rate"].min()
         assert hit["cache_aware"] > hit[["round_robin", "least_loaded"]].max() + 0.3
         assert len(figures["rate_sweep"].kvsim_data["knees"]) == 3  # a line per policy
+    if name == "disaggregation_chat":  # decode placement is part of the swept section
+        assert outcome.table["param:engine.disaggregation"].str.contains(
+            '"decode_router": "least_loaded"').sum() == 2
     if name == "preemption_mode":  # swapped victims compute nothing again
         tightest = outcome.table[outcome.table["param:memory.kv_memory_gib"] == 1.5].set_index(
             "system")
