@@ -356,15 +356,16 @@ class Scheduler:
         batch.swapped_slots += slots
 
     def _swap_in(self, request: Request, hits: int, batch: Batch) -> None:
-        """Copy a parked request's KV back (what the prefix cache does not still hold)."""
+        """Copy a parked request's KV back, but for the blocks still cached on the GPU (a
+        host tier's blocks come up the same link: they count as copied)."""
         arrived = max(request.swapped - hits, 0)
         if arrived:
             written = self.allocator.append(request.index * MAX_SAMPLES, arrived)
             assert written  # admission claimed the prompt's blocks
             request.prefilled += arrived
-            slots = max(request.swap_slots - hits, 0)
-            self.swapped_in_slots += slots
-            batch.swapped_slots += slots
+        slots = max(request.swap_slots - (hits - self.allocator.last_loaded_tokens), 0)
+        self.swapped_in_slots += slots
+        batch.swapped_slots += slots
         self.swap_used -= request.swap_slots
         request.swapped = request.swap_slots = 0
 
