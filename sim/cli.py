@@ -168,8 +168,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return EXIT_FAILED if outcome.failed else EXIT_OK
 
 
-SWEEP_TABLE_METRICS = ("throughput_tok_s", "e2e_p90_s", "slo_attainment", "waste_frac",
-                       "prefix_hit_rate", "swap_preemptions")
+SWEEP_TABLE_METRICS = ("throughput_tok_s", "e2e_p90_s", "slo_attainment",
+                       "slo_tightest_attainment", "waste_frac", "prefix_hit_rate",
+                       "swap_preemptions")
 
 
 def _sweep_means(table: pd.DataFrame, metrics: Sequence[str]) -> str:
@@ -236,8 +237,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-CAPACITY_TABLE_METRICS = ("capacity_req_s", "slo_attainment", "ttft_p99_s", "tpot_p50_s",
-                          "throughput_tok_s")
+CAPACITY_TABLE_METRICS = ("capacity_req_s", "slo_attainment", "slo_tightest_attainment",
+                          "ttft_p99_s", "tpot_p50_s", "throughput_tok_s")
 
 
 def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
