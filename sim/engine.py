@@ -249,7 +249,7 @@ class _Replica:
             request = prepared or Request(sim.trace, index, t)
             if self.role == "prefill":
                 sim.serve_as(request, self)
-            if not self.scheduler.add(request):
+            if request.rejected or not self.scheduler.add(request):
                 sim.on_done(self, request, t)
 
     # -------------------------------------------------------------- the loop
@@ -289,11 +289,9 @@ class _Replica:
                 batch = Batch()
                 sched.fill_decode(batch)
                 snap = sched.snapshot().as_dict()
-                # An arrival matters only to an empty queue (behind a blocked head it waits),
-                # unless its rejection may release others to another replica.
-                arrivals_matter = not sched.waiting or sim.rejection_releases
-                stop_at = self.next_arrival() if arrivals_matter else math.inf
-                if self.role == "decode" and arrivals_matter:
+                # An arrival matters only to an empty queue (behind a blocked head it waits).
+                stop_at = self.next_arrival() if not sched.waiting else math.inf
+                if self.role == "decode" and not sched.waiting:
                     stop_at = min(stop_at, sim.handover_horizon())
                 steps, clock, finished = sched.decode_quietly(
                     timing.decode_step_time(batch.decode_seqs, self.rho), start, stop_at)
@@ -422,13 +420,6 @@ class _SystemRun:
             if self.router is None:
                 replica.open = roots[self.replica_of[roots] == r].tolist()
             self.replicas.append(replica)
-        # Whether a decode replica may reject a request that others wait on (it could never
-        # fit the pool): it is rejected the moment it is handed over, releasing them to a
-        # prefill replica, so the decode replica's jump must stop there even behind a
-        # blocked head. (A colocated replica's own dependents would wait behind that head.)
-        sizer = self.replicas[-1].scheduler
-        self.rejection_releases = self.handovers and any(
-            not sizer.fits_ever(Request(trace, index, 0.0)) for index in self.dependents)
 
     def next_unrouted_s(self) -> float:
         """Arrival time of the next open arrival the router has yet to place (inf if none)."""
@@ -451,7 +442,7 @@ class _SystemRun:
             target.open.append(index)
             self.serve_as(request, target)
             # Requests the pool will refuse never load a replica: the router knows at once.
-            if target.scheduler.fits_ever(request):
+            if self.accepts(target, request):
                 router.assign(target.index, request.prompt_segments)
 
     def new_request(self, index: int, arrival_s: float, replica: _Replica) -> Request:
@@ -461,11 +452,20 @@ class _SystemRun:
     @staticmethod
     def serve_as(request: Request, replica: _Replica) -> Request:
         """``request`` as ``replica`` serves it: a prefill replica reads the prompt and
-        gives the first token, so for it the request ends there."""
+        gives the first token, so for it the request ends there. One that no decode replica
+        could ever hold (every pool is alike) is marked rejected first: the prefill replica
+        turns it away on arrival, as a colocated replica does, rather than read its prompt."""
         if replica.role == "prefill":
+            request.rejected = not replica.scheduler.fits_ever(request)
             request.output_len = 1
             request.max_len = request.prompt_len + 1
         return request
+
+    @staticmethod
+    def accepts(replica: _Replica, request: Request) -> bool:
+        """Whether ``replica`` will take ``request`` (as :meth:`serve_as` made it) rather
+        than reject it on arrival."""
+        return not request.rejected and replica.scheduler.fits_ever(request)
 
     def release(self, replica: _Replica, release_s: float, index: int,
                 request: Request | None = None) -> None:
@@ -520,15 +520,11 @@ class _SystemRun:
         arrival_s = (now_s + self.transfer_latency_s
                      + request.prompt_len * self.transfer_s_per_token)
         self.decode_in_flight[position] += 1
-        if self.least_loaded_decode and not decode.scheduler.fits_ever(rest):
-            # Rejected the moment it arrives; known now, not when a replica that ran ahead
-            # gets to its arrival.
-            heapq.heappush(self.decode_done, (arrival_s, position))
         self.release(decode, arrival_s, index, rest)
 
     def on_done(self, replica: _Replica, request: Request, now_s: float) -> None:
         """A request finished or was rejected: record it, release whoever waits on it."""
-        if self.least_loaded_decode and replica.role == "decode" and not request.rejected:
+        if self.least_loaded_decode and replica.role == "decode":
             heapq.heappush(self.decode_done, (now_s, replica.index - self.prefill_replicas))
         if self.router is not None and not request.rejected and replica.role != "decode":
             self.router.finished(request.index, replica.index, now_s)
@@ -561,7 +557,7 @@ class _SystemRun:
             if self.router is not None:
                 self.replica_of[index] = home.index
                 turn = self.new_request(index, release, home)
-                if home.scheduler.fits_ever(turn):
+                if self.accepts(home, turn):
                     self.router.expect(index, home.index, release, turn.prompt_segments)
 
     def run(self) -> RunResult:

@@ -169,3 +169,20 @@ def test_least_loaded_decode_placement_spreads_what_round_robin_piles_up(tmp_pat
     # Half the decode work on each replica: the long answers finish sooner.
     assert (runs["least_loaded"].summary["e2e_p90_s"]
             < 0.8 * runs["round_robin"].summary["e2e_p90_s"])
+
+
+def test_a_request_no_pool_could_hold_is_turned_away_on_arrival():
+    # As colocated: its prompt is never read, nor its first token given.
+    data = scenario(prefill_replicas=1, replicas=2)
+    data["memory"] = {"kv_memory_gib": 0.5}  # 1,024 tokens of Llama-2-7B
+    data["workload"]["output_len"] = {"dist": "uniform", "low": 1, "high": 900}
+    data["workload"]["prompt_len"] = {"dist": "uniform", "low": 50, "high": 400}
+    for run in run_scenario(scenario_from_dict(data)).systems.values():
+        requests = run.requests
+        rejected = requests[requests["rejected"]]
+        assert len(rejected) > 5
+        assert rejected["first_token_s"].isna().all()
+        assert (rejected["decode_replica"] == -1).all() and (rejected["replica"] == 0).all()
+        # Prefill replicas only ever read the prompts of requests that were served.
+        prefill_tokens = run.steps.loc[run.steps["replica"] == 0, "prefill_tokens"].sum()
+        assert prefill_tokens <= requests.loc[~requests["rejected"], "prompt_len"].sum()

@@ -99,9 +99,11 @@ def test_jump_equals_step(seed):
 
 
 def test_a_rejected_arrival_releases_the_requests_behind_it_in_jump_mode_too():
-    # A pool too small for some closed-loop requests: one that arrives while a replica jumps
-    # behind a blocked head is rejected on arrival, and its user's next request is released
-    # then, not when the jump ends. (Found by the stress variant of the random scenarios.)
+    # A pool too small for some closed-loop requests, split into prefill and decode: a
+    # request no pool could hold is rejected, releasing its user's next request at once.
+    # When that happened at the decode replica, behind a blocked head, it happened when the
+    # jump ended, not at the handover (found by a stress variant of the random scenarios);
+    # now the prefill replica turns it away on arrival, as colocated.
     data = {
         "name": "rejections", "model": "llama-2-7b", "memory": {"kv_memory_gib": 0.3},
         "workload": {"arrival": {"process": "closed_loop", "users": 6, "think_time_s": 0.2},
