@@ -133,11 +133,12 @@ class SchedulerConfig(ConfigModel):
     max_num_batched_tokens: PositiveInt = 8192
     chunked_prefill: bool = False
     preemption_victim: Literal["last_admitted", "fewest_generated"] = "last_admitted"
-    # As vLLM v0's preemption_mode: drop a victim's KV and recompute it later, or copy it to
-    # host memory and back over the host link (a request that does not fit there, or has
-    # several samples, is still recomputed).
-    preemption_mode: Literal["recompute", "swap"] = "recompute"
-    swap_space_gib: float = Field(default=4.0, gt=0)  # per GPU, as vLLM's --swap-space
+    preemption_mode: Literal["recompute", "swap"] = Field(
+        default="recompute", description="as vLLM v0's: drop a victim's KV and recompute it "
+        "when it is seated again, or copy it to host memory and back over the host link (a "
+        "victim that does not fit there, or has several samples, is still recomputed)")
+    swap_space_gib: float = Field(default=4.0, gt=0, description="host memory per GPU for "
+                                  "swapped KV, as vLLM's --swap-space")
 
 
 class SystemConfig(ConfigModel):
@@ -197,7 +198,9 @@ class SloConfig(ConfigModel):
     tpot_s: PositiveFloat | None = None
     e2e_s: PositiveFloat | None = None
     attainment: float = Field(default=0.9, gt=0, le=1)
-    judge: Literal["requests", "percentiles"] = "requests"
+    judge: Literal["requests", "percentiles"] = Field(
+        default="requests", description="requests: the attainment share meets every bound at "
+        "once (DistServe); percentiles: each bound alone (MLPerf's p99 TTFT and TPOT)")
 
     @model_validator(mode="after")
     def _some_bound(self):  # type: ignore[no-untyped-def]
