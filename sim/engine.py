@@ -353,11 +353,11 @@ class _SystemRun:
         split = scenario.engine.disaggregation
         self.prefill_replicas = split.prefill_replicas if split else 0
         self.handovers = split is not None  # replicas receive requests from one another
+        self.decode_replicas = scenario.engine.replicas - self.prefill_replicas if split else 0
         self.least_loaded_decode = split is not None and split.decode_router == "least_loaded"
-        # Requests handed to each decode replica and not yet done, and a heap of (when done,
-        # decode replica) for those the least-loaded choice has yet to count out.
-        self.decode_in_flight = [0] * (scenario.engine.replicas - self.prefill_replicas
-                                       if split else 0)
+        # For the least-loaded choice: requests handed to each decode replica and not yet
+        # done, and a heap of (when done, decode replica) for those yet to be counted out.
+        self.decode_in_flight = [0] * self.decode_replicas
         self.decode_done: list[tuple[float, int]] = []
         if split is not None:
             tp = scenario.parallel.tensor_parallel_size
@@ -507,7 +507,7 @@ class _SystemRun:
         served it; with ``decode_router: least_loaded``, the least loaded now)."""
         index = request.index
         position = (self._least_loaded_decode() if self.least_loaded_decode
-                    else index % len(self.decode_in_flight))
+                    else index % self.decode_replicas)
         decode = self.replicas[self.prefill_replicas + position]
         rest = Request(self.trace, index, request.arrival_s)
         # As if preempted after its first token: its prompt is the prompt and that token,
@@ -519,7 +519,8 @@ class _SystemRun:
             setattr(rest, carried, getattr(request, carried))
         arrival_s = (now_s + self.transfer_latency_s
                      + request.prompt_len * self.transfer_s_per_token)
-        self.decode_in_flight[position] += 1
+        if self.least_loaded_decode:
+            self.decode_in_flight[position] += 1
         self.release(decode, arrival_s, index, rest)
 
     def on_done(self, replica: _Replica, request: Request, now_s: float) -> None:

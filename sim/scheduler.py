@@ -157,7 +157,7 @@ class Scheduler:
         self.allocator = allocator
         self.config = config
         self.debug = debug
-        self.swap_slots = swap_slots if config.preemption_mode == "swap" else 0
+        self.swap_slots = swap_slots  # 0: preempt by recompute only
         self.swap_used = 0  # slots of swap space parked requests hold
         self.swap_preemptions = 0
         self.swapped_out_slots = 0
@@ -358,16 +358,22 @@ class Scheduler:
     def _swap_in(self, request: Request, hits: int, batch: Batch) -> None:
         """Copy a parked request's KV back, but for the blocks still cached on the GPU (a
         host tier's blocks come up the same link: they count as copied)."""
-        arrived = max(request.swapped - hits, 0)
-        if arrived:
-            written = self.allocator.append(request.index * MAX_SAMPLES, arrived)
-            assert written  # admission claimed the prompt's blocks
-            request.prefilled += arrived
+        self._write_ready(request, request.swapped, hits)
         slots = max(request.swap_slots - (hits - self.allocator.last_loaded_tokens), 0)
         self.swapped_in_slots += slots
         batch.swapped_slots += slots
         self.swap_used -= request.swap_slots
         request.swapped = request.swap_slots = 0
+
+    def _write_ready(self, request: Request, ready: int, hits: int) -> None:
+        """Write the KV of the first ``ready`` tokens, which arrives computed (from another
+        replica, or back from host memory), beyond the ``hits`` the prefix cache holds: no
+        step computes it."""
+        arrived = max(ready - hits, 0)
+        if arrived:
+            written = self.allocator.append(request.index * MAX_SAMPLES, arrived)
+            assert written  # admission claimed the prompt's blocks
+            request.prefilled += arrived
 
     def _grow_now(self, request: Request, batch: Batch) -> bool:
         """Sync ``request`` through this step's token, preempting others while memory is
@@ -460,11 +466,7 @@ class Scheduler:
                 # Its prompt was read elsewhere: write what the cache lacks, compute nothing
                 # (not a lookup either: the prefix cache saved no computation here, and
                 # blocks found in a host tier came over the network anyway).
-                arrived = max(request.transferred - hits, 0)
-                if arrived:
-                    written = self.allocator.append(request.index * MAX_SAMPLES, arrived)
-                    assert written  # admission claimed the prompt's blocks
-                request.prefilled += arrived
+                self._write_ready(request, request.transferred, hits)
                 request.transferred = 0  # after a preemption, recompute here
             else:
                 request.hit_tokens += hits
