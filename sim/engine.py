@@ -585,7 +585,11 @@ class _SystemRun:
         capacity = self.replicas[0].allocator.capacity_slots
         lookup = sum(r.scheduler.lookup_tokens for r in self.replicas)
         hits = sum(r.scheduler.hit_tokens for r in self.replicas)
+        preempted_lookup = sum(r.scheduler.preempted_lookup_tokens for r in self.replicas)
+        preempted_hits = sum(r.scheduler.preempted_hit_tokens for r in self.replicas)
         extra = {"lookup_tokens": lookup, "hit_tokens": hits,
+                 "preempted_lookup_tokens": preempted_lookup,
+                 "preempted_hit_tokens": preempted_hits,
                  "prefix_caching": bool(getattr(self.replicas[0].allocator,
                                                 "enable_prefix_caching", False)),
                  "evictions": sum(getattr(getattr(r.allocator, "pool", None), "num_evictions", 0)
@@ -596,11 +600,11 @@ class _SystemRun:
                                                  self.prefill_replicas or len(self.replicas)),
                  "prefill_replicas": self.prefill_replicas,
                  "gpus": len(self.replicas) * self.gpus_per_replica}
-        loaded = sum(r.scheduler.loaded_tokens for r in self.replicas)
+        loaded = sum(r.scheduler.first_loaded_tokens for r in self.replicas)
         # None (shown "—") without a host tier, as the hit rate without a prefix cache.
         has_host = getattr(self.replicas[0].allocator, "host", None) is not None
         extra["host_hit_rate"] = (loaded / lookup if lookup else 0.0) if has_host else None
-        extra["host_loaded_tokens"] = loaded
+        extra["host_loaded_tokens"] = sum(r.scheduler.loaded_tokens for r in self.replicas)
         # None (shown "—") for systems that preempt by recompute.
         swaps = self.system.scheduler.preemption_mode == "swap"
         for key in ("swap_preemptions", "swapped_out_slots", "swapped_in_slots"):

@@ -97,10 +97,14 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
     finish_alloc = float(done["allocated_at_finish"].sum())
     finish_used = float(((done["prompt_len"] + done["output_len"]) * done["n"]).sum())
     # None (shown "—") where there is no prefix cache: 0 % would read as a cache that missed.
-    hit_rate = None
+    # First admissions only; a preempted request's own blocks found again are apart (None
+    # where nothing was preempted and looked up again).
+    hit_rate = preempted_hit_rate = None
     if extra["prefix_caching"]:
         lookups = extra["lookup_tokens"]
         hit_rate = extra["hit_tokens"] / lookups if lookups else 0.0
+        again = extra["preempted_lookup_tokens"]
+        preempted_hit_rate = extra["preempted_hit_tokens"] / again if again else None
     summary: dict[str, Any] = {
         "requests": len(requests),
         "completed": len(done),
@@ -124,6 +128,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
         "internal_at_finish_frac": (finish_alloc - finish_used) / finish_alloc if (
             finish_alloc) else 0.0,
         "prefix_hit_rate": hit_rate,
+        "preempted_hit_rate": preempted_hit_rate,
         "waiting_at_last_arrival": _waiting_at(steps, float(requests["arrival_s"].max())
                                                if len(requests) else 0.0),
         "preemptions": int(requests["preemptions"].sum()),
@@ -133,7 +138,8 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
         **slo_summary(requests, makespan, slo),
     }
     summary.update({k: v for k, v in extra.items()
-                    if k not in ("hit_tokens", "lookup_tokens", "prefix_caching")})
+                    if k not in ("hit_tokens", "lookup_tokens", "preempted_hit_tokens",
+                                 "preempted_lookup_tokens", "prefix_caching")})
     return summary
 
 

@@ -166,9 +166,15 @@ class Scheduler:
         self.running: dict[int, Request] = {}  # admit_seq -> request, in admission order
         self.steps = 0  # steps completed
         self.num_preemptions = 0
-        self.lookup_tokens = 0  # prompt tokens looked up in the prefix cache, all admissions
+        # Prefix-cache lookups of first admissions: a preempted request looking its own
+        # blocks up again is counted apart (vLLM v1's ``preempted_queries``), else every
+        # preemption would raise the hit rate.
+        self.lookup_tokens = 0
         self.hit_tokens = 0
-        self.loaded_tokens = 0  # of hit_tokens, those read from a host tier
+        self.preempted_lookup_tokens = 0
+        self.preempted_hit_tokens = 0
+        self.loaded_tokens = 0  # read from a host tier at admission, all admissions
+        self.first_loaded_tokens = 0  # of hit_tokens, those read from a host tier
         self._admit_counter = 0
         # Per event kind, step -> [(admit_seq, version, request)]; an entry is stale once
         # the request's version moved on. Buckets, not a heap: every step is visited in
@@ -469,12 +475,17 @@ class Scheduler:
                 self._write_ready(request, request.transferred, hits)
                 request.transferred = 0  # after a preemption, recompute here
             else:
-                request.hit_tokens += hits
-                self.hit_tokens += hits
-                self.lookup_tokens += spec.prompt_len
                 loaded = self.allocator.last_loaded_tokens
                 batch.loaded_tokens += loaded
                 self.loaded_tokens += loaded
+                if request.preemptions:
+                    self.preempted_hit_tokens += hits
+                    self.preempted_lookup_tokens += spec.prompt_len
+                else:
+                    request.hit_tokens = hits
+                    self.hit_tokens += hits
+                    self.lookup_tokens += spec.prompt_len
+                    self.first_loaded_tokens += loaded
             if request.resumed:
                 request.recomputed_tokens += spec.prompt_len - request.prefilled
             self.running[request.admit_seq] = request

@@ -195,6 +195,23 @@ def test_preemption_and_recompute_under_pressure():
     assert run.summary["completed"] + run.summary["rejected"] == 80
 
 
+def test_hit_rate_counts_first_admissions_only():
+    """A preempted request finding its own blocks again is counted apart (vLLM v1's
+    preempted_queries): the hit rate is that of prompts as they first arrive."""
+    data = small(memory={"kv_memory_gib": 0.15})
+    data["systems"] = [{"name": "paged", "allocator": {"kind": "paged", "watermark": 0,
+                                                        "prefix_caching": True}}]
+    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    requests = run.requests[run.requests["admitted_s"].notna()]
+    assert run.summary["preemptions"] > 0
+    # The workload shares no prefixes: first admissions find nothing ...
+    assert run.summary["prefix_hit_rate"] == requests["prefix_hit_tokens"].sum() == 0
+    # ... but victims find some of the blocks they left behind.
+    assert 0 < run.summary["preempted_hit_rate"] <= 1
+    memory = run.memory.groupby("replica")[["hit_tokens", "lookup_tokens"]].last()
+    assert memory["lookup_tokens"].sum() == requests["prompt_len"].sum()
+
+
 @pytest.mark.parametrize("chunk_rows", [1, 3, 7, 1000])
 def test_row_buffer_chunks_make_the_frame_built_at_once(chunk_rows):
     columns = ["replica", "time_s", "tokens", "rejected"]
