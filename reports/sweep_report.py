@@ -1,6 +1,7 @@
 """Figures of a sweep: metric against swept field per system, the saturation knee, the
 block-size trade-off, hit rate against pool size per eviction policy, bars for a field of
-names, requests within SLO against rate, and capacity under SLO per point.
+names, requests within SLO against rate, each priority level's latency and attainment
+against rate, and capacity under SLO per point.
 
 Every figure averages over seeds (bars show the min–max range) and attaches its table as
 ``fig.kvsim_data``.
@@ -21,7 +22,7 @@ from matplotlib.ticker import FuncFormatter
 from reports.html import img_tag, render_html, save_figure
 from reports.slo_figure import attainment_figure
 from reports.style import legend, new_figure, system_color
-from sim.metrics import PER_GPU, gpu_counts_differ
+from sim.metrics import PER_GPU, gpu_counts_differ, metric_row, priority_levels
 from sim.results import read_back, read_table
 from sim.slo import describe_slo, judged_attainment
 
@@ -45,6 +46,12 @@ METRIC_LABELS = {
     "capacity_req_s_per_gpu": "capacity under SLO per GPU (requests/s)",
     "goodput_req_s": "goodput (req/s within SLO)",
 }
+
+
+def metric_label(metric: str) -> str:
+    """How a figure's axis names a summary metric (per-priority ones included)."""
+    row = metric_row(metric)
+    return METRIC_LABELS.get(metric) or (row[1] if row else metric)
 
 
 class SweepReportError(ValueError):
@@ -146,11 +153,10 @@ def metric_vs_field(table: pd.DataFrame, field: str, metric: str, *,
             "\n".join([f"{row[x]:g}"] + [f"{_short(c)}={row[c]}" for c in partners])
             for _, row in ticks.iterrows()])
     ax.set_xlabel(field)
-    ax.set_ylabel(METRIC_LABELS.get(metric, metric))
+    ax.set_ylabel(metric_label(metric))
     ax.grid(alpha=0.3)
     legend(ax, len(lines))
-    ax.set_title(f"{METRIC_LABELS.get(metric, metric)} against {field}", loc="left",
-                 fontsize=11)
+    ax.set_title(f"{metric_label(metric)} against {field}", loc="left", fontsize=11)
     fig.kvsim_data = {"series": data}  # type: ignore[attr-defined]
     return fig
 
@@ -295,6 +301,48 @@ def slo_figure(table: pd.DataFrame, field: str, slo: dict[str, Any]) -> Figure:
                              title=f"Within SLO ({describe_slo(slo)}) against load")
 
 
+def priority_figure(table: pd.DataFrame, field: str) -> Figure:
+    """Each priority level's TTFT p99 and, with objectives, its share within them against
+    request rate: what scheduling by priority buys one class and costs the others (one colour
+    per system and combination of the other swept fields, one line style per level)."""
+    x = _param(table, field)
+    levels = priority_levels(table.columns)
+    with_slo = any(f"priority_{level}_slo_attainment" in table for level in levels)
+    fig, axes = new_figure(2 if with_slo else 1, 1, height=3.0, sharex=True)
+    axes = list(np.atleast_1d(axes))
+    lines = _series(table, "system", _other_swept(table, x, "system"))
+    series = []
+    for label, style, part in lines:
+        mean = part.groupby(x).mean(numeric_only=True).reset_index().sort_values(x)
+        for rank, level in enumerate(levels):
+            shown = {**style, "linestyle": LINE_STYLES[rank % len(LINE_STYLES)],
+                     "marker": MARKERS[rank % len(MARKERS)]}
+            name = f"{label}, priority {level}"
+            axes[0].plot(mean[x], mean[f"priority_{level}_ttft_p99_s"], markersize=4,
+                         label=name, **shown)
+            if with_slo:
+                axes[1].plot(mean[x], mean[f"priority_{level}_slo_attainment"] * 100,
+                             markersize=4, label=name, **shown)
+            series.append(pd.DataFrame({
+                "line": name, "rate": mean[x],
+                "ttft_p99_s": mean[f"priority_{level}_ttft_p99_s"],
+                **({"slo_attainment": mean[f"priority_{level}_slo_attainment"]}
+                   if with_slo else {})}))
+    axes[0].set_ylabel("TTFT p99 (s)")
+    axes[0].set_yscale("log")
+    axes[0].yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    if with_slo:
+        axes[1].set_ylabel("within SLO (%)")
+        axes[1].set_ylim(-3, 103)
+    axes[-1].set_xlabel("offered load (requests/s)")
+    legend(axes[0], len(lines) * len(levels))
+    axes[0].set_title("Per priority level against load", loc="left", fontsize=11)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.kvsim_data = {"series": pd.concat(series, ignore_index=True)}  # type: ignore[attr-defined]
+    return fig
+
+
 def sweep_figures(sweep_dir: Path, x: str | None = None,
                   y: str | None = None) -> dict[str, Figure]:
     """The figures that fit this sweep's swept fields (and ``--x``/``--y`` if given)."""
@@ -321,6 +369,8 @@ def sweep_figures(sweep_dir: Path, x: str | None = None,
         slo = _first_run_scenario(sweep_dir, table).get("slo")
         if slo and "slo_attainment" in table:
             figures["slo_attainment"] = slo_figure(table, rate, slo)
+        if priority_levels(table.columns):
+            figures["priority_levels"] = priority_figure(table, rate)
     if block:
         sizes = sorted(int(v) for v in table[f"param:{block}"].unique())
         figures["block_size_tradeoff"] = block_size_figure(table, block,
@@ -372,7 +422,7 @@ def category_figure(table: pd.DataFrame, field: str, metrics: list[str]) -> Figu
             part = data[data["system"] == system].set_index(x).reindex(values)
             ax.bar(np.arange(len(values)) + (i - (len(systems) - 1) / 2) * width,
                    part[metric], width=width, color=system_color(i), label=system)
-        ax.set_ylabel(METRIC_LABELS.get(metric, metric))
+        ax.set_ylabel(metric_label(metric))
         ax.grid(alpha=0.3, axis="y")
     axes[-1].set_xticks(np.arange(len(values)), [str(v) for v in values], fontsize=8)
     axes[-1].set_xlabel(field)

@@ -289,9 +289,11 @@ class _Replica:
                 batch = Batch()
                 sched.fill_decode(batch)
                 snap = sched.snapshot().as_dict()
-                # An arrival matters only to an empty queue (behind a blocked head it waits).
-                stop_at = self.next_arrival() if not sched.waiting else math.inf
-                if self.role == "decode" and not sched.waiting:
+                # An arrival matters only to an empty queue (behind a blocked head it
+                # waits), unless its priority may put it ahead of that head.
+                heeded = not sched.waiting or sched.waiting.by_priority
+                stop_at = self.next_arrival() if heeded else math.inf
+                if self.role == "decode" and heeded:
                     stop_at = min(stop_at, sim.handover_horizon())
                 steps, clock, finished = sched.decode_quietly(
                     timing.decode_step_time(batch.decode_seqs, self.rho), start, stop_at)
@@ -375,8 +377,8 @@ class _SystemRun:
         # Request object (its content, its spec) is freed then, not kept to the end.
         self.request_rows = _RowBuffer([
             "request", "arrival_s", "admitted_s", "first_token_s", "finished_s", "prompt_len",
-            "output_len", "n", "preemptions", "prefix_hit_tokens", "recomputed_tokens",
-            "rejected", "replica", "allocated_at_finish",
+            "output_len", "n", "priority", "preemptions", "prefix_hit_tokens",
+            "recomputed_tokens", "rejected", "replica", "allocated_at_finish",
             *(["decode_replica"] if self.handovers else [])], {"rejected": bool})
         self.allocated_at_finish = np.zeros(len(trace), dtype=np.int64)
         self.recorder = _Recorder(scenario.engine.sample_interval_s)
@@ -537,7 +539,8 @@ class _SystemRun:
         row: tuple[object, ...] = (
             request.index, request.arrival_s, request.admitted_s, request.first_token_s,
             request.finished_s, request.prompt_len, self.output_lens[request.index],
-            request.n, request.preemptions, request.hit_tokens, request.recomputed_tokens,
+            request.n, request.priority, request.preemptions, request.hit_tokens,
+            request.recomputed_tokens,
             request.rejected, routed_to, int(self.allocated_at_finish[request.index]))
         if self.handovers:
             row += (replica.index if replica.role == "decode" else -1,)

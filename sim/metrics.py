@@ -7,6 +7,7 @@ report's summary table and the sweep report's results — so a metric reads the 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,42 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
 ]
 
 
+# Per priority level, where a trace has several: summary key ``priority_L_METRIC``, shown as
+# "priority L: LABEL".
+PRIORITY_ROWS: list[tuple[str, str, str]] = [
+    ("requests", "requests", "{:,.0f}"),
+    ("ttft_p50_s", "TTFT p50 (s)", "{:,.3f}"),
+    ("ttft_p99_s", "TTFT p99 (s)", "{:,.3f}"),
+    ("tpot_p50_s", "TPOT p50 (ms)", "ms"),
+    ("e2e_p90_s", "E2E p90 (s)", "{:,.2f}"),
+    ("slo_attainment", "requests within SLO", "%"),
+    ("preemptions", "preemptions", "{:,.0f}"),
+]
+# Of those, the ones a sweep's table shows (it is wide enough already).
+PRIORITY_SWEEP_METRICS = ("ttft_p99_s", "slo_attainment")
+_PRIORITY_KEY = re.compile(r"priority_(-?\d+)_(\w+)")
+
+
+def priority_levels(keys: Iterable[str]) -> list[int]:
+    """The priority levels that summary keys (or table columns) report on, in order."""
+    levels = {int(m.group(1)) for key in keys
+              if (m := _PRIORITY_KEY.fullmatch(key)) and m.group(2) == "requests"}
+    return sorted(levels)
+
+
+def metric_row(key: str) -> tuple[str, str, str] | None:
+    """(key, label, format) of a summary key, a per-priority one included; None if unknown."""
+    for row in SUMMARY_ROWS:
+        if row[0] == key:
+            return row
+    match = _PRIORITY_KEY.fullmatch(key)
+    if match:
+        for metric, label, fmt in PRIORITY_ROWS:
+            if metric == match.group(2):
+                return key, f"priority {match.group(1)}: {label}", fmt
+    return None
+
+
 def format_metric(value: Any, fmt: str) -> str:
     """One value in ``fmt`` (a format string, or "%", "%2", "ms"); "—" for none or NaN."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -80,7 +117,8 @@ def summary_rows(summaries: Iterable[dict[str, Any]]) -> list[tuple[str, str, st
     some system runs on more than one GPU (else it repeats the throughput), replica
     imbalance only where some system has several replicas, host-cache hits only where some
     system has a host cache, swaps only where some system preempts by swap, SLO attainment
-    and goodput only where the scenario sets objectives."""
+    and goodput only where the scenario sets objectives; then, where the trace has several
+    priority levels, :data:`PRIORITY_ROWS` for each."""
     summaries = list(summaries)
 
     def needed(key: str) -> bool:
@@ -90,7 +128,13 @@ def summary_rows(summaries: Iterable[dict[str, Any]]) -> list[tuple[str, str, st
             return any(s.get(key) is not None for s in summaries)
         return True
 
-    return [row for row in SUMMARY_ROWS if needed(row[0])]
+    rows = [row for row in SUMMARY_ROWS if needed(row[0])]
+    for level in priority_levels(key for s in summaries for key in s):
+        for metric, _, _ in PRIORITY_ROWS:
+            key = f"priority_{level}_{metric}"
+            if any(s.get(key) is not None for s in summaries):
+                rows.append(metric_row(key))  # type: ignore[arg-type]
+    return rows
 
 
 def format_summary(summaries: dict[str, dict[str, Any]]) -> str:
@@ -122,6 +166,9 @@ def sweep_metrics(table: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
     has them."""
     shown = [m for m in metrics
              if m not in ONLY_WHEN_SET or (m in table and table[m].notna().any())]
+    for level in priority_levels(table.columns):
+        shown += [key for metric in PRIORITY_SWEEP_METRICS
+                  if (key := f"priority_{level}_{metric}") in table and table[key].notna().any()]
     if gpu_counts_differ(table):
         for total, per_gpu in PER_GPU.items():
             if total in shown:
@@ -135,12 +182,11 @@ def labelled_sweep_table(table: pd.DataFrame, metrics: Iterable[str],
     the ``keep`` columns, then each metric under its summary label in its format."""
     import pandas as pd
 
-    rows = {key: (label, fmt) for key, label, fmt in SUMMARY_ROWS}
     shown = pd.DataFrame({c.removeprefix("param:"): table[c].to_numpy()
                           for c in table.columns if c.startswith("param:")})
     for column in keep:
         shown[column] = table[column].to_numpy()
     for metric in (m for m in metrics if m in table):
-        label, fmt = rows[metric]
+        _, label, fmt = metric_row(metric)  # type: ignore[misc]
         shown[label] = [format_metric(v, fmt) for v in table[metric]]
     return shown

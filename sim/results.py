@@ -136,11 +136,35 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
         "steps": int(step_count),
         "capacity_slots": capacity_slots,
         **slo_summary(requests, makespan, slo),
+        **_by_priority(requests, makespan, slo),
     }
     summary.update({k: v for k, v in extra.items()
                     if k not in ("hit_tokens", "lookup_tokens", "preempted_hit_tokens",
                                  "preempted_lookup_tokens", "prefix_caching")})
     return summary
+
+
+def _by_priority(requests: pd.DataFrame, makespan_s: float, slo: SloConfig | None
+                 ) -> dict[str, Any]:
+    """Per priority level, where the trace has several (``priority_L_METRIC`` keys): the
+    requests, their latency percentiles, preemptions and SLO attainment, which tell what a
+    priority policy buys one class and costs another."""
+    if "priority" not in requests or requests["priority"].nunique() < 2:
+        return {}
+    out: dict[str, Any] = {}
+    for level, part in requests.groupby("priority", sort=True):
+        done = part[part["finished_s"] >= 0]
+        measured = latencies(done)
+        tpot = measured["tpot"][done["output_len"].to_numpy() > 1]
+        key = f"priority_{level}_"
+        out[key + "requests"] = len(part)
+        out.update({key + k: v for k, v in {**_percentiles(measured["ttft"], "ttft"),
+                                             **_percentiles(tpot, "tpot"),
+                                             **_percentiles(measured["e2e"], "e2e")}.items()})
+        out[key + "preemptions"] = int(part["preemptions"].sum())
+        if slo is not None:
+            out[key + "slo_attainment"] = slo_summary(part, makespan_s, slo)["slo_attainment"]
+    return out
 
 
 SATURATED_WAITING_FRAC = 0.05  # of the requests, still queued when the last one arrived

@@ -132,13 +132,26 @@ class SchedulerConfig(ConfigModel):
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt = 8192
     chunked_prefill: bool = False
-    preemption_victim: Literal["last_admitted", "fewest_generated"] = "last_admitted"
+    policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs", description="as vLLM's --scheduling-policy: first come, first served, "
+        "or by each request's priority (lower first, then arrival): the waiting request with "
+        "the best priority is seated first and the running one with the worst is preempted")
+    preemption_victim: Literal["last_admitted", "fewest_generated"] = Field(
+        default="last_admitted", description="under fcfs: which running request is preempted "
+        "when memory runs short (priority always preempts the worst priority, latest arrival)")
     preemption_mode: Literal["recompute", "swap"] = Field(
         default="recompute", description="as vLLM v0's: drop a victim's KV and recompute it "
         "when it is seated again, or copy it to host memory and back over the host link (a "
         "victim that does not fit there, or has several samples, is still recomputed)")
     swap_space_gib: float = Field(default=4.0, gt=0, description="host memory per GPU for "
                                   "swapped KV, as vLLM's --swap-space")
+
+    @model_validator(mode="after")
+    def _victim_under_priority(self):  # type: ignore[no-untyped-def]
+        if self.policy == "priority" and self.preemption_victim != "last_admitted":
+            raise ValueError("preemption_victim applies to policy fcfs only: under priority the "
+                             "running request with the worst priority is preempted")
+        return self
 
 
 class SystemConfig(ConfigModel):

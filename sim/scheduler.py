@@ -19,6 +19,7 @@ No SimPy here: the engine asks for a :class:`Batch`, times it, and reports it do
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ class Request:
         "preemptions",
         "prefill_target",
         "prefilled",
+        "priority",
         "prompt_len",
         "prompt_segments",
         "recomputed_tokens",
@@ -74,6 +76,7 @@ class Request:
         self.output_len = columns["output_len"][index]
         self.max_len = self.prompt_len + columns["max_tokens"][index]
         self.n = columns["n"][index]
+        self.priority = columns["priority"][index]  # lower is served first (vLLM's)
         self.prompt_segments = tuple(trace.prompt_segments(index))
         self.gen_sync = 0  # generated tokens as of step g_sync (exact unless decoding)
         self.prefilled = 0  # tokens of the current admission's prompt already in KV
@@ -130,6 +133,56 @@ class Request:
         return self.prefilled < self.prefill_target
 
 
+class WaitingLine:
+    """The queue of requests waiting for a seat: first come, first served, or by priority.
+
+    First come, first served is a deque; a preempted request goes back to its front. By
+    priority (vLLM v1's ``--scheduling-policy priority``) it is a heap ordered by
+    (priority, arrival, request index), lower first; a preempted request simply goes back
+    in, where its priority and arrival place it.
+    """
+
+    def __init__(self, by_priority: bool) -> None:
+        self.by_priority = by_priority
+        self._line: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []  # index: never compare requests
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.by_priority else len(self._line)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap) if self.by_priority else bool(self._line)
+
+    def head(self) -> Request:
+        """The request to seat next."""
+        return self._heap[0][3] if self.by_priority else self._line[0]
+
+    def pop(self) -> Request:
+        """Take the head off the line."""
+        if self.by_priority:
+            return heapq.heappop(self._heap)[3]
+        return self._line.popleft()
+
+    def arrive(self, request: Request) -> None:
+        """A new arrival joins the back (or its place, by priority)."""
+        if self.by_priority:
+            heapq.heappush(self._heap, (request.priority, request.arrival_s, request.index,
+                                        request))
+        else:
+            self._line.append(request)
+
+    def readmit(self, request: Request) -> None:
+        """A preempted request returns to the front (or its place, by priority)."""
+        if self.by_priority:
+            self.arrive(request)
+        else:
+            self._line.appendleft(request)
+
+    def requests(self) -> list[Request]:
+        """Everyone waiting, in no particular order."""
+        return [entry[3] for entry in self._heap] if self.by_priority else list(self._line)
+
+
 @dataclass
 class Batch:
     """What one engine step computes."""
@@ -162,7 +215,7 @@ class Scheduler:
         self.swap_preemptions = 0
         self.swapped_out_slots = 0
         self.swapped_in_slots = 0
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingLine(config.policy == "priority")
         self.running: dict[int, Request] = {}  # admit_seq -> request, in admission order
         self.steps = 0  # steps completed
         self.num_preemptions = 0
@@ -213,15 +266,15 @@ class Scheduler:
         if not self.fits_ever(request):
             request.rejected = True
             return False
-        if not self.waiting:
-            self.head_blocked = False
-        self.waiting.append(request)
+        self.waiting.arrive(request)
+        if self.waiting.head() is request:
+            self.head_blocked = False  # a new head may fit where the old one did not
         return True
 
     def _snapshot_head(self) -> SeqSpec | None:
         # Only contiguous memory has external fragmentation, defined by the waiting head.
         if self._block_size is None and self.waiting:
-            return self.waiting[0].spec()
+            return self.waiting.head().spec()
         return None
 
     def generated(self, request: Request) -> int:
@@ -315,6 +368,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ preemption
     def _victim(self) -> Request:
+        if self.waiting.by_priority:
+            # The lowest priority (highest value), the latest arrival among equals (vLLM v1).
+            return max(self.running.values(),
+                       key=lambda r: (r.priority, r.arrival_s, r.index))
         if self.config.preemption_victim == "fewest_generated":
             # Fewest generated tokens; the most recently admitted among equals.
             return min(reversed(self.running.values()), key=self.generated)
@@ -341,7 +398,7 @@ class Scheduler:
         if request.n > 1:
             request.gen_sync = 0  # forks cannot be rebuilt from sample 0: restart the request
         del self.running[request.admit_seq]
-        self.waiting.appendleft(request)
+        self.waiting.readmit(request)
         self.num_preemptions += 1
         self.head_blocked = False
 
@@ -443,7 +500,7 @@ class Scheduler:
                 self.head_blocked = (len(self.running) >= self.config.max_num_seqs
                                      or self.decode_seqs >= self.config.max_num_batched_tokens)
                 break
-            request = self.waiting[0]
+            request = self.waiting.head()
             spec = request.spec()
             if not self.config.chunked_prefill and spec.prompt_len > budget and batch.prefill:
                 # The whole prompt must fit this step's budget unless it is the only prefill.
@@ -456,7 +513,7 @@ class Scheduler:
             if hits is None:
                 self.head_blocked = True
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             request.num_seqs = 1
             request.prefilled = hits
             request.prefill_target = spec.prompt_len
@@ -565,7 +622,7 @@ class Scheduler:
             self.allocator.check_invariants()
             for events in self._events:  # every step is visited: nothing may be left behind
                 assert all(step >= self.steps for step in events), "an event was missed"
-            assert self.swap_used == sum(r.swap_slots for r in self.waiting) <= (
+            assert self.swap_used == sum(r.swap_slots for r in self.waiting.requests()) <= (
                 self.swap_slots), "swap space held by no parked request"
         return finished
 

@@ -294,7 +294,7 @@ def results_table(points: list[SweepPoint], outcomes: dict[str, dict[str, Any]])
         table = table.sort_values(["point", "_order", "seed"], kind="stable").drop(
             columns="_order").reset_index(drop=True)
         # None where a system lacks the feature (a prefix cache, objectives): NaN here.
-        for column in ("prefix_hit_rate", *ONLY_WHEN_SET, *SLO_KEYS):
+        for column in ("prefix_hit_rate", "preempted_hit_rate", *ONLY_WHEN_SET, *SLO_KEYS):
             if column in table:
                 table[column] = table[column].astype(float)
         table = params_as_text(table)

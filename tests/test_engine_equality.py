@@ -1,8 +1,8 @@
 """Jump mode (runs of decode steps advanced at once) must equal stepping one at a time, with
 every router (its decisions must not depend on how far a replica has run ahead) and with
 prefill/decode disaggregation (a decode replica must see every handover when stepping
-would, and least-loaded decode placement must see the same finishes), and with preemption
-by swap."""
+would, and least-loaded decode placement must see the same finishes), with preemption
+by swap, and with scheduling by priority (an arrival may then jump a blocked queue)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,11 @@ def random_scenario(seed: int) -> dict:
         scheduler["swap_space_gib"] = rng.choice([0.01, 0.1, 4.0])
     if "disaggregation" in engine and rng.random() < 0.5:
         engine["disaggregation"]["decode_router"] = "least_loaded"
+    if rng.random() < 0.4:  # drawn last, as the swap settings
+        workload["priorities"] = rng.choice([{0: 1, 1: 4}, {-1: 1, 0: 1, 5: 1}])
+        if rng.random() < 0.8:
+            scheduler["policy"] = "priority"
+            scheduler["preemption_victim"] = "last_admitted"
     return {
         "name": f"random-{seed}",
         "model": "llama-2-7b",

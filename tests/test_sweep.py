@@ -170,7 +170,8 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
 @pytest.mark.parametrize("name", ["block_size_sweep", "length_variance", "prefix_sharing",
                                   "eviction_pressure", "rate_sweep", "router_policies",
                                   "host_cache", "kv_cache_dtype", "disaggregation",
-                                  "disaggregation_chat", "preemption_mode"])
+                                  "disaggregation_chat", "preemption_mode",
+                                  "priority_classes"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -183,6 +184,13 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         assert data["overhead_pct"].is_monotonic_decreasing
     if name == "rate_sweep":
         assert {"rate_sweep", "slo_attainment"} <= set(figures)
+    if name == "priority_classes":
+        lines = figures["priority_levels"].kvsim_data["series"]
+        assert set(lines["line"]) == {f"{system}, priority {level}"
+                                      for system in ("fcfs", "priority") for level in (0, 1)}
+        top = lines[lines["rate"] == lines["rate"].max()].set_index("line")
+        assert top.loc["priority, priority 0", "ttft_p99_s"] < top.loc[
+            "fcfs, priority 0", "ttft_p99_s"]
     if name == "disaggregation":  # a whole section swept, null among its values
         assert list(outcome.table["param:engine.disaggregation"]) == [
             "null", '{"prefill_replicas": 1}', '{"prefill_replicas": 2}',

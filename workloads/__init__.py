@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+from workloads.distributions import draw_priorities
 from workloads.importers import TraceImportError, builtin_traces, import_trace
 from workloads.spec import SyntheticWorkload, TraceWorkload, Workload
 from workloads.synthetic import WorkloadError, generate
@@ -53,6 +55,9 @@ def build_trace(
             if trace.arrival_s[-1] > duration_s or count > 50_000_000:
                 break
             count *= 4
+    if workload.priorities is not None:
+        trace = dataclasses.replace(trace, priority=draw_priorities(
+            workload.priorities, trace.session_id, seed))
     if num_requests is not None:
         trace = trace.head(num_requests)
     if duration_s is not None:

@@ -259,3 +259,21 @@ SyntheticArrivals = Annotated[
     PoissonArrivals | GammaArrivals | ConstantArrivals | OnOffArrivals | ClosedLoopArrivals,
     Field(discriminator="process"),
 ]
+
+
+# ---------------------------------------------------------------------- priorities
+PRIORITY_STREAM = 0x5052494F  # a random stream of its own: other draws stay as they were
+
+
+def draw_priorities(mix: dict[int, float], session_id: np.ndarray, seed: int) -> np.ndarray:
+    """Each request's priority level, drawn with probability proportional to its weight in
+    ``mix``; the turns of a session (or a closed-loop user's requests) share one draw."""
+    levels = np.array(sorted(mix), dtype=np.int64)
+    weights = np.array([mix[level] for level in sorted(mix)], dtype=float)
+    rng = np.random.default_rng([seed, PRIORITY_STREAM])
+    size = len(session_id)
+    sessions = int(session_id.max()) + 1 if size else 0
+    draws = rng.choice(levels, size=sessions + size, p=weights / weights.sum())
+    # Sessions first, then a draw of its own for each request outside any session.
+    keys = np.where(session_id >= 0, session_id, sessions + np.arange(size))
+    return draws[keys]

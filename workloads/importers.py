@@ -95,6 +95,8 @@ def _guess_format(path: Path) -> str:
 def _read_rows(path: Path, reader: str, columns: ColumnMap) -> tuple[pd.DataFrame, int]:
     """Raw table with the mapped columns (as read) and the line number of its first row."""
     wanted = [columns.arrival, columns.prompt_len, columns.output_len]
+    if columns.priority is not None:
+        wanted.append(columns.priority)
     if reader == "csv":
         try:
             frame = pd.read_csv(path, dtype=str, keep_default_na=False)
@@ -137,8 +139,8 @@ def _times(raw: pd.Series, unit: str) -> np.ndarray:
 def read_trace_table(
     workload: TraceWorkload, base_dir: Path
 ) -> tuple[pd.DataFrame, list[str]]:
-    """The trace as a clean table (arrival_s from 0, prompt_len, output_len[, hash_ids]) and
-    notes on what was skipped."""
+    """The trace as a clean table (arrival_s from 0, prompt_len, output_len[, priority]
+    [, hash_ids]) and notes on what was skipped."""
     path = resolve_path(workload.path, base_dir)
     fmt_name = workload.format or _guess_format(path)
     if fmt_name in KNOWN_FORMATS:
@@ -164,6 +166,10 @@ def read_trace_table(
         (~np.isfinite(output) | (output < 1) | (output != np.round(output)), columns.output_len,
          "an integer >= 1"),
     ]
+    if columns.priority is not None:
+        priority = pd.to_numeric(raw[columns.priority], errors="coerce").to_numpy(dtype=float)
+        problems.append((~np.isfinite(priority) | (priority != np.round(priority)),
+                         columns.priority, "an integer"))
     bad = np.zeros(len(raw), dtype=bool)
     notes: list[str] = []
     for mask, column, expected in problems:
@@ -196,6 +202,8 @@ def read_trace_table(
         "prompt_len": prompt[keep].astype(np.int64),
         "output_len": output[keep].astype(np.int64),
     })
+    if columns.priority is not None:
+        table["priority"] = priority[keep].astype(np.int64)
     if columns.hash_ids is not None:
         if columns.hash_ids not in raw:
             raise TraceImportError(f"{path}: missing column {columns.hash_ids!r}")
@@ -246,6 +254,7 @@ def import_trace(
         seg_offsets=offsets,
         seg_ids=seg_ids,
         seg_lens=seg_lens,
+        priority=table["priority"].to_numpy() if "priority" in table else None,
         source=str(workload.path),
     )
     trace.notes.extend(notes)

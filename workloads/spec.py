@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, PositiveInt, Tag, model_validator
+from pydantic import Discriminator, Field, PositiveFloat, PositiveInt, Tag, model_validator
 
 from workloads.distributions import (
     ConfigModel,
@@ -59,6 +59,14 @@ class Sampling(ConfigModel):
         return max(self.n, self.beam_width)
 
 
+PRIORITIES_DESCRIPTION = (
+    "priority levels and their weights, e.g. {0: 0.2, 1: 0.8}: each request (each session, "
+    "each closed-loop user) draws its level; lower is served first under scheduler.policy: "
+    "priority, as vLLM's")
+Priorities = Annotated[dict[int, PositiveFloat] | None,
+                       Field(default=None, min_length=1, description=PRIORITIES_DESCRIPTION)]
+
+
 class SyntheticWorkload(ConfigModel):
     """Requests drawn from distributions: arrivals, lengths, shared content, sampling.
 
@@ -76,6 +84,7 @@ class SyntheticWorkload(ConfigModel):
     few_shot: FewShot | None = None
     sessions: Sessions | None = None
     sampling: Sampling = Sampling()
+    priorities: Priorities = None
 
     @model_validator(mode="after")
     def _closed_loop_without_sessions(self):  # type: ignore[no-untyped-def]
@@ -91,6 +100,8 @@ class ColumnMap(ConfigModel):
     prompt_len: str
     output_len: str
     hash_ids: str | None = None
+    priority: str | None = Field(default=None, description="integer scheduling priority, "
+                                 "lower first")
 
 
 class TraceWorkload(ConfigModel):
@@ -114,12 +125,17 @@ class TraceWorkload(ConfigModel):
     hash_block_tokens: PositiveInt = 512
     max_tokens: PositiveInt | None = None
     sampling: Sampling = Sampling()
+    priorities: Priorities = None
 
     @model_validator(mode="after")
     def _generic_needs_columns(self):  # type: ignore[no-untyped-def]
         if self.format in ("csv", "jsonl") and self.columns is None:
             raise ValueError(f"format {self.format} needs a columns map (arrival, prompt_len, "
                              "output_len)")
+        if self.priorities is not None and self.columns is not None and (
+                self.columns.priority is not None):
+            raise ValueError("give priorities or columns.priority, not both: the trace's own "
+                             "priorities or drawn ones")
         return self
 
 

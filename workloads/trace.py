@@ -41,6 +41,7 @@ COLUMNS = (
     "context_parent",
     "session_id",
     "turn",
+    "priority",
 )
 
 
@@ -66,6 +67,7 @@ class Trace:
     context_parent: np.ndarray
     session_id: np.ndarray
     turn: np.ndarray
+    priority: np.ndarray  # scheduling priority, lower first (vLLM's); 0 for all by default
     seg_offsets: np.ndarray
     seg_ids: np.ndarray
     seg_lens: np.ndarray
@@ -90,6 +92,7 @@ class Trace:
         context_parent: np.ndarray | None = None,
         session_id: np.ndarray | None = None,
         turn: np.ndarray | None = None,
+        priority: np.ndarray | None = None,
         seg_offsets: np.ndarray | None = None,
         seg_ids: np.ndarray | None = None,
         seg_lens: np.ndarray | None = None,
@@ -120,6 +123,8 @@ class Trace:
             else np.asarray(context_parent, np.int64),
             session_id=minus1.copy() if session_id is None else np.asarray(session_id, np.int64),
             turn=np.zeros(count, np.int64) if turn is None else np.asarray(turn, np.int64),
+            priority=np.zeros(count, np.int64) if priority is None
+            else np.asarray(priority, np.int64),
             seg_offsets=np.asarray(seg_offsets, np.int64),
             seg_ids=np.asarray(seg_ids, np.int64),
             seg_lens=np.asarray(seg_lens, np.int64),
@@ -223,7 +228,8 @@ class Trace:
                 seg_lens.append(int(n))
             offsets.append(len(seg_ids))
         return cls.from_columns(
-            **{name: frame[name].to_numpy() for name in COLUMNS},
+            # Tables written before priorities existed have no such column: all 0.
+            **{name: frame[name].to_numpy() for name in COLUMNS if name in frame},
             seg_offsets=np.array(offsets),
             seg_ids=np.array(seg_ids, dtype=np.int64),
             seg_lens=np.array(seg_lens, dtype=np.int64),
