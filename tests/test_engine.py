@@ -212,6 +212,26 @@ def test_hit_rate_counts_first_admissions_only():
     assert memory["lookup_tokens"].sum() == requests["prompt_len"].sum()
 
 
+def test_samples_that_exactly_fit_an_empty_pool_are_served():
+    # Two samples of a 32-token prompt in 4 blocks of 16: the prompt's two blocks, the
+    # first token's block (shared at the fork, copied once) and the copy. Counting a copy
+    # for each sample preempted the request in an empty pool for ever.
+    from sim.memory import PagedAllocator
+    from sim.scenario import SchedulerConfig
+    from sim.scheduler import Request, Scheduler
+    from workloads.trace import Trace
+
+    trace = Trace.from_columns(arrival_s=np.zeros(1), prompt_len=np.array([32]),
+                               output_len=np.array([1]), n=np.array([2]))
+    allocator = PagedAllocator(4, 16, enable_prefix_caching=False)
+    sched = Scheduler(allocator, SchedulerConfig())
+    request = Request(trace, 0, 0.0)
+    assert sched.fits_ever(request) and sched.add(request)
+    batch = sched.schedule(0.0)
+    assert not batch.empty and batch.preempted == 0
+    assert sched.finish_step(batch, 1.0) == [request] and request.num_seqs == 2
+
+
 @pytest.mark.parametrize("chunk_rows", [1, 3, 7, 1000])
 def test_row_buffer_chunks_make_the_frame_built_at_once(chunk_rows):
     columns = ["replica", "time_s", "tokens", "rejected"]

@@ -325,16 +325,25 @@ class PagedAllocator(KVAllocator):
         seqs = [self._seq(s) for s in seq_ids]
         bs = self.block_size
 
+        # Copy-on-write: of the m sequences here that first write into a shared block, all
+        # but the last copy it, as appending one after another does (the last then holds
+        # the block alone), unless sequences not here hold it too.
+        writers: dict[int, int] = {}
+        shared: dict[int, KVBlock] = {}
+        for seq in seqs:
+            first = seq.num_tokens // bs
+            if first < len(seq.blocks) and seq.blocks[first].ref_cnt > 1:
+                block = seq.blocks[first]
+                writers[block.block_id] = writers.get(block.block_id, 0) + 1
+                shared[block.block_id] = block
+        copies = sum(min(m, shared[b].ref_cnt - 1) for b, m in writers.items())
+
         def need(k: int) -> int:
-            total = 0
+            total = copies
             for seq in seqs:
-                end = seq.num_tokens + k
-                grow = -(-end // bs) - len(seq.blocks)
+                grow = -(-(seq.num_tokens + k) // bs) - len(seq.blocks)
                 if grow > 0:
                     total += grow
-                first = seq.num_tokens // bs
-                if first < len(seq.blocks) and seq.blocks[first].ref_cnt > 1:
-                    total += 1
             return total
 
         if need(limit) <= free:
