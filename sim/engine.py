@@ -42,7 +42,7 @@ from sim.timing import (
     roofline,
     with_host_loads,
 )
-from workloads import Trace, build_trace
+from workloads import Trace, WorkloadError, build_trace
 
 MEMORY_COLUMNS = (*TAXONOMY, "duplicate")
 
@@ -650,10 +650,16 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
 
 def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) -> Trace:
     """The trace a scenario replays against every system."""
-    return build_trace(scenario.workload, seed=scenario.seed if seed is None else seed,
-                       max_model_len=scenario.model_spec().max_model_len,
-                       num_requests=scenario.stop.num_requests,
-                       duration_s=scenario.stop.duration_s, base_dir=base_dir)
+    trace = build_trace(scenario.workload, seed=scenario.seed if seed is None else seed,
+                        max_model_len=scenario.model_spec().max_model_len,
+                        num_requests=scenario.stop.num_requests,
+                        duration_s=scenario.stop.duration_s, base_dir=base_dir)
+    judged = scenario.slo.priorities if scenario.slo else None
+    if judged and not np.isin(trace.priority, judged).any():
+        levels = ", ".join(str(level) for level in np.unique(trace.priority))
+        raise WorkloadError(f"slo.priorities: no request has priority "
+                            f"{', '.join(map(str, judged))}; the trace's levels: {levels}")
+    return trace
 
 
 @contextmanager

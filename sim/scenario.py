@@ -205,7 +205,8 @@ class SloConfig(ConfigModel):
     ``attainment`` is the share of requests that must be in time for a load to count as
     sustained: DistServe's 90 % by default (``kvsim capacity`` searches for that load).
     Judged by ``percentiles`` instead, each bound holds on its own for that share: MLPerf's
-    "p99 TTFT ≤ 2 s and p99 TPOT ≤ 200 ms" is attainment 0.99 of that kind."""
+    "p99 TTFT ≤ 2 s and p99 TPOT ≤ 200 ms" is attainment 0.99 of that kind. With
+    ``priorities``, only requests of those levels are judged (and count in the goodput)."""
 
     ttft_s: PositiveFloat | None = None
     tpot_s: PositiveFloat | None = None
@@ -214,6 +215,9 @@ class SloConfig(ConfigModel):
     judge: Literal["requests", "percentiles"] = Field(
         default="requests", description="requests: the attainment share meets every bound at "
         "once (DistServe); percentiles: each bound alone (MLPerf's p99 TTFT and TPOT)")
+    priorities: list[int] | None = Field(
+        default=None, min_length=1, description="judge only the requests of these priority "
+        "levels (workload.priorities), the others being best effort; all when omitted")
 
     @model_validator(mode="after")
     def _some_bound(self):  # type: ignore[no-untyped-def]

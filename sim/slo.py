@@ -64,6 +64,7 @@ def slo_summary(requests: pd.DataFrame, makespan_s: float, slo: SloConfig | None
     which one a system misses (and, judged by percentiles, the lowest of those)."""
     if slo is None:
         return dict.fromkeys(SLO_KEYS)
+    requests = judged_requests(requests, slo)
     met = in_time(requests, slo)
     count = max(len(requests), 1)
     share = {name: float(flags.sum()) / count for name, flags in met.items()}
@@ -75,6 +76,13 @@ def slo_summary(requests: pd.DataFrame, makespan_s: float, slo: SloConfig | None
         float(judged_attainment(summary, slo.model_dump())) if slo.judge == "percentiles"
         else None)
     return summary
+
+
+def judged_requests(requests: pd.DataFrame, slo: SloConfig) -> pd.DataFrame:
+    """The requests the objectives judge: all, or those of ``slo.priorities``' levels."""
+    if slo.priorities is None:
+        return requests
+    return requests[requests["priority"].isin(slo.priorities)]
 
 
 def judged_attainment(values: Mapping[str, Any], slo: Mapping[str, Any]) -> Any:
@@ -90,7 +98,8 @@ def judged_attainment(values: Mapping[str, Any], slo: Mapping[str, Any]) -> Any:
 
 def describe_slo(slo: Mapping[str, Any]) -> str:
     """``TTFT ≤ 1 s, TPOT ≤ 50 ms for 90% of requests``, or judged by percentiles
-    ``p99 TTFT ≤ 2 s, p99 TPOT ≤ 200 ms``, from a scenario's ``slo`` section."""
+    ``p99 TTFT ≤ 2 s, p99 TPOT ≤ 200 ms``, from a scenario's ``slo`` section (``of priority
+    0 requests`` where it judges only some levels)."""
     attainment = slo.get("attainment", 0.9)
     percentiles = slo.get("judge", "requests") == "percentiles"
     bounds = []
@@ -100,7 +109,12 @@ def describe_slo(slo: Mapping[str, Any]) -> str:
             shown = f"{value * 1000:g} ms" if value < 1 else f"{value:g} s"
             bounds.append(f"p{attainment * 100:g} {label} ≤ {shown}" if percentiles
                           else f"{label} ≤ {shown}")
-    return ", ".join(bounds) + ("" if percentiles else f" for {attainment:.0%} of requests")
+    levels = slo.get("priorities")
+    of = ("requests" if not levels else
+          f"priority {', '.join(str(level) for level in levels)} requests")
+    if percentiles:
+        return ", ".join(bounds) + ("" if not levels else f" of {of}")
+    return ", ".join(bounds) + f" for {attainment:.0%} of {of}"
 
 
 def describe_attainment(share: float, slo: Mapping[str, Any]) -> str:

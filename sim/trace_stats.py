@@ -1,4 +1,5 @@
-"""Figures that describe a trace before any simulation: size, rate, lengths, sharing.
+"""Figures that describe a trace before any simulation: size, rate, lengths, sharing,
+priorities.
 
 *Prefix-sharing potential* at block size ``bs`` is the share of prompt tokens that lie in full
 blocks whose chained hash (the whole prefix up to and including the block) also occurs in
@@ -32,7 +33,8 @@ def sharing_potential(trace: Trace, block_size: int) -> float:
 
 
 def trace_stats(trace: Trace, block_size: int = 16) -> dict[str, Any]:
-    """Count, duration, rate, length percentiles and sharing potential of ``trace``."""
+    """Count, duration, rate, length percentiles, sharing potential and, where requests
+    differ in priority, the share of each level, of ``trace``."""
     duration = float(trace.arrival_s[-1] - trace.arrival_s[0]) if len(trace) > 1 else 0.0
     stats: dict[str, Any] = {
         "source": trace.source,
@@ -50,4 +52,8 @@ def trace_stats(trace: Trace, block_size: int = 16) -> dict[str, Any]:
     stats["dependent_requests"] = int((trace.after >= 0).sum())
     stats["mean_samples_n"] = float(trace.n.mean())
     stats[f"sharing_potential_bs{block_size}"] = sharing_potential(trace, block_size)
+    levels, counts = np.unique(trace.priority, return_counts=True)
+    if len(levels) > 1:  # the share of requests at each scheduling priority
+        for level, count in zip(levels.tolist(), counts.tolist(), strict=True):
+            stats[f"priority_{level}_share"] = count / len(trace)
     return stats

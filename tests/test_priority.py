@@ -15,7 +15,8 @@ from sim.memory import PagedAllocator
 from sim.metrics import format_summary, labelled_sweep_table, sweep_metrics
 from sim.scenario import ScenarioError, SchedulerConfig, scenario_from_dict
 from sim.scheduler import Request, Scheduler, WaitingLine
-from workloads import TraceImportError, TraceWorkload, build_trace
+from sim.trace_stats import trace_stats
+from workloads import TraceImportError, TraceWorkload, WorkloadError, build_trace
 from workloads.spec import SyntheticWorkload
 from workloads.trace import Trace
 
@@ -156,6 +157,10 @@ def test_drawn_priorities_follow_the_mix_and_change_nothing_else():
     again = build_trace(SyntheticWorkload(**spec, priorities={0: 1, 3: 3}), seed=4,
                         max_model_len=4096, num_requests=4000)
     assert (again.priority == mixed.priority).all()
+    stats = trace_stats(mixed)
+    assert stats["priority_0_share"] == (mixed.priority == 0).mean()
+    assert stats["priority_0_share"] + stats["priority_3_share"] == 1
+    assert not any(key.startswith("priority_") for key in trace_stats(plain))
 
 
 def test_a_session_keeps_one_priority():
@@ -217,3 +222,25 @@ def test_a_bad_priority_mix_is_refused(mix):
     data["workload"]["priorities"] = mix
     with pytest.raises(ScenarioError, match=r"workload\.priorities"):
         scenario_from_dict(data)
+
+
+def test_objectives_may_judge_some_levels_only():
+    data = scenario("priority")
+    data["slo"] = {"ttft_s": 2.0, "priorities": [0]}
+    run = run_scenario(scenario_from_dict(data)).systems["priority"]
+    summary, requests = run.summary, run.requests
+    # Attainment and goodput are those of priority 0; each level still shows its own share.
+    assert summary["slo_attainment"] == summary["priority_0_slo_attainment"] > 0.9
+    assert summary["priority_1_slo_attainment"] < 0.5
+    interactive = requests[requests["priority"] == 0]
+    in_time = ((interactive["first_token_s"] - interactive["arrival_s"]) <= 2.0).sum()
+    assert summary["goodput_req_s"] == pytest.approx(in_time / summary["makespan_s"])
+    from sim.slo import describe_slo
+
+    assert describe_slo(data["slo"]) == "TTFT ≤ 2 s for 90% of priority 0 requests"
+    assert describe_slo({**data["slo"], "judge": "percentiles", "attainment": 0.99}) == (
+        "p99 TTFT ≤ 2 s of priority 0 requests")
+    data["slo"]["priorities"] = [7]
+    with pytest.raises(WorkloadError, match=r"slo\.priorities: no request has priority 7; "
+                                            r"the trace's levels: 0, 1"):
+        run_scenario(scenario_from_dict(data))
