@@ -39,18 +39,20 @@ def capacity_under_slo(
     rel_tol: float = 0.02,
     max_probes: int = 24,
     systems: list[str] | None = None,
+    jobs: int = 1,
 ) -> pd.DataFrame:
     """The highest arrival rate at which each system keeps ``slo.attainment`` of its
     requests within the scenario's SLO (as ``kvsim capacity``; see :mod:`sim.capacity`).
 
     One row per system, indexed by name: ``capacity_req_s`` (NaN where no load tried held),
     ``misses_at_req_s``, ``converged``, ``runs``, and the summary of the run at capacity.
+    ``jobs`` above 1 searches that many systems at once, each in a process of its own.
     """
     from sim.capacity import capacity_rows, find_capacity
 
     parsed, base_dir = load(scenario, seed)
     knob, found = find_capacity(parsed, base_dir, rel_tol=rel_tol, max_probes=max_probes,
-                                systems=systems)
+                                systems=systems, jobs=jobs)
     return pd.DataFrame(capacity_rows(parsed, knob, found)).set_index("system")
 
 

@@ -136,9 +136,14 @@ def search(holds: Callable[[float], bool], start: float, *, rel_tol: float,
 
 def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
                   max_probes: int = 24, systems: list[str] | None = None,
-                  progress: Callable[[Probe], None] | None = None) -> tuple[LoadKnob,
-                                                                            list[Capacity]]:
-    """Search each system's capacity under the scenario's SLO (see the module docstring)."""
+                  progress: Callable[[Probe], None] | None = None,
+                  jobs: int = 1) -> tuple[LoadKnob, list[Capacity]]:
+    """Search each system's capacity under the scenario's SLO (see the module docstring).
+
+    With ``jobs`` above 1 the systems are searched at once, each in a process of its own
+    (the same results: every search is independent); ``progress`` is then called in those
+    processes, so it must pickle (a module-level function, or a ``functools.partial`` of
+    one)."""
     if scenario.slo is None:
         raise CapacityError("no slo section: capacity is the load at which enough requests "
                             "meet an SLO, e.g. slo: {ttft_s: 1.0, tpot_s: 0.05}")
@@ -146,6 +151,13 @@ def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
     slo = scenario.slo.model_dump()
     chosen = _chosen_systems(scenario, systems)
     knob = load_knob(scenario, scenario_trace(scenario, base_dir))
+    if jobs > 1 and len(chosen) > 1:
+        data = scenario.model_dump(mode="json")
+        execute = make_executor("local", min(jobs, len(chosen)))
+        found = dict(execute(_search_system, [
+            (s.name, (data, str(base_dir), s.name, rel_tol, max_probes, progress))
+            for s in chosen]))
+        return knob, [found[s.name] for s in chosen]
     timing = build_timing(scenario, base_dir)
     raw = scenario.model_dump(mode="json")
     traces: dict[float, tuple[Scenario, Trace]] = {}
@@ -184,6 +196,16 @@ def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
                 p.load for p in result.probes), True
         results.append(result)
     return knob, results
+
+
+def _search_system(scenario_data: dict[str, Any], base_dir: str, system: str,
+                   rel_tol: float, max_probes: int,
+                   progress: Callable[[Probe], None] | None) -> Capacity:
+    """One system's search, in a worker process of :func:`find_capacity`."""
+    _, (found,) = find_capacity(scenario_from_dict(scenario_data), Path(base_dir),
+                                rel_tol=rel_tol, max_probes=max_probes, systems=[system],
+                                progress=progress)
+    return found
 
 
 def _chosen_systems(scenario: Scenario, names: list[str] | None) -> list[SystemConfig]:

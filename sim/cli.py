@@ -7,6 +7,7 @@ are one line on stderr naming the file and field; ``--debug`` shows the tracebac
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -197,7 +198,6 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     from sim.capacity import find_capacity
     from sim.results import make_output_folder
     from sim.scenario import scenario_from_dict
-    from sim.slo import describe_attainment
 
     path = Path(args.scenario)
     scenario, _ = load(path, args.seed)
@@ -216,17 +216,13 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         return _capacity_sweep(path, args, out)
 
     slo = scenario.slo.model_dump() if scenario.slo else {}
-
-    def progress(probe: Any) -> None:
-        if not args.quiet:
-            print(f"  {probe.system}: {probe.offered_req_s:,.4g} req/s → "
-                  f"{describe_attainment(probe.attainment, slo)}, "
-                  f"{'holds' if probe.holds else 'misses'}", file=sys.stderr, flush=True)
-
+    # Each system is searched in a process of its own, which prints its probes as they end.
+    progress = None if args.quiet else functools.partial(_print_probe, slo=slo)
     try:
         knob, capacities = find_capacity(scenario, path.parent, rel_tol=args.rel_tol,
                                          max_probes=args.max_probes, systems=args.system,
-                                         progress=progress)
+                                         progress=progress,
+                                         jobs=args.jobs or os.cpu_count() or 1)
     except _bad_input_types() as exc:
         raise BadInput(f"{path}: {exc}") from None
     if scenario.sweep:
@@ -235,6 +231,15 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     print(_capacity_text(scenario, knob, capacities))
     print(f"results: {_write_capacity(scenario, knob, capacities, out)}")
     return EXIT_OK
+
+
+def _print_probe(probe: Any, slo: dict[str, Any]) -> None:
+    """``kvsim capacity``'s line for one run of a search."""
+    from sim.slo import describe_attainment
+
+    print(f"  {probe.system}: {probe.offered_req_s:,.4g} req/s → "
+          f"{describe_attainment(probe.attainment, slo)}, "
+          f"{'holds' if probe.holds else 'misses'}", file=sys.stderr, flush=True)
 
 
 CAPACITY_TABLE_METRICS = ("capacity_req_s", "slo_attainment", "slo_tightest_attainment",
@@ -528,7 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="search every point of the file's sweep section (its rate axis "
                           "dropped), in parallel")
     capacity.add_argument("--jobs", type=_positive_int,
-                          help="--sweep: parallel searches (default: all cores)")
+                          help="parallel searches, one per system (or, with --sweep, per "
+                          "point; default: all cores); 1 searches one after another")
     capacity.add_argument("--executor", choices=["local", "ray"], default="local",
                           help="--sweep: where the searches run, as for kvsim sweep")
     capacity.add_argument("--address", help="--sweep --executor ray: a Ray cluster address")

@@ -159,8 +159,28 @@ def test_capacity_is_the_load_where_attainment_crosses_the_target():
             **OBJECTIVES, "attainment": 0.8}))).systems[c.system].summary
         assert direct == c.at(c.held).summary
     assert by_name["paged"].held > 1.5 * by_name["contiguous"].held
-    again = find_capacity(scenario_from_dict(data), Path(), rel_tol=0.05)[1]
-    assert [(c.held, c.failed) for c in again] == [(c.held, c.failed) for c in capacities]
+
+
+def test_systems_searched_at_once_find_the_same(capfd):
+    """kvsim capacity searches each system in a process of its own, which prints its probes
+    as they end: the same probes, in each system's order, as one search after another."""
+    import functools
+
+    from sim.cli import _print_probe
+
+    data = scenario(slo={**OBJECTIVES, "attainment": 0.8})
+    _, alone = find_capacity(scenario_from_dict(data), Path(), rel_tol=0.05)
+    progress = functools.partial(_print_probe, slo=data["slo"])
+    _, together = find_capacity(scenario_from_dict(data), Path(), rel_tol=0.05, jobs=2,
+                                progress=progress)
+    assert [c.system for c in together] == [c.system for c in alone]
+    assert together == alone  # every probe, its summary included
+    printed = capfd.readouterr().err.splitlines()  # written by the worker processes
+    assert len(printed) == sum(len(c.probes) for c in alone)
+    for c in alone:
+        mine = [line for line in printed if line.startswith(f"  {c.system}: ")]
+        assert [float(line.split()[1]) for line in mine] == pytest.approx(
+            [p.offered_req_s for p in c.probes], rel=1e-3)
 
 
 def test_percentiles_judge_each_bound_alone():
