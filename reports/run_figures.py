@@ -166,8 +166,9 @@ def batch_and_queue(result: ScenarioResult) -> Figure:
 
 
 def latency_cdfs(result: ScenarioResult) -> Figure:
-    """CDFs of TTFT, TPOT and end-to-end latency per system, with the scenario's SLO bounds
-    where it sets them."""
+    """CDFs of TTFT, TPOT and end-to-end latency per system (and per priority level, in
+    line styles, where requests have several), with the scenario's SLO bounds where it sets
+    them."""
     fig, axes = new_figure(1, 3, width=11, height=3.2)
     data: dict[str, pd.DataFrame] = {}
     slo = result.scenario.get("slo") or {}
@@ -178,14 +179,16 @@ def latency_cdfs(result: ScenarioResult) -> Figure:
     for ax, (label, kind, scale, bound) in zip(axes, metrics, strict=True):
         columns = {}
         for i, (name, run) in enumerate(result.systems.items()):
-            values = measured[name][kind] * scale
-            if kind == "tpot":
-                values = values[run.requests["output_len"].to_numpy() > 1]
-            values = np.sort(values[np.isfinite(values)])
-            columns[name] = pd.Series(values)
-            if len(values):
-                ax.plot(values, np.arange(1, len(values) + 1) / len(values),
-                        color=system_color(i), label=name, linewidth=1.2)
+            for line, style, chosen in _priority_lines(name, run.requests):
+                values = measured[name][kind] * scale
+                if kind == "tpot":
+                    chosen = chosen & (run.requests["output_len"].to_numpy() > 1)
+                values = np.sort(values[chosen & np.isfinite(values)])
+                columns[line] = pd.Series(values)
+                if len(values):
+                    ax.plot(values, np.arange(1, len(values) + 1) / len(values),
+                            color=system_color(i), label=line, linewidth=1.2,
+                            linestyle=style)
         if slo.get(bound) is not None:
             ax.axvline(slo[bound] * scale, color="#555555", linestyle=":", linewidth=1.0,
                        label="SLO")
@@ -198,6 +201,21 @@ def latency_cdfs(result: ScenarioResult) -> Figure:
     fig.suptitle(f"{result.scenario['name']}: latency distributions", fontsize=11)
     fig.kvsim_data = data  # type: ignore[attr-defined]
     return fig
+
+
+PRIORITY_LINE_STYLES = ["-", "--", ":", "-."]
+
+
+def _priority_lines(name: str, requests: pd.DataFrame
+                    ) -> list[tuple[str, str, np.ndarray]]:
+    """A system's requests as lines: all of them, or, where they have several priority
+    levels, one line per level (label, line style, which requests)."""
+    everyone = np.ones(len(requests), dtype=bool)
+    if "priority" not in requests or requests["priority"].nunique() < 2:
+        return [(name, "-", everyone)]
+    priority = requests["priority"].to_numpy()
+    return [(f"{name}, priority {level}", PRIORITY_LINE_STYLES[rank % 4], priority == level)
+            for rank, level in enumerate(np.unique(priority).tolist())]
 
 
 def hits_and_preemptions(result: ScenarioResult, bins: int = 40) -> Figure:

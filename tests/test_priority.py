@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from reports.run_figures import latency_cdfs
 from sim.engine import run_scenario
 from sim.memory import PagedAllocator
 from sim.metrics import format_summary, labelled_sweep_table, sweep_metrics
@@ -133,6 +134,10 @@ def test_per_priority_rows_in_the_summary_and_the_sweep_table():
                        "priority_1_ttft_p99_s", "priority_1_slo_attainment"]
     shown = labelled_sweep_table(table, metrics)
     assert "priority 0: TTFT p99 (s)" in shown.columns
+    # The run report's latency distributions: a line per level.
+    ttft = latency_cdfs(result).kvsim_data["TTFT (s)"]
+    assert list(ttft.columns) == ["priority, priority 0", "priority, priority 1"]
+    assert ttft.count().sum() == summaries["priority"]["completed"]
     # One level only: no per-priority rows at all.
     single = scenario("fcfs")
     del single["workload"]["priorities"]
