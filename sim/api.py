@@ -10,7 +10,7 @@ import pandas as pd
 
 from sim.engine import run_scenario
 from sim.results import ScenarioResult, write_run
-from sim.scenario import Scenario, load_scenario, scenario_from_dict
+from sim.scenario import Scenario, read_scenario_file, scenario_from_dict
 
 
 def run(
@@ -18,14 +18,16 @@ def run(
     *,
     out: str | Path | None = None,
     seed: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> ScenarioResult:
     """Run a scenario (a YAML path, a dict or a :class:`Scenario`) and return its results.
 
-    ``seed`` overrides the scenario's seed; ``out`` also writes the run folder there.
+    ``seed`` overrides the scenario's seed, ``overrides`` any field (``{"memory.kv_memory_gib":
+    8}``, paths as a sweep's); ``out`` also writes the run folder there.
     Each system's ``requests``, ``memory`` and ``steps`` are pandas DataFrames, ``summary`` a
     dict (see ``ScenarioResult.summary_frame()`` for a side-by-side table).
     """
-    parsed, base_dir = load(scenario, seed)
+    parsed, base_dir = load(scenario, seed, overrides)
     result = run_scenario(parsed, base_dir)
     if out is not None:
         write_run(result, Path(out))
@@ -40,6 +42,7 @@ def capacity_under_slo(
     max_probes: int = 24,
     systems: list[str] | None = None,
     jobs: int = 1,
+    overrides: dict[str, Any] | None = None,
 ) -> pd.DataFrame:
     """The highest arrival rate at which each system keeps ``slo.attainment`` of its
     requests within the scenario's SLO (as ``kvsim capacity``; see :mod:`sim.capacity`).
@@ -50,22 +53,28 @@ def capacity_under_slo(
     """
     from sim.capacity import capacity_rows, find_capacity
 
-    parsed, base_dir = load(scenario, seed)
+    parsed, base_dir = load(scenario, seed, overrides)
     knob, found = find_capacity(parsed, base_dir, rel_tol=rel_tol, max_probes=max_probes,
                                 systems=systems, jobs=jobs)
     return pd.DataFrame(capacity_rows(parsed, knob, found)).set_index("system")
 
 
-def load(scenario: str | Path | dict[str, Any] | Scenario, seed: int | None = None
-         ) -> tuple[Scenario, Path]:
-    """A validated scenario (its seed replaced by ``seed``) and the folder its relative
-    paths start from."""
+def load(scenario: str | Path | dict[str, Any] | Scenario, seed: int | None = None,
+         overrides: dict[str, Any] | None = None) -> tuple[Scenario, Path]:
+    """A validated scenario (its seed replaced by ``seed``, each ``overrides`` path, as a
+    sweep's, set to its value) and the folder its relative paths start from."""
+    from sim.sweep import with_overrides
+
     base_dir = Path()
     if isinstance(scenario, str | Path):
         base_dir = Path(scenario).parent
-        scenario = load_scenario(scenario)
+        scenario = scenario_from_dict(with_overrides(read_scenario_file(scenario), overrides),
+                                      f"{scenario} (with --set)" if overrides else str(scenario))
     elif isinstance(scenario, dict):
-        scenario = scenario_from_dict(scenario)
+        scenario = scenario_from_dict(with_overrides(scenario, overrides))
+    elif overrides:
+        scenario = scenario_from_dict(with_overrides(scenario.model_dump(mode="json"),
+                                                     overrides))
     if seed is not None:
         scenario = scenario_from_dict({**scenario.model_dump(), "seed": seed}, f"--seed {seed}")
     return scenario, base_dir

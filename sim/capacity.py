@@ -26,7 +26,14 @@ import pandas as pd
 from sim.engine import build_timing, run_system, scenario_trace
 from sim.scenario import Scenario, SystemConfig, scenario_from_dict
 from sim.slo import judged_attainment
-from sim.sweep import SweepPoint, expand, make_executor, params_as_text, set_path
+from sim.sweep import (
+    SweepPoint,
+    expand,
+    make_executor,
+    params_as_text,
+    set_path,
+    with_overrides,
+)
 from workloads import Trace, WorkloadError
 from workloads.distributions import ClosedLoopArrivals, TraceArrivals
 
@@ -220,18 +227,18 @@ def _chosen_systems(scenario: Scenario, names: list[str] | None) -> list[SystemC
 
 
 # ---------------------------------------------------------------------- over a sweep
-def capacity_points(path: Path, *, quick: bool = False) -> tuple[Scenario, list[SweepPoint]]:
-    """The sweep file's base scenario and its points, with the arrival rate taken off the
-    grid: it is what each point's search varies."""
-    import yaml
+def capacity_points(path: Path, *, quick: bool = False,
+                    overrides: dict[str, Any] | None = None
+                    ) -> tuple[Scenario, list[SweepPoint]]:
+    """The sweep file's base scenario (``overrides`` applied) and its points, with the
+    arrival rate taken off the grid: it is what each point's search varies."""
+    from sim.scenario import read_scenario_file
 
-    from sim.scenario import load_scenario
-
-    scenario = load_scenario(path)
+    raw = with_overrides(read_scenario_file(path), overrides)
+    scenario = scenario_from_dict(raw, f"{path} (with --set)" if overrides else str(path))
     if not scenario.sweep:
         raise CapacityError("--sweep: the file has no sweep section")
     searched = knob_path(scenario)
-    raw = yaml.safe_load(path.read_text())
     sweep = dict(raw["sweep"])
     if searched in (sweep.get("zip") or {}):
         raise CapacityError(f"sweep.zip: moves {searched} with other fields, and capacity "
@@ -275,12 +282,12 @@ def capacity_rows(scenario: Scenario, knob: LoadKnob, capacities: list[Capacity]
 def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "local",
                    address: str | None = None, rel_tol: float = 0.02, max_probes: int = 24,
                    quick: bool = False,
-                   progress: Callable[[int], Callable[[int], None]] | None = None
-                   ) -> pd.DataFrame:
+                   progress: Callable[[int], Callable[[int], None]] | None = None,
+                   overrides: dict[str, Any] | None = None) -> pd.DataFrame:
     """Each sweep point's capacity, searched in parallel (local processes or Ray, as
     :func:`sim.sweep.make_executor`): one row per point, seed and system, with the point's
     parameters as ``param:PATH`` columns."""
-    _, points = capacity_points(path, quick=quick)
+    _, points = capacity_points(path, quick=quick, overrides=overrides)
     base_dir = str(path.parent.resolve())
     tick = progress(len(points)) if progress else None
     execute = make_executor(executor, jobs, address)

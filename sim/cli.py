@@ -110,7 +110,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sim.results import make_output_folder, run_notes, write_run
 
     path = Path(args.scenario)
-    scenario, _ = load(path, args.seed)
+    scenario, _ = load(path, args.seed, dict(args.overrides or []))
     out = make_output_folder(Path(args.out or scenario.output_dir
                                   or Path("runs") / scenario.name))
     try:
@@ -118,8 +118,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except _bad_input_types() as exc:
         raise BadInput(f"{path}: {exc}") from None
     write_run(result, out)
+    changed = "".join(f", {path}={value}" for path, value in (args.overrides or []))
     print(f"{scenario.name}: {len(next(iter(result.systems.values())).requests):,} requests, "
-          f"seed {scenario.seed}")
+          f"seed {scenario.seed}{changed}")
     for note in result.trace_notes:
         print(f"note: {note}")
     if scenario.sweep:
@@ -153,7 +154,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     outcome = run_sweep(Path(args.scenario), out_dir=Path(args.out) if args.out else None,
                         jobs=args.jobs, executor=args.executor, address=args.address,
-                        quick=args.quick, progress=progress)
+                        quick=args.quick, progress=progress,
+                        overrides=dict(args.overrides or []))
     table = outcome.table
     print(f"sweep: {outcome.ran} points ran, {outcome.skipped} already done, "
           f"{outcome.failed} failed; {len(table)} rows in {outcome.out_dir / 'results.parquet'}")
@@ -200,7 +202,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     from sim.scenario import scenario_from_dict
 
     path = Path(args.scenario)
-    scenario, _ = load(path, args.seed)
+    scenario, _ = load(path, args.seed, dict(args.overrides or []))
     bounds = {"ttft_s": args.ttft_s, "tpot_s": args.tpot_s, "e2e_s": args.e2e_s,
               "attainment": args.attainment, "judge": args.judge}
     given = {k: v for k, v in bounds.items() if v is not None}
@@ -257,6 +259,7 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
         table = capacity_sweep(path, jobs=args.jobs, executor=args.executor,
                                address=args.address, rel_tol=args.rel_tol,
                                max_probes=args.max_probes, quick=args.quick,
+                               overrides=dict(args.overrides or []),
                                progress=lambda total: _progress_bar(total, "capacity", "point",
                                                                     quiet=args.quiet))
     except _bad_input_types() as exc:
@@ -355,15 +358,16 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from sim.scenario import load_scenario
+    from sim.api import load
     from sim.sweep import load_sweep_points
 
     path = Path(args.scenario)
-    scenario = load_scenario(path)
+    overrides = dict(args.overrides or [])
+    scenario, _ = load(path, overrides=overrides)
     systems = ", ".join(s.name for s in scenario.systems)
     sweep = ""
     if scenario.sweep:  # every point must be valid too, as kvsim sweep checks before running
-        _, points = load_sweep_points(path)
+        _, points = load_sweep_points(path, overrides=overrides)
         sweep = f"; sweep: {len(points)} runs, each valid"
     print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}{sweep}")
     return EXIT_OK
@@ -458,6 +462,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _override(text: str) -> tuple[str, Any]:
+    """An argparse type: ``PATH=VALUE``, the value read as YAML (``8``, ``true``,
+    ``{kind: paged, block_size: 32}``)."""
+    import yaml
+
+    path, equals, value = text.partition("=")
+    if not equals or not path.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected PATH=VALUE, e.g. memory.kv_memory_gib=8, got {text!r}")
+    try:
+        return path.strip(), yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the value is not valid YAML") from None
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", dest="overrides", metavar="PATH=VALUE", type=_override,
+                        action="append", help="change a field of the scenario, as a sweep "
+                        "path (memory.kv_memory_gib=8, systems[paged-16].allocator."
+                        "block_size=32); repeatable")
+
+
 def _positive_float(text: str) -> float:
     """An argparse type: a number > 0."""
     try:
@@ -490,6 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, help="override the scenario's seed")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--no-report", action="store_true", help="skip the HTML report")
+    _add_overrides(run)
     run.set_defaults(func=cmd_run)
 
     sweep = sub.add_parser("sweep", help="run a scenario's sweep: grid × seeds, resumable")
@@ -504,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a quarter of the requests, ≤3 values per numeric axis, one seed")
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
     sweep.add_argument("--no-report", action="store_true", help="skip the figures and report")
+    _add_overrides(sweep)
     sweep.set_defaults(func=cmd_sweep)
 
     capacity = sub.add_parser(
@@ -542,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="--sweep: a quarter of the requests, ≤3 values per axis")
     capacity.add_argument("--out", help="results folder (default: runs/NAME-capacity)")
     capacity.add_argument("--quiet", action="store_true", help="no line per run")
+    _add_overrides(capacity)
     capacity.set_defaults(func=cmd_capacity)
 
     report = sub.add_parser("report", help="figures and report.html for a run or sweep folder")
@@ -554,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check a scenario file without running it")
     validate.add_argument("scenario")
+    _add_overrides(validate)
     validate.set_defaults(func=cmd_validate)
 
     schema = sub.add_parser("schema", help="print the scenario JSON Schema (for editors)")

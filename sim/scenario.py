@@ -489,6 +489,12 @@ def scenario_from_dict(data: Any, source: str = "<scenario>") -> Scenario:
 
 def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a scenario YAML file."""
+    return scenario_from_dict(read_scenario_file(path), str(path))
+
+
+def read_scenario_file(path: str | Path) -> Any:
+    """A scenario YAML file as parsed, not yet validated (one-line errors for a missing or
+    unreadable file and bad YAML)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -505,4 +511,4 @@ def load_scenario(path: str | Path) -> Scenario:
         where = f" line {mark.line + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ScenarioError(f"{path}:{where}: not valid YAML ({problem})") from None
-    return scenario_from_dict(data, str(path))
+    return data

@@ -96,15 +96,19 @@ def _parse_path(path: str) -> list[str | int | tuple[str, str]]:
     return steps
 
 
-def set_path(data: dict[str, Any], path: str, value: Any) -> None:
-    """Set ``path`` in the raw scenario dict ``data`` (intermediate mappings are created)."""
-    steps = _parse_path(path)
+def set_path(data: dict[str, Any], path: str, value: Any, label: str = "sweep path") -> None:
+    """Set ``path`` in the raw scenario dict ``data`` (intermediate mappings are created);
+    errors name it as ``label`` (what gave it)."""
+    try:
+        steps = _parse_path(path)
+    except SweepError as exc:
+        raise SweepError(str(exc).replace("sweep path", label, 1)) from None
 
     def walk(node: Any, rest: list, trail: str) -> None:
         step, tail = rest[0], rest[1:]
         if isinstance(step, str):
             if not isinstance(node, dict):
-                raise SweepError(f"sweep path {path!r}: {trail or 'the scenario'} is not a "
+                raise SweepError(f"{label} {path!r}: {trail or 'the scenario'} is not a "
                                  "mapping")
             if not tail:
                 node[step] = copy.deepcopy(value)
@@ -112,10 +116,10 @@ def set_path(data: dict[str, Any], path: str, value: Any) -> None:
             walk(node.setdefault(step, {}), tail, f"{trail}.{step}" if trail else step)
             return
         if not isinstance(node, list):
-            raise SweepError(f"sweep path {path!r}: {trail} is not a list")
+            raise SweepError(f"{label} {path!r}: {trail} is not a list")
         if isinstance(step, int):
             if not -len(node) <= step < len(node):
-                raise SweepError(f"sweep path {path!r}: {trail} has {len(node)} items, no "
+                raise SweepError(f"{label} {path!r}: {trail} has {len(node)} items, no "
                                  f"[{step}]")
             targets = [step]
         elif step[0] == "*":
@@ -125,7 +129,7 @@ def set_path(data: dict[str, Any], path: str, value: Any) -> None:
                        if isinstance(item, dict) and item.get("name") == step[1]]
             if not targets:
                 names = [item.get("name") for item in node if isinstance(item, dict)]
-                raise SweepError(f"sweep path {path!r}: no item named {step[1]!r} in {trail} "
+                raise SweepError(f"{label} {path!r}: no item named {step[1]!r} in {trail} "
                                  f"(names: {', '.join(map(str, names))})")
         for i in targets:
             if not tail:
@@ -365,15 +369,29 @@ def make_executor(executor: str, jobs: int | None, address: str | None = None) -
     return _ray_executor(jobs, address) if executor == "ray" else _local_executor(jobs)
 
 
-def load_sweep_points(path: Path, *, quick: bool = False) -> tuple[Scenario, list[SweepPoint]]:
-    """The base scenario of a sweep file (valid on its own) and every point, each validated."""
-    import yaml
+def with_overrides(raw: Any, overrides: dict[str, Any] | None) -> Any:
+    """A raw scenario with ``--set PATH=VALUE`` overrides applied (paths as a sweep's);
+    the original is left as it was."""
+    if not overrides:
+        return raw
+    if not isinstance(raw, dict):
+        return raw  # scenario_from_dict says what is wrong with it
+    data = copy.deepcopy(raw)
+    for path, value in overrides.items():
+        set_path(data, path, value, label="--set")
+    return data
 
-    from sim.scenario import load_scenario
 
-    scenario = load_scenario(path)
-    raw = yaml.safe_load(path.read_text())
-    return scenario, expand(raw, str(path), quick=quick)
+def load_sweep_points(path: Path, *, quick: bool = False,
+                      overrides: dict[str, Any] | None = None
+                      ) -> tuple[Scenario, list[SweepPoint]]:
+    """The base scenario of a sweep file (valid on its own) and every point, each validated;
+    ``overrides`` change the base before the grid is laid over it."""
+    from sim.scenario import read_scenario_file
+
+    raw = with_overrides(read_scenario_file(path), overrides)
+    source = f"{path} (with --set)" if overrides else str(path)
+    return scenario_from_dict(raw, source), expand(raw, source, quick=quick)
 
 
 def run_sweep(
@@ -385,9 +403,10 @@ def run_sweep(
     address: str | None = None,
     quick: bool = False,
     progress: Callable[[int, int], Callable[[int], None]] | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> SweepOutcome:
     """Expand, skip finished points, run the rest, and write ``results.parquet``."""
-    scenario, points = load_sweep_points(path, quick=quick)
+    scenario, points = load_sweep_points(path, quick=quick, overrides=overrides)
     out_dir = out_dir or Path(scenario.output_dir or Path("runs") / scenario.name)
     if quick:
         out_dir = out_dir.with_name(out_dir.name + "-quick")

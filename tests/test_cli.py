@@ -169,6 +169,51 @@ def test_bad_numeric_options_are_refused_before_any_work(args):
     assert "Traceback" not in proc.stderr and not proc.stdout
 
 
+def test_set_changes_a_field_for_one_run(tmp_path):
+    import yaml
+
+    proc = kvsim("run", "scenarios/seed_63_percent.yaml", "--out", str(tmp_path), "--quiet",
+                 "--no-report", "--set", "systems[paged-16].allocator.block_size=32",
+                 "--set", "stop={num_requests: 4}")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == (
+        "seed_63_percent: 4 requests, seed 0, systems[paged-16].allocator.block_size=32, "
+        "stop={'num_requests': 4}")
+    resolved = yaml.safe_load((tmp_path / "scenario.yaml").read_text())
+    assert resolved["systems"][1]["allocator"]["block_size"] == 32
+    assert resolved["stop"]["num_requests"] == 4
+    # The same as a file with that change, byte for byte.
+    raw = yaml.safe_load((ROOT / "scenarios/seed_63_percent.yaml").read_text())
+    raw["systems"][1]["allocator"]["block_size"] = 32
+    raw["stop"] = {"num_requests": 4}
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(yaml.safe_dump(raw))
+    again = kvsim("run", str(edited), "--out", str(tmp_path / "edited"), "--quiet",
+                  "--no-report")
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "summary.json").read_bytes() == (
+        tmp_path / "edited" / "summary.json").read_bytes()
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ("memory.kv_memory_gib", "argument --set: expected PATH=VALUE, e.g. "
+                             "memory.kv_memory_gib=8, got 'memory.kv_memory_gib'"),
+    ("memory.kv_memory_gib=[1", "argument --set: 'memory.kv_memory_gib=[1': the value is not "
+                                "valid YAML"),
+    ("systems[nope].allocator.block_size=8", "--set 'systems[nope].allocator.block_size': no "
+                                             "item named 'nope' in systems (names: "
+                                             "contiguous-4096, paged-16)"),
+    ("memory.kv_memory_gib=-1", "scenarios/seed_63_percent.yaml (with --set): "
+                                "memory.kv_memory_gib: Input should be greater than 0 (got -1)"),
+])
+@pytest.mark.parametrize("command", ["run", "validate", "capacity"])
+def test_a_bad_set_is_one_line(command, change, expected):
+    proc = kvsim(command, "scenarios/seed_63_percent.yaml", "--set", change)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == f"kvsim: error: {expected}"
+    assert not proc.stdout
+
+
 def test_an_unusable_output_path_is_refused_before_the_run(tmp_path):
     blocker = tmp_path / "afile"
     blocker.write_text("")

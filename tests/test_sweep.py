@@ -18,7 +18,7 @@ import yaml
 from conftest import kvsim_in_process
 
 from reports.sweep_report import saturation_knee, sweep_figures, write_sweep_report
-from sim.sweep import SweepError, expand, run_sweep, set_path
+from sim.sweep import SweepError, expand, load_sweep_points, run_sweep, set_path
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {
@@ -54,6 +54,18 @@ def test_set_path_selectors():
     assert data["memory"] == {"kv_memory_gib": 3}
     with pytest.raises(SweepError, match="no item named 'c'"):
         set_path(data, "systems[c].allocator.block_size", 1)
+
+
+def test_set_changes_the_base_and_the_grid_still_wins(tmp_path):
+    path = write(tmp_path, dict(BASE, sweep={"grid": {"workload.arrival.rate": [1, 2]}}))
+    base, points = load_sweep_points(path, overrides={"memory.kv_memory_gib": 7,
+                                                      "workload.arrival.rate": 9})
+    assert base.memory.kv_memory_gib == 7 and base.workload.arrival.rate == 9
+    assert [p.scenario["memory"]["kv_memory_gib"] for p in points] == [7, 7]
+    assert [p.scenario["workload"]["arrival"]["rate"] for p in points] == [1, 2]
+    _, plain = load_sweep_points(path)
+    assert {p.key for p in plain}.isdisjoint(p.key for p in points)  # other runs, other keys
+    assert yaml.safe_load(path.read_text())["sweep"]  # the file is left as it was
 
 
 def test_expand_grid_zip_seeds():
