@@ -6,7 +6,9 @@ read (chunked prefill), then seats new requests from the front of the queue whil
 seats (``max_num_seqs``), kitchen capacity (``max_num_batched_tokens``) and memory. When a
 running request needs memory that is not there, someone is asked to leave and goes back to
 the front of the queue: by recompute (its KV is dropped, to be computed again), or by swap
-(its KV is parked in host memory, to be copied back when it is seated again).
+(its KV is parked in host memory, to be copied back when it is seated again). Some houses
+keep a guest list by rank (``policy: priority``): the best-ranked waiting guest is seated
+first, the worst-ranked seated one is the first asked to leave.
 
 Decoding is accounted lazily, like interest on a bank account: a decoding request's token
 count is ``tok_sync + (steps - g_sync)``, and the allocator is only told ("synced") when the
@@ -202,8 +204,8 @@ class Batch:
 
 
 class Scheduler:
-    """FCFS continuous batching over one allocator, with preemption by recompute or swap
-    (into ``swap_slots`` token slots of host memory)."""
+    """Continuous batching over one allocator, first come first served or by priority, with
+    preemption by recompute or swap (into ``swap_slots`` token slots of host memory)."""
 
     def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,
                  swap_slots: int = 0) -> None:

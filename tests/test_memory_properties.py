@@ -64,6 +64,27 @@ class _AllocatorMachine(RuleBasedStateMachine):
             self.tokens[seq_id] += n
 
     @precondition(lambda self: self.specs)
+    @rule(data=st.data(), limit=st.integers(1, 40))
+    def append_to_several(self, data, limit):
+        """max_uniform_append is what appending to each in turn achieves: that many tokens
+        each fit, and (below the limit) one more each does not."""
+        seq_ids = data.draw(st.lists(st.sampled_from(sorted(self.specs)), min_size=1,
+                                     unique=True))
+        limit = min([limit] + [self.specs[s].final_len - self.tokens[s] for s in seq_ids])
+        if limit <= 0:
+            return
+        fit = self.allocator.max_uniform_append(seq_ids, limit)
+        assert 0 <= fit <= limit
+        for seq_id in seq_ids:
+            assert self.allocator.append(seq_id, fit)
+            self.tokens[seq_id] += fit
+        if fit < limit:
+            written = [self.allocator.append(seq_id, 1) for seq_id in seq_ids]
+            for seq_id, ok in zip(seq_ids, written, strict=True):
+                self.tokens[seq_id] += ok
+            assert not all(written)
+
+    @precondition(lambda self: self.specs)
     @rule(data=st.data())
     def free(self, data):
         seq_id = data.draw(st.sampled_from(sorted(self.specs)))

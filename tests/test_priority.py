@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reports.run_figures import latency_cdfs
 from sim.engine import run_scenario
@@ -48,6 +50,43 @@ def test_the_waiting_line_orders_by_priority_then_arrival():
     assert fcfs.head() is requests[0]
     assert [by_priority.pop().index for _ in range(4)] == [1, 3, 0, 2]
     assert not by_priority
+
+
+@given(st.lists(st.tuples(st.sampled_from(["arrive", "readmit", "pop"]),
+                          st.integers(-2, 2)), max_size=60))
+@settings(max_examples=200, deadline=None, derandomize=True)
+def test_the_line_by_priority_always_seats_the_best_waiting(operations):
+    """Whatever arrives, returns or leaves, the head is the waiting request with the lowest
+    (priority, arrival, index); first come, first served keeps arrivals in order behind
+    whoever returned to the front."""
+    priorities = [level for _, level in operations]
+    trace = trace_of(priorities or [0])
+    by_priority, fcfs = WaitingLine(True), WaitingLine(False)
+    waiting: list[Request] = []
+    model: list[Request] = []  # FCFS: the deque, as a list
+    taken: list[Request] = []
+    for index, (operation, _) in enumerate(operations):
+        if operation == "pop" and waiting:
+            best = min(waiting, key=lambda r: (r.priority, r.arrival_s, r.index))
+            assert by_priority.head() is best and by_priority.pop() is best
+            waiting.remove(best)
+            assert fcfs.pop() is model.pop(0)
+            taken.append(best)
+        elif operation == "readmit" and taken:
+            again = taken.pop()
+            by_priority.readmit(again)
+            waiting.append(again)
+            fcfs.readmit(again)
+            model.insert(0, again)
+        elif operation != "pop":
+            request = Request(trace, index, float(index))
+            by_priority.arrive(request)
+            waiting.append(request)
+            fcfs.arrive(request)
+            model.append(request)
+        assert len(by_priority) == len(waiting) == len(fcfs)
+        assert sorted(r.index for r in by_priority.requests()) == sorted(r.index for r in waiting)
+        assert fcfs.requests() == model
 
 
 def test_the_worst_priority_is_preempted_and_the_best_seated_first():
