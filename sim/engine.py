@@ -40,7 +40,7 @@ from sim.timing import (
     CalibrationError,
     StepTimeModel,
     roofline,
-    with_host_loads,
+    with_transfer,
 )
 from workloads import Trace, WorkloadError, build_trace
 
@@ -308,8 +308,8 @@ class _Replica:
                 duration = timing.step_time(batch.decode_seqs, batch.context_tokens,
                                             batch.prefill_tokens, batch.prefill_pairs, self.rho)
                 if batch.loaded_tokens:  # host-cache hits, read up for the step
-                    duration = with_host_loads(duration, batch.loaded_tokens
-                                               * sim.host_s_per_token, sim.pipelined_layers)
+                    duration = with_transfer(duration, batch.loaded_tokens
+                                             * sim.host_s_per_token, sim.pipelined_layers)
                 if batch.swapped_slots:  # copied before the step computes, as vLLM v0 does
                     duration += batch.swapped_slots * sim.host_s_per_token
                 clock = start + duration
@@ -320,7 +320,7 @@ class _Replica:
             self.clock = clock
             for request in finished:
                 self._account_finish(request)
-                sim.on_done(self, request, clock)
+                sim.on_done(self, request, clock, start)
             if clock > self.env.now:
                 yield self.env.timeout(clock - self.env.now)
 
@@ -367,6 +367,8 @@ class _SystemRun:
             self.transfer_s_per_token = (scenario.model_spec().kv_bytes_per_token_per_gpu(tp)
                                          / (split.kv_transfer_gbps * 1e9))
             self.transfer_latency_s = split.kv_transfer_latency_s
+            self.transfer_layers = (scenario.model_spec().num_layers
+                                    if split.kv_transfer == "layerwise" else 0)
         host_slots, self.swap_slots, self.host_s_per_token = host_memory(scenario, system)
         self.pipelined_layers = (scenario.model_spec().num_layers if getattr(
             system.allocator, "host_load", "serial") == "layerwise" else 0)
@@ -503,10 +505,12 @@ class _SystemRun:
             in_flight[heapq.heappop(done)[1]] -= 1
         return in_flight.index(min(in_flight))
 
-    def _hand_over(self, request: Request, now_s: float) -> None:
-        """A prefill replica gave ``request`` its first token: send its KV to a decode
-        replica (by default the same one for a given request, whichever prefill replica
-        served it; with ``decode_router: least_loaded``, the least loaded now)."""
+    def _hand_over(self, request: Request, now_s: float, step_start_s: float) -> None:
+        """A prefill replica gave ``request`` its first token in the step from
+        ``step_start_s`` to ``now_s``: send its KV to a decode replica (by default the same
+        one for a given request, whichever prefill replica served it; with ``decode_router:
+        least_loaded``, the least loaded now), after that step or, layer by layer, under
+        it."""
         index = request.index
         position = (self._least_loaded_decode() if self.least_loaded_decode
                     else index % self.decode_replicas)
@@ -519,21 +523,27 @@ class _SystemRun:
         for carried in ("admitted_s", "first_token_s", "preemptions", "hit_tokens",
                         "recomputed_tokens"):
             setattr(rest, carried, getattr(request, carried))
-        arrival_s = (now_s + self.transfer_latency_s
-                     + request.prompt_len * self.transfer_s_per_token)
+        transfer_s = request.prompt_len * self.transfer_s_per_token
+        # Layer by layer, the transfer runs under the step (never ending before it: the
+        # last layer's KV leaves after it is computed).
+        sent_s = step_start_s + with_transfer(now_s - step_start_s, transfer_s,
+                                                self.transfer_layers)
+        arrival_s = sent_s + self.transfer_latency_s
         if self.least_loaded_decode:
             self.decode_in_flight[position] += 1
         self.release(decode, arrival_s, index, rest)
 
-    def on_done(self, replica: _Replica, request: Request, now_s: float) -> None:
-        """A request finished or was rejected: record it, release whoever waits on it."""
+    def on_done(self, replica: _Replica, request: Request, now_s: float,
+                step_start_s: float | None = None) -> None:
+        """A request finished (in the step from ``step_start_s``) or was rejected: record
+        it, release whoever waits on it."""
         if self.least_loaded_decode and replica.role == "decode":
             heapq.heappush(self.decode_done, (now_s, replica.index - self.prefill_replicas))
         if self.router is not None and not request.rejected and replica.role != "decode":
             self.router.finished(request.index, replica.index, now_s)
         if (replica.role == "prefill" and not request.rejected
                 and self.output_lens[request.index] > 1):
-            self._hand_over(request, now_s)
+            self._hand_over(request, now_s, now_s if step_start_s is None else step_start_s)
             return
         routed_to = int(self.replica_of[request.index])
         row: tuple[object, ...] = (

@@ -238,6 +238,11 @@ class DisaggregationConfig(ConfigModel):
         "200 Gb/s RDMA NIC per GPU: 25)")
     kv_transfer_latency_s: float = Field(default=1e-3, ge=0,
                                          description="fixed cost of one request's transfer")
+    kv_transfer: Literal["after_prefill", "layerwise"] = Field(
+        default="after_prefill", description="after_prefill: a request's KV leaves once its "
+        "prefill step ends (vLLM's P/D connectors); layerwise: each layer's KV leaves as soon "
+        "as that layer is computed (DistServe, Mooncake), so a step's computation C and the "
+        "transfer T end after max(C, T) + min(C, T) / layers")
     decode_router: Literal["round_robin", "least_loaded"] = Field(
         default="round_robin", description="which decode replica takes a request: in turn by "
         "its index, or the one with the fewest requests in flight (handed over and not yet "

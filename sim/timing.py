@@ -82,14 +82,16 @@ class StepTimeModel:
         return lambda context_tokens: fixed + per_context * context_tokens
 
 
-def with_host_loads(compute_s: float, load_s: float, pipelined_layers: int) -> float:
-    """A step's time when it also loads ``load_s`` of KV from host memory: after it
-    (``pipelined_layers`` 0), or layer by layer under the computation of the layer before
-    (``pipelined_layers`` = the model's layers L): the first layer's load and the last
-    layer's computation stand alone, so the step takes max(C, T) + min(C, T) / L."""
+def with_transfer(compute_s: float, transfer_s: float, pipelined_layers: int) -> float:
+    """How long a step's computation C and a KV transfer T of its layers take together: one
+    after the other (``pipelined_layers`` 0), or layer by layer, each layer's transfer under
+    another layer's computation (``pipelined_layers`` = the model's layers L): the first
+    layer of one and the last of the other stand alone, so max(C, T) + min(C, T) / L. The
+    transfer is KV loaded from host memory before the layer computes, or sent to a decode
+    replica after it has."""
     if not pipelined_layers:
-        return compute_s + load_s
-    return max(compute_s, load_s) + min(compute_s, load_s) / pipelined_layers
+        return compute_s + transfer_s
+    return max(compute_s, transfer_s) + min(compute_s, transfer_s) / pipelined_layers
 
 
 def roofline(model: ModelSpec, gpu: GpuSpec,

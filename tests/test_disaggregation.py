@@ -82,6 +82,28 @@ def test_the_transfer_is_what_the_link_makes_it():
     assert (late >= 1.0).all()
 
 
+@pytest.mark.parametrize("kv_transfer", ["after_prefill", "layerwise"])
+def test_a_layerwise_transfer_runs_under_the_prefill(kv_transfer):
+    # One request on a slow link, one prefill and one decode replica: the decode replica's
+    # first step starts when the KV has arrived.
+    data = scenario(prefill_replicas=1, replicas=2, kv_transfer_gbps=1,
+                    kv_transfer_latency_s=0.002, kv_transfer=kv_transfer)
+    data["workload"]["prompt_len"] = {"dist": "constant", "value": 1000}
+    data["workload"]["output_len"] = {"dist": "constant", "value": 20}
+    data["stop"] = {"num_requests": 1}
+    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    steps = run.steps
+    prefill = steps[steps["replica"] == 0].iloc[0]
+    compute_s = prefill["duration_s"]
+    transfer_s = 1000 * lookup_model("llama-2-7b").kv_bytes_per_token / 1e9  # 0.52 s
+    layers = 32
+    sent_s = (max(compute_s, transfer_s) + min(compute_s, transfer_s) / layers
+              if kv_transfer == "layerwise" else compute_s + transfer_s)
+    first_decode_step = steps[steps["replica"] == 1]["time_s"].min()
+    assert first_decode_step == pytest.approx(prefill["time_s"] + sent_s + 0.002)
+    assert run.requests["first_token_s"].iloc[0] == pytest.approx(prefill["time_s"] + compute_s)
+
+
 def test_a_split_needs_a_decode_replica_and_one_sample():
     with pytest.raises(ScenarioError, match=r"engine: disaggregation.prefill_replicas \(2\) "
                        r"must leave decode replicas among engine.replicas \(2\)"):

@@ -74,6 +74,8 @@ def random_scenario(seed: int) -> dict:
         if rng.random() < 0.8:
             scheduler["policy"] = "priority"
             scheduler["preemption_victim"] = "last_admitted"
+    if "disaggregation" in engine and rng.random() < 0.5:  # drawn last, as the above
+        engine["disaggregation"]["kv_transfer"] = "layerwise"
     return {
         "name": f"random-{seed}",
         "model": "llama-2-7b",

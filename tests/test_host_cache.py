@@ -137,13 +137,13 @@ def test_the_summary_shows_host_hits_only_with_a_host_tier():
 
 
 def test_layerwise_loads_hide_under_the_computation():
-    from sim.timing import with_host_loads
+    from sim.timing import with_transfer
 
     # 32 layers, computation 10 ms: a 4 ms load shows only its first layer's eighth of a ms;
     # a 40 ms load hides all but the last layer's computation.
-    assert with_host_loads(0.010, 0.004, 0) == pytest.approx(0.014)
-    assert with_host_loads(0.010, 0.004, 32) == pytest.approx(0.010 + 0.004 / 32)
-    assert with_host_loads(0.010, 0.040, 32) == pytest.approx(0.040 + 0.010 / 32)
+    assert with_transfer(0.010, 0.004, 0) == pytest.approx(0.014)
+    assert with_transfer(0.010, 0.004, 32) == pytest.approx(0.010 + 0.004 / 32)
+    assert with_transfer(0.010, 0.040, 32) == pytest.approx(0.040 + 0.010 / 32)
     data = scenario(8)
     data["systems"].append({"name": "layerwise", "allocator": {
         "kind": "paged", "host_cache_gib": 8, "host_load": "layerwise"}})
