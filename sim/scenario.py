@@ -136,6 +136,10 @@ class SchedulerConfig(ConfigModel):
         default="fcfs", description="as vLLM's --scheduling-policy: first come, first served, "
         "or by each request's priority (lower first, then arrival): the waiting request with "
         "the best priority is seated first and the running one with the worst is preempted")
+    priority_preemption: bool = Field(
+        default=False, description="under priority: a waiting request that finds no seat or "
+        "memory preempts running requests of a worse priority to take theirs (vLLM v0); "
+        "without it, as vLLM v1, it waits until memory runs short elsewhere")
     preemption_victim: Literal["last_admitted", "fewest_generated"] = Field(
         default="last_admitted", description="under fcfs: which running request is preempted "
         "when memory runs short (priority always preempts the worst priority, latest arrival)")
@@ -151,6 +155,8 @@ class SchedulerConfig(ConfigModel):
         if self.policy == "priority" and self.preemption_victim != "last_admitted":
             raise ValueError("preemption_victim applies to policy fcfs only: under priority the "
                              "running request with the worst priority is preempted")
+        if self.priority_preemption and self.policy != "priority":
+            raise ValueError("priority_preemption needs policy: priority")
         return self
 
 

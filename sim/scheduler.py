@@ -379,6 +379,19 @@ class Scheduler:
             return min(reversed(self.running.values()), key=self.generated)
         return next(reversed(self.running.values()))
 
+    def _make_room(self, request: Request, batch: Batch) -> bool:
+        """With ``priority_preemption``, preempt the worst running request if its priority
+        is worse than waiting ``request``'s, which then needs its seat or memory (vLLM v0's
+        priority preemption); False if nobody was preempted."""
+        if not self.config.priority_preemption or not self.running:
+            return False
+        victim = self._victim()
+        if victim.priority <= request.priority:
+            return False
+        self._preempt(victim, batch)
+        batch.preempted += 1
+        return True
+
     def _preempt(self, request: Request, batch: Batch) -> None:
         decoding = request.decoding
         if decoding:
@@ -493,10 +506,12 @@ class Scheduler:
                     chunk = min(request.prefill_target - request.prefilled, budget)
                     if self._prefill(request, chunk, batch):
                         budget -= chunk
-        # New admissions, FCFS with head-of-line blocking.
+        # New admissions, in the line's order with head-of-line blocking.
         self.head_blocked = False
         while self.waiting:
             if len(self.running) >= self.config.max_num_seqs or budget <= 0:
+                if budget > 0 and self._make_room(self.waiting.head(), batch):
+                    continue  # a seat freed for a better priority
                 # Blocked for as long as pure decode lasts, unless this step's prefills used
                 # the budget (the next step has a fresh one).
                 self.head_blocked = (len(self.running) >= self.config.max_num_seqs
@@ -513,6 +528,8 @@ class Scheduler:
                     break  # not blocked for good: a step without other prefills admits it
             hits = self.allocator.admit(spec)
             if hits is None:
+                if self._make_room(request, batch):
+                    continue  # memory freed for a better priority: try again
                 self.head_blocked = True
                 break
             self.waiting.pop()

@@ -76,6 +76,8 @@ def random_scenario(seed: int) -> dict:
             scheduler["preemption_victim"] = "last_admitted"
     if "disaggregation" in engine and rng.random() < 0.5:  # drawn last, as the above
         engine["disaggregation"]["kv_transfer"] = "layerwise"
+    if scheduler.get("policy") == "priority" and rng.random() < 0.5:
+        scheduler["priority_preemption"] = True
     return {
         "name": f"random-{seed}",
         "model": "llama-2-7b",

@@ -119,6 +119,39 @@ def test_the_worst_priority_is_preempted_and_the_best_seated_first():
     assert requests[1].preemptions == 0  # the best priority, the earliest arrival
 
 
+@pytest.mark.parametrize("short_of", ["memory", "seats"])
+@pytest.mark.parametrize("priority_preemption", [False, True])
+def test_priority_preemption_takes_a_worse_requests_place(short_of, priority_preemption):
+    # Two batch requests (priority 1) hold the pool (6 blocks: 3 each) or both seats; an
+    # interactive one (priority 0) arrives. vLLM v1 lets it wait; with priority preemption
+    # (vLLM v0) the latest batch request makes way at once.
+    trace = trace_of([1, 1, 0], prompt_len=40, output_len=8)
+    blocks, seats = (6, 8) if short_of == "memory" else (20, 2)
+    allocator = PagedAllocator(num_blocks=blocks, block_size=16, enable_prefix_caching=False,
+                               watermark=0.0)
+    sched = Scheduler(allocator, SchedulerConfig(policy="priority", max_num_seqs=seats,
+                                                 priority_preemption=priority_preemption))
+    requests = [Request(trace, i, float(i)) for i in range(3)]
+    sched.add(requests[0])
+    sched.add(requests[1])
+    sched.finish_step(sched.schedule(0.0), 1.0)
+    assert len(sched.running) == 2
+    sched.add(requests[2])
+    batch = sched.schedule(1.0)
+    seated = [r.index for r in sched.running.values()]
+    if priority_preemption:
+        assert seated == [0, 2] and batch.preempted == 1 and requests[1].preemptions == 1
+        assert sched.waiting.head() is requests[1]
+    else:
+        assert seated == [0, 1] and batch.preempted == 0 and sched.head_blocked
+    sched.finish_step(batch, 2.0)
+    clock = 2.0
+    while sched.running or sched.waiting:
+        clock += 1.0
+        sched.finish_step(sched.schedule(clock), clock)
+    assert all(r.finished_s > 0 for r in requests)
+
+
 def scenario(policy: str, **scheduler) -> dict:
     """Interactive (priority 0, a fifth) and batch requests on a pool that cannot hold them
     all: Llama-2-7B with 1.5 GiB of paged KV, arrivals faster than it serves."""
@@ -252,6 +285,9 @@ def test_a_trace_column_gives_priorities(tmp_path):
      "preemption_victim applies to policy fcfs only"),
     ({"systems": [{"name": "s", "allocator": {"kind": "paged"},
                    "scheduler": {"policy": "lifo"}}]}, "scheduler.policy"),
+    ({"systems": [{"name": "s", "allocator": {"kind": "paged"},
+                   "scheduler": {"priority_preemption": True}}]},
+     "priority_preemption needs policy: priority"),
 ])
 def test_bad_settings_are_one_line_errors(change, message):
     data = {**scenario("fcfs"), **change}
