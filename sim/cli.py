@@ -118,7 +118,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except _bad_input_types() as exc:
         raise BadInput(f"{path}: {exc}") from None
     write_run(result, out)
-    changed = "".join(f", {path}={value}" for path, value in (args.overrides or []))
+    changed = "".join(f", {field}={value}" for field, value in (args.overrides or []))
     print(f"{scenario.name}: {len(next(iter(result.systems.values())).requests):,} requests, "
           f"seed {scenario.seed}{changed}")
     for note in result.trace_notes:
