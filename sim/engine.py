@@ -218,6 +218,10 @@ class _Replica:
         self.clock = 0.0
         self.wake: simpy.Event = env.event()
         self.idle = False
+        # A prefill replica holds a handed-over request's KV until it is sent: (when it is
+        # sent, request index, request) heap, released at the first step boundary after.
+        self.held: list[tuple[float, int, Request]] = []
+        self.scheduler.keep_finished = role == "prefill"
 
     # -------------------------------------------------------------- arrivals
     def next_arrival(self) -> float:
@@ -283,6 +287,8 @@ class _Replica:
                     t = self.env.now
                 self.clock = max(self.clock, t)
                 continue
+            while self.held and self.held[0][0] <= self.clock:
+                sched.release(heapq.heappop(self.held)[2])
             start = self.clock
             if sim.jump and sched.fast_step_ready() and sched.fast_step():
                 # Pure decode with nothing to decide: run steps until an event needs one.
@@ -300,6 +306,12 @@ class _Replica:
                 snap_end = sched.snapshot().as_dict() if steps > 1 else snap
             else:
                 batch = sched.schedule(start)
+                if batch.empty and self.held:
+                    # What waits needs memory still being sent on: wait until it is.
+                    self.clock = self.held[0][0]
+                    if self.clock > self.env.now:
+                        yield self.env.timeout(self.clock - self.env.now)
+                    continue
                 if batch.empty:
                     raise SimulationError(
                         f"replica {self.index}: nothing can run although "
@@ -505,12 +517,13 @@ class _SystemRun:
             in_flight[heapq.heappop(done)[1]] -= 1
         return in_flight.index(min(in_flight))
 
-    def _hand_over(self, request: Request, now_s: float, step_start_s: float) -> None:
+    def _hand_over(self, prefill: _Replica, request: Request, now_s: float,
+                   step_start_s: float) -> None:
         """A prefill replica gave ``request`` its first token in the step from
         ``step_start_s`` to ``now_s``: send its KV to a decode replica (by default the same
         one for a given request, whichever prefill replica served it; with ``decode_router:
         least_loaded``, the least loaded now), after that step or, layer by layer, under
-        it."""
+        it. The prefill replica holds the KV until it is sent."""
         index = request.index
         position = (self._least_loaded_decode() if self.least_loaded_decode
                     else index % self.decode_replicas)
@@ -527,7 +540,8 @@ class _SystemRun:
         # Layer by layer, the transfer runs under the step (never ending before it: the
         # last layer's KV leaves after it is computed).
         sent_s = step_start_s + with_transfer(now_s - step_start_s, transfer_s,
-                                                self.transfer_layers)
+                                              self.transfer_layers)
+        heapq.heappush(prefill.held, (sent_s, index, request))  # its KV stays until sent
         arrival_s = sent_s + self.transfer_latency_s
         if self.least_loaded_decode:
             self.decode_in_flight[position] += 1
@@ -543,8 +557,11 @@ class _SystemRun:
             self.router.finished(request.index, replica.index, now_s)
         if (replica.role == "prefill" and not request.rejected
                 and self.output_lens[request.index] > 1):
-            self._hand_over(request, now_s, now_s if step_start_s is None else step_start_s)
+            self._hand_over(replica, request, now_s,
+                            now_s if step_start_s is None else step_start_s)
             return
+        if replica.role == "prefill" and not request.rejected:
+            replica.scheduler.release(request)  # one token: nothing to send on
         routed_to = int(self.replica_of[request.index])
         row: tuple[object, ...] = (
             request.index, request.arrival_s, request.admitted_s, request.first_token_s,

@@ -213,6 +213,9 @@ class Scheduler:
         self.config = config
         self.debug = debug
         self.swap_slots = swap_slots  # 0: preempt by recompute only
+        # A prefill replica keeps a finished request's KV until it has been sent on: the
+        # engine calls release() then.
+        self.keep_finished = False
         self.swap_used = 0  # slots of swap space parked requests hold
         self.swap_preemptions = 0
         self.swapped_out_slots = 0
@@ -676,7 +679,14 @@ class Scheduler:
     def _finish(self, request: Request, end_s: float) -> None:
         request.finished_s = end_s
         request.computed = True
+        if not self.keep_finished:
+            self.release(request)
+        del self.running[request.admit_seq]
+        self.head_blocked = False
+
+    def release(self, request: Request) -> None:
+        """Free a finished request's KV (at once, or, with ``keep_finished``, when the
+        engine says: once a prefill replica has sent it on)."""
         for seq_id in request.seq_ids():
             self.allocator.free(seq_id)
-        del self.running[request.admit_seq]
         self.head_blocked = False

@@ -104,6 +104,33 @@ def test_a_layerwise_transfer_runs_under_the_prefill(kv_transfer):
     assert run.requests["first_token_s"].iloc[0] == pytest.approx(prefill["time_s"] + compute_s)
 
 
+@pytest.mark.parametrize("kv_transfer", ["after_prefill", "layerwise"])
+def test_a_prefill_replica_holds_the_kv_until_it_is_sent(kv_transfer):
+    # Two 1,000-token prompts, a pool that holds one (1,536 slots), a slow link (0.52 s
+    # each): the second prompt is read only once the first one's KV has left.
+    data = scenario(prefill_replicas=1, replicas=2, kv_transfer_gbps=1,
+                    kv_transfer_latency_s=0.0, kv_transfer=kv_transfer)
+    data["memory"] = {"kv_memory_gib": 0.75}
+    data["workload"].update(arrival={"process": "constant", "rate": 50},
+                            prompt_len={"dist": "constant", "value": 1000},
+                            output_len={"dist": "constant", "value": 20})
+    del data["workload"]["prefix_groups"]
+    data["systems"] = [{"name": "paged", "allocator": {"kind": "paged", "watermark": 0}}]
+    data["stop"] = {"num_requests": 2}
+    data["engine"]["debug_invariants"] = True
+    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    first, second = run.requests.itertuples()
+    prefill = run.steps[run.steps["replica"] == 0]
+    compute_s = prefill["duration_s"].iloc[0]
+    transfer_s = 1000 * lookup_model("llama-2-7b").kv_bytes_per_token / 1e9
+    sent_s = first.admitted_s + (compute_s + transfer_s if kv_transfer == "after_prefill"
+                                 else transfer_s + compute_s / 32)
+    assert second.arrival_s < first.first_token_s < sent_s
+    assert second.admitted_s == pytest.approx(sent_s)
+    assert prefill["time_s"].iloc[1] == pytest.approx(sent_s)
+    assert run.summary["completed"] == 2
+
+
 def test_a_split_needs_a_decode_replica_and_one_sample():
     with pytest.raises(ScenarioError, match=r"engine: disaggregation.prefill_replicas \(2\) "
                        r"must leave decode replicas among engine.replicas \(2\)"):
