@@ -381,16 +381,18 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def _load_trace_arg(target: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """A trace from a scenario file or directly from a trace file."""
+    """A trace from a scenario file (with its --set changes) or directly from a trace file."""
+    from sim.api import load
     from sim.engine import scenario_trace
-    from sim.scenario import load_scenario
     from workloads import build_trace
     from workloads.spec import TraceWorkload
 
     path = Path(target)
     if path.suffix in (".yaml", ".yml"):
-        scenario = load_scenario(path)
+        scenario, _ = load(path, overrides=dict(args.overrides or []))
         return scenario_trace(scenario, path.parent)
+    if args.overrides:
+        raise BadInput(f"{target}: --set changes a scenario's fields; this is a trace file")
     workload = TraceWorkload(path=target, format=args.format, skip_invalid=args.skip_invalid)
     return build_trace(workload, seed=0, max_model_len=args.max_model_len, base_dir=Path())
 
@@ -608,6 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--skip-invalid", action="store_true", help="skip bad rows")
     common.add_argument("--max-model-len", type=_positive_int, default=1 << 20,
                         help="context limit for a bare trace file (default: no clipping)")
+    _add_overrides(common)
     stats = trace_sub.add_parser("stats", parents=[common],
                                  help="count, rate, lengths, prefix-sharing potential")
     stats.add_argument("targets", nargs="+", metavar="FILE|SCENARIO")

@@ -288,6 +288,13 @@ def test_trace_stats_and_export(tmp_path):
     proc = kvsim("trace", "export", str(good), "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     assert len(out.read_text().splitlines()) == 61
+    proc = kvsim("trace", "export", str(good), "-o", str(out), "--set", "stop.num_requests=7")
+    assert proc.returncode == 0, proc.stderr
+    assert len(out.read_text().splitlines()) == 8
+    proc = kvsim("trace", "stats", "builtin:azure_llm_2023_code.csv", "--set", "seed=1")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "kvsim: error: builtin:azure_llm_2023_code.csv: --set changes a scenario's fields; "
+        "this is a trace file")
     proc = kvsim("trace", "stats", str(tmp_path / "missing.csv"))
     assert proc.returncode == 2 and "trace file not found" in proc.stderr
     proc = kvsim("trace", "list")
