@@ -173,7 +173,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 SWEEP_TABLE_METRICS = ("throughput_tok_s", "e2e_p90_s", "slo_attainment",
                        "slo_tightest_attainment", "waste_frac", "prefix_hit_rate",
-                       "swap_preemptions")
+                       "swap_preemptions", "reservation_overflows")
 
 
 def _sweep_means(table: pd.DataFrame, metrics: Sequence[str]) -> str:

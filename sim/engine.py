@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 import simpy
 
+from sim.length_predictor import predicted_output_lengths
 from sim.memory import TAXONOMY, ContiguousAllocator, KVAllocator, PagedAllocator
 from sim.presets import KV_CACHE_DTYPE_BYTES, SizingError, kv_pool_slots
 from sim.results import RunResult, ScenarioResult, summarize
@@ -207,7 +208,8 @@ class _Replica:
         self.role = role  # "both", or "prefill" / "decode" under disaggregation
         self.sim = sim
         self.allocator = allocator
-        self.scheduler = Scheduler(allocator, sim.system.scheduler, sim.debug, sim.swap_slots)
+        self.scheduler = Scheduler(allocator, sim.system.scheduler, sim.debug, sim.swap_slots,
+                                   sim.predicted_output)
         self.rho = sim.timing.rho(allocator.block_size if isinstance(allocator, PagedAllocator)
                                   else None)
         self.open: list[int] = []  # open-arrival request indices, in arrival order
@@ -382,6 +384,11 @@ class _SystemRun:
             self.transfer_layers = (scenario.model_spec().num_layers
                                     if split.kv_transfer == "layerwise" else 0)
         host_slots, self.swap_slots, self.host_s_per_token = host_memory(scenario, system)
+        allocator_cfg = system.allocator
+        self.predicted_output = (
+            predicted_output_lengths(trace, allocator_cfg.predictor, scenario.seed)
+            if isinstance(allocator_cfg, ContiguousConfig)
+            and allocator_cfg.reserve_policy == "predicted" else None)
         self.pipelined_layers = (scenario.model_spec().num_layers if getattr(
             system.allocator, "host_load", "serial") == "layerwise" else 0)
         self.arrival_s = trace.arrival_s.tolist()
@@ -475,6 +482,7 @@ class _SystemRun:
             request.rejected = not replica.scheduler.fits_ever(request)
             request.output_len = 1
             request.max_len = request.prompt_len + 1
+            request.spec_cache = None  # fits_ever described the whole request
         return request
 
     @staticmethod
@@ -640,6 +648,10 @@ class _SystemRun:
         for key in ("swap_preemptions", "swapped_out_slots", "swapped_in_slots"):
             extra[key] = (sum(getattr(r.scheduler, key) for r in self.replicas) if swaps
                           else None)
+        # None (shown "—") but for a contiguous reservation sized by a predictor.
+        extra["reservation_overflows"] = (
+            sum(r.scheduler.reservation_overflows for r in self.replicas)
+            if self.predicted_output is not None else None)
         summary_requests = requests.fillna({"finished_s": -1.0})
         summary = summarize(summary_requests, steps,
                             self.recorder.averages(len(self.replicas)), capacity, extra,

@@ -42,6 +42,7 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("replica_imbalance", "replica imbalance (max/mean requests)", "{:,.2f}"),
     ("preemptions", "preemptions", "{:,.0f}"),
     ("swap_preemptions", "preemptions by swap", "{:,.0f}"),
+    ("reservation_overflows", "preemptions: outgrew a predicted reservation", "{:,.0f}"),
     ("recomputed_tokens", "recomputed tokens", "{:,.0f}"),
     ("swapped_out_slots", "KV slots swapped out", "{:,.0f}"),
     ("makespan_s", "makespan (s)", "{:,.1f}"),
@@ -106,7 +107,7 @@ ONLY_WHEN_ABOVE_ONE = {"throughput_tok_s_per_gpu": "gpus", "replica_imbalance": 
 # Rows of a feature most runs do not use: shown only where some system has a value.
 ONLY_WHEN_SET = {"host_hit_rate", "slo_attainment", "slo_tightest_attainment", "goodput_req_s",
                  "capacity_req_s", "capacity_req_s_per_gpu", "swap_preemptions",
-                 "swapped_out_slots"}
+                 "swapped_out_slots", "reservation_overflows"}
 # A total and its share per GPU, shown beside it where runs use different numbers of GPUs.
 PER_GPU = {"throughput_tok_s": "throughput_tok_s_per_gpu",
            "capacity_req_s": "capacity_req_s_per_gpu"}

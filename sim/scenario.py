@@ -91,12 +91,39 @@ class ParallelConfig(ConfigModel):
                                        description="fixed cost of one all-reduce")
 
 
+class PredictionConfig(ConfigModel):
+    """The output-length predictor a ``predicted`` reservation is sized by (S3): the true
+    output × exp(sigma·z), z ~ N(0, 1) per request, × (1 + headroom), within max_tokens."""
+
+    sigma: float = Field(default=0.5, ge=0, le=5, description="spread of the log-normal "
+                         "prediction error (0: a perfect predictor)")
+    headroom: float = Field(default=0.0, ge=0, le=10, description="share reserved beyond "
+                            "the prediction (0.2: 20 % more)")
+
+
 class ContiguousConfig(ConfigModel):
     """Contiguous max-length reservation (one extent per request)."""
 
     kind: Literal["contiguous"]
-    reserve_policy: Literal["max_model_len", "request_max", "pow2", "oracle"] = "max_model_len"
+    reserve_policy: Literal["max_model_len", "request_max", "pow2", "oracle", "predicted"] = (
+        Field(default="max_model_len", description="predicted: the predicted final length "
+              "(see prediction); a request that outgrows it is preempted and seated again "
+              "with twice the predicted output"))
     placement: Literal["first_fit", "best_fit"] = "first_fit"
+    prediction: PredictionConfig | None = Field(
+        default=None, description="the length predictor of reserve_policy predicted "
+        "(default sigma 0.5, headroom 0)")
+
+    @model_validator(mode="after")
+    def _prediction_for_predicted(self):  # type: ignore[no-untyped-def]
+        if self.prediction is not None and self.reserve_policy != "predicted":
+            raise ValueError("prediction applies to reserve_policy: predicted only")
+        return self
+
+    @property
+    def predictor(self) -> PredictionConfig:
+        """The length predictor, with its defaults where the scenario gives none."""
+        return self.prediction or PredictionConfig()
 
 
 class PagedConfig(ConfigModel):

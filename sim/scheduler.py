@@ -8,7 +8,10 @@ running request needs memory that is not there, someone is asked to leave and go
 the front of the queue: by recompute (its KV is dropped, to be computed again), or by swap
 (its KV is parked in host memory, to be copied back when it is seated again). Some houses
 keep a guest list by rank (``policy: priority``): the best-ranked waiting guest is seated
-first, the worst-ranked seated one is the first asked to leave.
+first, the worst-ranked seated one is the first asked to leave. A house that lays each
+table for the courses it expects a diner to order (contiguous memory reserved for a
+predicted output length) sends a diner who orders more back to the queue, to be seated
+again at a table laid for twice as many.
 
 Decoding is accounted lazily, like interest on a bank account: a decoding request's token
 count is ``tok_sync + (steps - g_sync)``, and the allocator is only told ("synced") when the
@@ -53,6 +56,7 @@ class Request:
         "n",
         "num_seqs",
         "output_len",
+        "predicted_output",
         "preemptions",
         "prefill_target",
         "prefilled",
@@ -79,6 +83,9 @@ class Request:
         self.max_len = self.prompt_len + columns["max_tokens"][index]
         self.n = columns["n"][index]
         self.priority = columns["priority"][index]  # lower is served first (vLLM's)
+        # Output tokens a contiguous reservation is sized for, when the engine predicts
+        # lengths (0: it does not); doubled each time the request outgrows it.
+        self.predicted_output = 0
         self.prompt_segments = tuple(trace.prompt_segments(index))
         self.gen_sync = 0  # generated tokens as of step g_sync (exact unless decoding)
         self.prefilled = 0  # tokens of the current admission's prompt already in KV
@@ -124,8 +131,9 @@ class Request:
         segments = (*self.prompt_segments,
                     (output_segment_id(self.index, sample), self.output_len))
         prompt = self.prompt_len + (self.gen_sync if sample == 0 else 0)
+        predicted = self.prompt_len + self.predicted_output if self.predicted_output else 0
         spec = SeqSpec(self.index * MAX_SAMPLES + sample, segments, prompt, self.final_len,
-                       max(self.max_len, self.final_len))
+                       max(self.max_len, self.final_len), predicted)
         if sample == 0:
             self.spec_cache = spec
         return spec
@@ -205,11 +213,17 @@ class Batch:
 
 class Scheduler:
     """Continuous batching over one allocator, first come first served or by priority, with
-    preemption by recompute or swap (into ``swap_slots`` token slots of host memory)."""
+    preemption by recompute or swap (into ``swap_slots`` token slots of host memory).
+
+    ``predicted_output`` (per trace request, for a contiguous ``predicted`` reservation) is
+    what the engine's length predictor says each request will generate.
+    """
 
     def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,
-                 swap_slots: int = 0) -> None:
+                 swap_slots: int = 0, predicted_output: list[int] | None = None) -> None:
         self.allocator = allocator
+        self.predicted_output = predicted_output
+        self.reservation_overflows = 0  # preemptions of requests that outgrew a prediction
         self.config = config
         self.debug = debug
         self.swap_slots = swap_slots  # 0: preempt by recompute only
@@ -246,18 +260,29 @@ class Scheduler:
         self.prefilling = 0
         self._append = allocator.append
         # Paged tables grow a block at a time: a decoding sequence holding t tokens holds
-        # ceil(t / bs) blocks. Contiguous extents never grow (cap stays the reservation).
+        # ceil(t / bs) blocks. Contiguous extents never grow (cap stays the reservation),
+        # and only a predicted reservation may end before the request does.
         self._block_size: int | None = getattr(allocator, "block_size", None)
+        self._predicts = getattr(allocator, "reserve_policy", None) == "predicted"
+        if self._predicts and predicted_output is None:
+            raise ValueError("a predicted reservation needs the predicted output lengths")
 
     # ------------------------------------------------------------------ queue
     def fits_ever(self, request: Request) -> bool:
-        """Whether ``request`` (all its samples) fits this pool when nothing else holds it."""
+        """Whether ``request`` (all its samples) fits this pool when nothing else holds it.
+        (The first look at a request: it learns its predicted output here, if any.)"""
+        if self.predicted_output is not None and not request.predicted_output:
+            request.predicted_output = self._within_pool(
+                request, self.predicted_output[request.index])
+            request.spec_cache = None
         spec = request.spec()
         fits = self.allocator.can_admit_ever(spec)
         if fits and request.n > 1:
             if isinstance(self.allocator, ContiguousAllocator):
-                # Contiguous samples cannot share: all n reservations must fit at once.
-                need = request.n * self.allocator.reservation(spec)
+                # Contiguous samples cannot share: all n reservations must fit at once (a
+                # predicted one grows, as far as the true length, by preemption).
+                need = request.n * (spec.final_len if self._predicts
+                                    else self.allocator.reservation(spec))
             else:
                 # Paged samples share the prompt's full blocks and own the rest.
                 bs = self.allocator.block_size  # type: ignore[attr-defined]
@@ -275,6 +300,12 @@ class Scheduler:
         if self.waiting.head() is request:
             self.head_blocked = False  # a new head may fit where the old one did not
         return True
+
+    def _within_pool(self, request: Request, predicted_output: int) -> int:
+        """A predicted output no larger than lets all the request's samples' reservations
+        fit the pool (the allocator cannot place more; the true length fits if any does)."""
+        most = self.allocator.capacity_slots // request.n - request.prompt_len
+        return max(1, min(predicted_output, most))
 
     def _snapshot_head(self) -> SeqSpec | None:
         # Only contiguous memory has external fragmentation, defined by the waiting head.
@@ -354,9 +385,13 @@ class Scheduler:
         if start:
             self._events[FINISH].setdefault(finish, []).append(entry)
         bs = self._block_size
-        if bs is None:
+        if bs is not None:
+            cap = -(-request.tok_sync // bs) * bs
+        elif self._predicts:
+            # The request outgrows its extent when it writes the slot past its end.
+            cap = self.allocator.allocated_slots(request.index * MAX_SAMPLES)
+        else:
             return  # a contiguous extent is reserved to the final length: it never grows
-        cap = -(-request.tok_sync // bs) * bs
         grow = request.g_sync + cap - request.tok_sync
         if grow < finish:
             self._events[GROW].setdefault(grow, []).append(entry)
@@ -460,6 +495,9 @@ class Scheduler:
         """Sync ``request`` through this step's token, preempting others while memory is
         short; False if the request itself was preempted."""
         while not self._sync(request, include_current=True):
+            if self._block_size is None:
+                self._overflow(request, batch)
+                return False
             victim = self._victim()
             self._preempt(victim, batch)
             batch.preempted += 1
@@ -468,6 +506,17 @@ class Scheduler:
         if request.decoding:
             self._push_events(request)
         return True
+
+    def _overflow(self, request: Request, batch: Batch) -> None:
+        """``request`` outgrew its predicted contiguous reservation. The extent cannot grow
+        where it lies, and preempting others would not lengthen it, so the request itself
+        goes back to the line, to be seated with twice the predicted output (S3's
+        rescheduling of a misprediction with a larger allocation)."""
+        request.predicted_output = self._within_pool(request, 2 * request.predicted_output)
+        request.spec_cache = None
+        self.reservation_overflows += 1
+        self._preempt(request, batch)
+        batch.preempted += 1
 
     # ------------------------------------------------------------------ one step
     def fast_step_ready(self) -> bool:
@@ -482,12 +531,12 @@ class Scheduler:
         due = self._due(GROW, self.steps)
         if not due:
             return True
-        if self._block_size is not None:
-            needed = sum(r.num_seqs for r in due)
-            if needed > self.allocator.num_free_blocks:  # type: ignore[attr-defined]
-                # Put them back for schedule() to handle with preemption.
-                self._events[GROW][self.steps] = [(r.admit_seq, r.version, r) for r in due]
-                return False
+        # A contiguous extent's end is always an overflow: schedule() preempts for it.
+        if self._block_size is None or sum(r.num_seqs for r in due) > (
+                self.allocator.num_free_blocks):  # type: ignore[attr-defined]
+            # Put them back for schedule() to handle with preemption.
+            self._events[GROW][self.steps] = [(r.admit_seq, r.version, r) for r in due]
+            return False
         for request in due:
             synced = self._sync(request, include_current=True)  # blocks counted above
             assert synced  # (never inside the assert: ``python -O`` would skip the write)

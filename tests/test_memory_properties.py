@@ -7,6 +7,7 @@ step, and the taxonomy must agree with what the reference can compute.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from hypothesis import settings
@@ -30,9 +31,14 @@ class _AllocatorMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.forked = False
         self.freed: list[SeqSpec] = []
+        self.forked_at: dict[int, int] = {}  # child -> tokens copied from its parent
 
     def build(self):
         raise NotImplementedError
+
+    def predict(self, spec: SeqSpec) -> SeqSpec:
+        """The spec as the allocator is told it (a length prediction, where one is used)."""
+        return spec
 
     def new_spec(self, prefix_idx: int, prompt: int, extra: int, out: int) -> SeqSpec:
         prefix = PREFIXES[prefix_idx]
@@ -42,7 +48,7 @@ class _AllocatorMachine(RuleBasedStateMachine):
         spec = SeqSpec(self.next_id, (*prefix, (100 + self.next_id, prompt + out)), prompt_len,
                        final_len, final_len + extra)
         self.next_id += 1
-        return spec
+        return self.predict(spec)
 
     @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60),
           extra=st.integers(0, 30), out=st.integers(0, 60))
@@ -101,10 +107,12 @@ class _AllocatorMachine(RuleBasedStateMachine):
         child = SeqSpec(self.next_id, (*_prefix_of(parent.segments, written),
                                        (100 + self.next_id, out)),
                         parent.prompt_len, written + out, written + out)
+        child = self.predict(child)
         self.next_id += 1
         if self.allocator.fork(parent.seq_id, child):
             self.specs[child.seq_id] = child
             self.tokens[child.seq_id] = written
+            self.forked_at[child.seq_id] = written
             self.forked = True
 
     @invariant()
@@ -252,9 +260,15 @@ class ContiguousMachine(_AllocatorMachine):
     def contiguous_accounting(self):
         snap = self.allocator.snapshot()
         assert snap.token == sum(self.tokens.values())
-        assert snap.reserved == sum(self.specs[s].final_len - n for s, n in self.tokens.items())
-        reservations = sum(reservation_slots(self.specs[s], self.policy, 200) for s in self.specs)
-        assert snap.internal == reservations - sum(sp.final_len for sp in self.specs.values())
+        # (A fork's extent also holds what it copies, should a prediction fall short of it.)
+        sizes = {s: max(reservation_slots(spec, self.policy, 200), self.forked_at.get(s, 0))
+                 for s, spec in self.specs.items()}
+        assert sizes == {s: self.allocator.allocated_slots(s) for s in self.specs}
+        # A predicted extent may end before the sequence would: it writes no further.
+        will_write = {s: min(spec.final_len, sizes[s]) for s, spec in self.specs.items()}
+        assert all(n <= will_write[s] for s, n in self.tokens.items())
+        assert snap.reserved == sum(will_write[s] - n for s, n in self.tokens.items())
+        assert snap.internal == sum(sizes.values()) - sum(will_write.values())
         assert snap.cached == 0
 
 
@@ -267,12 +281,23 @@ class ContiguousMaxLen(ContiguousMachine):
     policy = "max_model_len"
 
 
+class ContiguousPredicted(ContiguousMachine):
+    """Reservations from a length prediction a third to five thirds of the true output."""
+
+    policy = "predicted"
+
+    def predict(self, spec: SeqSpec) -> SeqSpec:
+        out = spec.final_len - spec.prompt_len
+        guess = out * (spec.seq_id % 5 + 1) // 3
+        return dataclasses.replace(spec, predicted_len=spec.prompt_len + guess)
+
+
 # Derandomized so CI is reproducible; KVSIM_HYPOTHESIS_EXAMPLES explores further.
 _SETTINGS = settings(max_examples=int(os.environ.get("KVSIM_HYPOTHESIS_EXAMPLES", "80")),
                      stateful_step_count=40, deadline=None,
                      derandomize="KVSIM_HYPOTHESIS_EXAMPLES" not in os.environ)
 for _machine in (PagedMachine, PagedBs1, PagedBs7NoCache, PagedBs32Lfu, PagedBs4SharingAware,
                  PagedBs16Fifo, PagedBs4Host, PagedBs16HostSharingAware, ContiguousMachine,
-                 ContiguousBestFitPow2, ContiguousMaxLen):
+                 ContiguousBestFitPow2, ContiguousMaxLen, ContiguousPredicted):
     _machine.TestCase.settings = _SETTINGS
     globals()[f"Test{_machine.__name__}"] = _machine.TestCase

@@ -183,7 +183,7 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
                                   "eviction_pressure", "rate_sweep", "router_policies",
                                   "host_cache", "kv_cache_dtype", "disaggregation",
                                   "disaggregation_chat", "preemption_mode",
-                                  "priority_classes"])
+                                  "priority_classes", "length_prediction"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -231,6 +231,16 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
                                       columns="system", values="throughput_tok_s")
         gain = (t["paged-16"] / t["contiguous-req"]).to_numpy()
         assert (np.diff(gain) > 0).all() and gain[-1] > 1.5
+    if name == "length_prediction":  # a predictor lands between request_max and oracle
+        sigma = "param:systems[contiguous-predicted].allocator.prediction.sigma"
+        headroom = "param:systems[contiguous-predicted].allocator.prediction.headroom"
+        t = outcome.table.pivot_table(index=[headroom, sigma], columns="system",
+                                      values="throughput_tok_s")
+        assert (t["contiguous-request-max"] < t["contiguous-predicted"]).all()
+        assert (t["contiguous-predicted"] <= t["contiguous-oracle"]).all()
+        assert t.loc[(0, 0), "contiguous-predicted"] == t.loc[(0, 0), "contiguous-oracle"]
+        assert t.loc[0, "contiguous-predicted"].is_monotonic_decreasing  # worse guesses
+        assert (t["contiguous-oracle"] < t["paged-16"]).all()
     if name == "host_cache":  # more host memory, more prefixes loaded instead of recomputed
         hit = outcome.table.groupby("param:systems[paged-16].allocator.host_cache_gib")[
             "prefix_hit_rate"].mean()

@@ -30,7 +30,9 @@ class SeqSpec:
     output); ``final_len`` is its true final length, known to the simulator from the trace, so
     that ``reserved`` (will be written) and ``internal`` (never will) are exact.
     ``max_len`` is prompt + the request's ``max_tokens`` (what a ``request_max`` reservation
-    must cover).
+    must cover). ``predicted_len`` is the final length the engine's output-length predictor
+    expects (what a ``predicted`` reservation covers; it may fall short of ``final_len``);
+    0 where the engine has no predictor.
     """
 
     seq_id: int
@@ -38,6 +40,7 @@ class SeqSpec:
     prompt_len: int
     final_len: int
     max_len: int
+    predicted_len: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.prompt_len <= self.final_len <= self.max_len:

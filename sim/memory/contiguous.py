@@ -6,6 +6,11 @@ leaves. Whatever it does not grow into is wasted (*internal* fragmentation); the
 between parked vehicles may add up to plenty but be too short for the next one (*external*
 fragmentation); and two vehicles carrying the same cargo (a shared prompt prefix) each carry
 their own copy (*duplicate* slots).
+
+A valet with a guess (``predicted``) sizes each stretch by how long the vehicle is expected
+to grow (S3: an output-length predictor). Guess short and the vehicle reaches the end of its
+stretch before it is done: a contiguous stretch cannot be lengthened where it stands, so
+the allocator refuses the write and the scheduler sends the vehicle round again.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import bisect
 from sim.memory.base import AllocatorError, KVAllocator, MemorySnapshot, SeqSpec
 from sim.memory.content import BlockHasher, DuplicateCounter
 
-RESERVE_POLICIES = ("max_model_len", "request_max", "pow2", "oracle")
+RESERVE_POLICIES = ("max_model_len", "request_max", "pow2", "oracle", "predicted")
 PLACEMENTS = ("first_fit", "best_fit")
 
 
@@ -24,7 +29,9 @@ def reservation_slots(spec: SeqSpec, reserve_policy: str, max_model_len: int) ->
 
     ``max_model_len``: the model's context limit (the seed's 4096); ``request_max``: prompt +
     max_tokens; ``pow2``: the next power of two ≥ the true final length (Orca (Pow2));
-    ``oracle``: exactly the true final length (Orca (Oracle)). Never below the final length.
+    ``oracle``: exactly the true final length (Orca (Oracle)). Never below the final length,
+    but for ``predicted``: the predictor's final length (``spec.predicted_len``), at most what
+    ``request_max`` reserves and at least one slot beyond the prompt, which may fall short.
     """
     if reserve_policy == "max_model_len":
         slots = max_model_len
@@ -34,6 +41,12 @@ def reservation_slots(spec: SeqSpec, reserve_policy: str, max_model_len: int) ->
         slots = min(1 << (spec.final_len - 1).bit_length(), max_model_len)
     elif reserve_policy == "oracle":
         slots = spec.final_len
+    elif reserve_policy == "predicted":
+        if spec.predicted_len < 1:
+            raise ValueError(f"sequence {spec.seq_id}: reserve_policy predicted needs a "
+                             "predicted_len")
+        most = max(min(spec.max_len, max_model_len), spec.final_len)
+        return max(min(spec.predicted_len, most), min(spec.prompt_len + 1, spec.final_len))
     else:
         raise ValueError(
             f"unknown reserve_policy {reserve_policy!r}; expected one of "
@@ -43,14 +56,16 @@ def reservation_slots(spec: SeqSpec, reserve_policy: str, max_model_len: int) ->
 
 
 class _Extent:
-    """A live sequence's reservation: ``size`` slots from ``start``, ``num_tokens`` written."""
+    """A live sequence's reservation: ``size`` slots from ``start``, ``num_tokens`` written,
+    ``will_write`` of them written by the end (its final length, or the size if shorter)."""
 
-    __slots__ = ("hasher", "num_tokens", "size", "spec", "start")
+    __slots__ = ("hasher", "num_tokens", "size", "spec", "start", "will_write")
 
     def __init__(self, spec: SeqSpec, start: int, size: int, hasher: BlockHasher) -> None:
         self.spec = spec
         self.start = start
         self.size = size
+        self.will_write = min(spec.final_len, size)
         self.num_tokens = 0
         self.hasher = hasher
 
@@ -58,8 +73,9 @@ class _Extent:
 class ContiguousAllocator(KVAllocator):
     """One extent per sequence in a linear slot space, placed first-fit or best-fit.
 
-    Free space is a sorted list of maximal free extents (neighbours coalesce on free).
-    Duplicate slots are measured on ``duplicate_granularity``-token chunks of written content.
+    An extent never grows: a write past a ``predicted`` reservation is refused. Free space
+    is a sorted list of maximal free extents (neighbours coalesce on free). Duplicate slots
+    are measured on ``duplicate_granularity``-token chunks of written content.
     """
 
     def __init__(
@@ -92,7 +108,7 @@ class ContiguousAllocator(KVAllocator):
         self._free_len: dict[int, int] = {0: capacity_slots}
         self._seqs: dict[int, _Extent] = {}
         self._reserved_total = 0  # Σ extent sizes
-        self._final_total = 0  # Σ min(final_len, size) of live sequences
+        self._final_total = 0  # Σ will_write of live sequences
         self._token_total = 0
         self._duplicates = DuplicateCounter()
 
@@ -101,7 +117,11 @@ class ContiguousAllocator(KVAllocator):
         return list(self._seqs)
 
     def reservation(self, spec: SeqSpec) -> int:
-        return reservation_slots(spec, self.reserve_policy, self.max_model_len)
+        slots = reservation_slots(spec, self.reserve_policy, self.max_model_len)
+        if self.reserve_policy == "predicted":
+            # A guess never asks for more than the pool: the request might still fit.
+            slots = min(slots, max(self.capacity_slots, spec.prompt_len + 1))
+        return slots
 
     def num_tokens(self, seq_id: int) -> int:
         return self._seq(seq_id).num_tokens
@@ -120,6 +140,8 @@ class ContiguousAllocator(KVAllocator):
         return [(s, self._free_len[s]) for s in self._free_starts]
 
     def can_admit_ever(self, spec: SeqSpec) -> bool:
+        if self.reserve_policy == "predicted":
+            return spec.final_len <= self.capacity_slots  # some reservation would hold it
         return self.reservation(spec) <= self.capacity_slots
 
     def _seq(self, seq_id: int) -> _Extent:
@@ -143,8 +165,8 @@ class ContiguousAllocator(KVAllocator):
                 best, best_len = start, length
         return best
 
-    def _place(self, spec: SeqSpec) -> _Extent | None:
-        size = self.reservation(spec)
+    def _place(self, spec: SeqSpec, at_least: int = 0) -> _Extent | None:
+        size = max(self.reservation(spec), at_least)
         start = self._find(size)
         if start is None:
             return None
@@ -158,7 +180,7 @@ class ContiguousAllocator(KVAllocator):
         ext = _Extent(spec, start, size, BlockHasher(spec.segments, self.duplicate_granularity))
         self._seqs[spec.seq_id] = ext
         self._reserved_total += size
-        self._final_total += spec.final_len
+        self._final_total += ext.will_write
         return ext
 
     # ------------------------------------------------------------------ lifecycle
@@ -177,6 +199,8 @@ class ContiguousAllocator(KVAllocator):
                 f"sequence {seq_id}: writing to {end} tokens, past its final length "
                 f"{ext.spec.final_len}"
             )
+        if end > ext.size:
+            return False  # outgrew a predicted reservation: an extent cannot grow in place
         self._write(ext, end)
         return True
 
@@ -195,7 +219,7 @@ class ContiguousAllocator(KVAllocator):
         for chunk_hash in ext.hasher.hashes[: ext.num_tokens // self.duplicate_granularity]:
             self._duplicates.remove(chunk_hash)
         self._reserved_total -= ext.size
-        self._final_total -= ext.spec.final_len
+        self._final_total -= ext.will_write
         self._token_total -= ext.num_tokens
         self._release_extent(ext.start, ext.size)
 
@@ -218,7 +242,7 @@ class ContiguousAllocator(KVAllocator):
         parent = self._seq(parent_id)
         if child.seq_id in self._seqs:
             raise AllocatorError(f"sequence {child.seq_id} is already admitted")
-        ext = self._place(child)
+        ext = self._place(child, at_least=parent.num_tokens)  # the copy must fit
         if ext is None:
             return False
         self._write(ext, parent.num_tokens)
@@ -226,7 +250,7 @@ class ContiguousAllocator(KVAllocator):
 
     def max_uniform_append(self, seq_ids: list[int], limit: int) -> int:
         room = min(
-            (self._seqs[s].spec.final_len - self._seqs[s].num_tokens for s in seq_ids),
+            (self._seqs[s].will_write - self._seqs[s].num_tokens for s in seq_ids),
             default=limit,
         )
         return max(0, min(limit, room))
@@ -263,7 +287,9 @@ class ContiguousAllocator(KVAllocator):
             pos, prev_kind = start + size, kind
         assert pos == self.capacity_slots, "extents do not cover the slot space"
         for ext in self._seqs.values():
-            assert ext.num_tokens <= ext.spec.final_len <= ext.size
+            assert ext.num_tokens <= ext.will_write == min(ext.spec.final_len, ext.size)
+            assert ext.spec.final_len <= ext.size or self.reserve_policy == "predicted"
+        assert self._final_total == sum(e.will_write for e in self._seqs.values())
         assert self._reserved_total == sum(e.size for e in self._seqs.values())
         assert self._token_total == sum(e.num_tokens for e in self._seqs.values())
         snap = self.snapshot()

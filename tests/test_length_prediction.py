@@ -1,0 +1,232 @@
+"""Contiguous reservations sized by an output-length predictor (S3): the reservation, the
+overflow of a request that outgrows it, the predictor's error model, and what it buys
+against request_max and the oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sim.engine import run_scenario
+from sim.length_predictor import predicted_output_lengths
+from sim.memory import AllocatorError, ContiguousAllocator, SeqSpec
+from sim.memory.contiguous import reservation_slots
+from sim.scenario import PredictionConfig, ScenarioError, SchedulerConfig, scenario_from_dict
+from sim.scheduler import Request, Scheduler
+from workloads.trace import Trace
+
+
+def spec(prompt: int, final: int, predicted: int, max_len: int | None = None) -> SeqSpec:
+    return SeqSpec(0, ((1, final),), prompt, final, max_len or final, predicted)
+
+
+@pytest.mark.parametrize(("prompt", "final", "max_len", "predicted", "expected"), [
+    (100, 300, 500, 250, 250),   # a short guess: reserved as guessed
+    (100, 300, 500, 400, 400),   # a long one: as guessed too
+    (100, 300, 500, 900, 500),   # never beyond what request_max reserves
+    (100, 300, 500, 100, 101),   # at least one slot for the first generated token
+    (100, 300, 5000, 4500, 4096),  # nor beyond the model's context
+])
+def test_a_predicted_reservation_is_the_guess_within_bounds(prompt, final, max_len, predicted,
+                                                             expected):
+    assert reservation_slots(spec(prompt, final, predicted, max_len), "predicted",
+                             4096) == expected
+
+
+def test_a_predicted_reservation_needs_a_prediction():
+    with pytest.raises(ValueError, match="needs a predicted_len"):
+        reservation_slots(spec(10, 20, 0), "predicted", 4096)
+
+
+def test_a_write_past_a_short_reservation_is_refused_and_changes_nothing():
+    alloc = ContiguousAllocator(1000, max_model_len=4096, reserve_policy="predicted")
+    assert alloc.admit(spec(100, 300, 150)) == 0
+    assert alloc.allocated_slots(0) == 150
+    assert alloc.append(0, 120)
+    before = alloc.snapshot()
+    # 30 more fit, 31 do not; max_uniform_append says the same.
+    assert alloc.max_uniform_append([0], 100) == 30
+    assert not alloc.append(0, 31)
+    assert alloc.snapshot() == before and alloc.num_tokens(0) == 120
+    # The extent will be written to its end, no further: no internal waste, 30 reserved.
+    assert (before.token, before.reserved, before.internal) == (120, 30, 0)
+    assert alloc.append(0, 30)
+    alloc.check_invariants()
+    with pytest.raises(AllocatorError, match="past its final length"):
+        alloc.append(0, 200)  # the true length still bounds every write
+
+
+def test_a_guess_beyond_the_pool_is_cut_to_it_so_the_request_can_still_run():
+    alloc = ContiguousAllocator(400, max_model_len=4096, reserve_policy="predicted")
+    long_guess = spec(100, 300, 1000, max_len=2000)
+    assert alloc.can_admit_ever(long_guess)  # the true 300 tokens fit
+    assert alloc.admit(long_guess) == 0 and alloc.allocated_slots(0) == 400
+    assert not alloc.can_admit_ever(spec(100, 401, 150))  # the truth does not
+
+
+def one_request_scheduler(output_len: int, predicted: int, *, n: int = 1, max_tokens: int = 100,
+                          pool: int = 1000) -> tuple[Scheduler, Request]:
+    trace = Trace.from_columns(arrival_s=np.zeros(1), prompt_len=np.array([30]),
+                               output_len=np.array([output_len]), n=np.array([n]),
+                               max_tokens=np.array([max_tokens]))
+    alloc = ContiguousAllocator(pool, max_model_len=4096, reserve_policy="predicted")
+    sched = Scheduler(alloc, SchedulerConfig(), debug=True, predicted_output=[predicted])
+    request = Request(trace, 0, 0.0)
+    assert sched.add(request)
+    return sched, request
+
+
+def run_alone(sched: Scheduler, request: Request) -> list[int]:
+    """Step until the request finishes; the extent it holds at each admission."""
+    extents = []
+    clock = 0.0
+    while request.finished_s < 0:
+        assert clock < 1000, "the request never finished"
+        batch = sched.schedule(clock)
+        if any(r is request for r, _, _ in batch.prefill):  # (admitted: a whole prompt)
+            extents.append(sched.allocator.allocated_slots(0))
+        clock += 1.0
+        sched.finish_step(batch, clock)
+    return extents
+
+
+def test_a_request_that_outgrows_its_guess_is_seated_again_with_twice_the_guess():
+    # Prompt 30, output 40, guessed 5: extents of 35, 40 (30 + 10), 50 (30 + 20), then 70
+    # (30 + 40), which holds it. Each time it is preempted when it writes past the end,
+    # and recomputes what it had: 35, 40 and 50 tokens.
+    sched, request = one_request_scheduler(output_len=40, predicted=5)
+    assert run_alone(sched, request) == [35, 40, 50, 70]
+    assert sched.reservation_overflows == request.preemptions == 3
+    assert request.recomputed_tokens == 35 + 40 + 50
+    assert request.gen_sync == 40
+
+
+def test_a_good_guess_never_overflows():
+    sched, request = one_request_scheduler(output_len=40, predicted=40)
+    assert run_alone(sched, request) == [70]
+    assert sched.reservation_overflows == request.preemptions == 0
+
+
+def test_samples_guesses_are_cut_so_that_all_their_extents_fit_the_pool():
+    # Two samples of 30 + 40 in a pool of 150: a guess of 50 would reserve 80 each, which
+    # never fit together; cut to 45 (75 each), both run.
+    sched, request = one_request_scheduler(output_len=40, predicted=50, n=2, pool=150)
+    assert request.predicted_output == 45
+    run_alone(sched, request)
+    assert request.finished_s > 0 and request.preemptions == 0
+
+
+def trace_like(sigma: float, headroom: float = 0.0, seed: int = 0, count: int = 20_000):
+    rng = np.random.default_rng(1)
+    output = rng.integers(1, 500, count)
+    trace = Trace.from_columns(arrival_s=np.zeros(count), prompt_len=np.full(count, 10),
+                               output_len=output, max_tokens=output * 4)
+    return trace, np.array(predicted_output_lengths(
+        trace, PredictionConfig(sigma=sigma, headroom=headroom), seed))
+
+
+def test_the_predictor_blurs_the_truth_by_its_sigma_within_max_tokens():
+    trace, exact = trace_like(0.0)
+    assert (exact == trace.output_len).all()  # sigma 0: a perfect predictor
+    _, roomy = trace_like(0.0, headroom=0.5)
+    assert (roomy == np.minimum(np.ceil(trace.output_len * 1.5), trace.max_tokens)).all()
+    for sigma in (0.3, 1.0):
+        _, guess = trace_like(sigma)
+        assert (guess >= 1).all() and (guess <= trace.max_tokens).all()
+        # Median-unbiased; the median |log error| of a normal is 0.674 sigma (the ceiling
+        # and the max_tokens clip move it a little, far less than the tolerance).
+        log_error = np.log(guess / trace.output_len)
+        long_enough = trace.output_len >= 100
+        assert abs(np.median(log_error[long_enough])) < 0.03
+        assert np.median(np.abs(log_error[long_enough])) == pytest.approx(0.674 * sigma,
+                                                                           rel=0.08)
+
+
+def test_every_sigma_blurs_the_same_requests_the_same_way():
+    # Common random numbers: the error draw depends on the seed alone, so a larger sigma
+    # scales each request's error rather than drawing new ones.
+    trace, small = trace_like(0.2)
+    _, large = trace_like(0.8)
+    long_enough = trace.output_len >= 200
+    small_err = np.log(small / trace.output_len)[long_enough]
+    large_err = np.log(large / trace.output_len)[long_enough]
+    assert (np.sign(small_err) == np.sign(large_err))[np.abs(small_err) > 0.02].all()
+    assert np.corrcoef(small_err, large_err)[0, 1] > 0.99
+    _, again = trace_like(0.2)
+    _, other_seed = trace_like(0.2, seed=1)
+    assert (again == small).all() and (other_seed != small).any()
+
+
+def scenario(*allocators: dict, **top) -> dict:
+    return {
+        "name": "prediction", "model": "llama-2-7b", "memory": {"kv_memory_gib": 3},
+        "workload": {"arrival": {"process": "poisson", "rate": 20},
+                     "prompt_len": {"dist": "lognormal", "mean": 300, "sigma": 0.8,
+                                    "max": 2000},
+                     "output_len": {"dist": "lognormal", "mean": 250, "sigma": 1.0,
+                                    "max": 1500}},
+        "systems": [{"name": a.get("name", a.get("reserve_policy", "paged")),
+                     "allocator": {k: v for k, v in a.items() if k != "name"}}
+                    for a in allocators],
+        "stop": {"num_requests": 500}, **top,
+    }
+
+
+def test_a_perfect_predictor_is_the_oracle():
+    result = run_scenario(scenario_from_dict(scenario(
+        {"kind": "contiguous", "reserve_policy": "oracle"},
+        {"kind": "contiguous", "reserve_policy": "predicted", "prediction": {"sigma": 0}})))
+    oracle, predicted = result.systems["oracle"], result.systems["predicted"]
+    pd.testing.assert_frame_equal(oracle.requests, predicted.requests)
+    assert predicted.summary["reservation_overflows"] == 0
+    assert oracle.summary["reservation_overflows"] is None  # no predictor: shown "—"
+
+
+def test_a_blurred_predictor_lands_between_request_max_and_the_oracle():
+    # The seed's question with a predictor: reserving a guess beats reserving max_tokens,
+    # and loses to knowing the length by the recompute of the requests that outgrow it.
+    result = run_scenario(scenario_from_dict(scenario(
+        {"kind": "contiguous", "reserve_policy": "request_max"},
+        {"kind": "contiguous", "reserve_policy": "predicted", "prediction": {"sigma": 0.5}},
+        {"kind": "contiguous", "reserve_policy": "oracle"})))
+    summary = {name: run.summary for name, run in result.systems.items()}
+    tput = {name: s["throughput_tok_s"] for name, s in summary.items()}
+    assert tput["request_max"] < tput["predicted"] < tput["oracle"]
+    predicted = summary["predicted"]
+    assert predicted["reservation_overflows"] == predicted["preemptions"] > 0
+    assert predicted["recomputed_tokens"] > 0
+    # Over-guesses waste reservation; the oracle wastes none.
+    assert predicted["internal_frac_of_allocated"] > 0.02
+    assert summary["oracle"]["internal_frac_of_allocated"] == 0
+
+
+def test_a_prediction_setting_is_refused_without_the_predicted_policy():
+    data = scenario({"kind": "contiguous", "reserve_policy": "oracle",
+                     "prediction": {"sigma": 0.5}})
+    with pytest.raises(ScenarioError, match="prediction applies to reserve_policy: predicted "
+                       "only") as err:
+        scenario_from_dict(data)
+    assert "\n" not in str(err.value)
+    data = scenario({"kind": "contiguous", "reserve_policy": "predicted",
+                     "prediction": {"sigma": -1}})
+    with pytest.raises(ScenarioError, match=r"prediction\.sigma") as err:
+        scenario_from_dict(data)
+    assert "\n" not in str(err.value)
+
+
+def test_a_prefill_replica_reserves_the_prompt_and_first_token_only():
+    # Disaggregated, a prefill replica's request ends at its first token: an oracle
+    # reservation there is prompt + 1 (it once took the whole request's length).
+    data = scenario({"kind": "contiguous", "reserve_policy": "oracle"},
+                    engine={"replicas": 2,
+                            "disaggregation": {"prefill_replicas": 1, "kv_transfer_gbps": 50}})
+    data["workload"]["prompt_len"] = {"dist": "constant", "value": 100}
+    data["workload"]["output_len"] = {"dist": "constant", "value": 50}
+    memory = run_scenario(scenario_from_dict(data)).systems["oracle"].memory
+    prefill = memory[memory["replica"] == 0]
+    held = prefill["token"] + prefill["reserved"] + prefill["internal"]
+    assert (held > 0).any() and (held % 101 == 0).all()
+    decode = memory[memory["replica"] == 1]
+    held = decode["token"] + decode["reserved"] + decode["internal"]
+    assert (held > 0).any() and (held % 150 == 0).all()
