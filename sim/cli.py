@@ -393,6 +393,10 @@ def _load_trace_arg(target: str, args: argparse.Namespace):  # type: ignore[no-u
         return scenario_trace(scenario, path.parent)
     if args.overrides:
         raise BadInput(f"{target}: --set changes a scenario's fields; this is a trace file")
+    if args.format in ("csv", "jsonl"):
+        raise BadInput(f"{target}: format {args.format} needs a columns map (arrival, "
+                       "prompt_len, output_len): give a scenario whose workload.columns names "
+                       "them")
     workload = TraceWorkload(path=target, format=args.format, skip_invalid=args.skip_invalid)
     return build_trace(workload, seed=0, max_model_len=args.max_model_len, base_dir=Path())
 

@@ -698,6 +698,14 @@ def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) 
         levels = ", ".join(str(level) for level in np.unique(trace.priority))
         raise WorkloadError(f"slo.priorities: no request has priority "
                             f"{', '.join(map(str, judged))}; the trace's levels: {levels}")
+    for system in scenario.systems:
+        prediction = getattr(system.allocator, "prediction", None)
+        unpredicted = np.flatnonzero(trace.predicted_output < 1)
+        if prediction is not None and prediction.source == "trace" and len(unpredicted):
+            raise WorkloadError(
+                f"systems[{system.name}].allocator.prediction.source: trace, but request "
+                f"{unpredicted[0]} of {trace.source} has no predicted_output (map the column "
+                "that holds them with workload.columns.predicted_output)")
     return trace
 
 

@@ -93,12 +93,24 @@ class ParallelConfig(ConfigModel):
 
 class PredictionConfig(ConfigModel):
     """The output-length predictor a ``predicted`` reservation is sized by (S3): the true
-    output × exp(sigma·z), z ~ N(0, 1) per request, × (1 + headroom), within max_tokens."""
+    output × exp(sigma·z), z ~ N(0, 1) per request (``source: model``), or a real
+    predictor's guesses from the trace (``source: trace``); × (1 + headroom), within
+    max_tokens."""
 
+    source: Literal["model", "trace"] = Field(
+        default="model", description="model: the truth blurred by a log-normal error; trace: "
+        "the trace's predicted_output column (workload.columns.predicted_output)")
     sigma: float = Field(default=0.5, ge=0, le=5, description="spread of the log-normal "
                          "prediction error (0: a perfect predictor)")
     headroom: float = Field(default=0.0, ge=0, le=10, description="share reserved beyond "
                             "the prediction (0.2: 20 % more)")
+
+    @model_validator(mode="after")
+    def _sigma_for_the_model(self):  # type: ignore[no-untyped-def]
+        if self.source == "trace" and "sigma" in self.model_fields_set:
+            raise ValueError("sigma applies to source: model only (source: trace takes the "
+                             "trace's own predictions)")
+        return self
 
 
 class ContiguousConfig(ConfigModel):

@@ -33,8 +33,9 @@ def sharing_potential(trace: Trace, block_size: int) -> float:
 
 
 def trace_stats(trace: Trace, block_size: int = 16) -> dict[str, Any]:
-    """Count, duration, rate, length percentiles, sharing potential and, where requests
-    differ in priority, the share of each level, of ``trace``."""
+    """Count, duration, rate, length percentiles, sharing potential, where requests differ
+    in priority the share of each level, and where a predictor's guesses are given how often
+    they fall short and the log-normal ``sigma`` they amount to, of ``trace``."""
     duration = float(trace.arrival_s[-1] - trace.arrival_s[0]) if len(trace) > 1 else 0.0
     stats: dict[str, Any] = {
         "source": trace.source,
@@ -56,4 +57,10 @@ def trace_stats(trace: Trace, block_size: int = 16) -> dict[str, Any]:
     if len(levels) > 1:  # the share of requests at each scheduling priority
         for level, count in zip(levels.tolist(), counts.tolist(), strict=True):
             stats[f"priority_{level}_share"] = count / len(trace)
+    guessed = trace.predicted_output > 0
+    if guessed.any():  # a predictor's guesses: how often short, and the sigma they amount to
+        log_error = np.log(trace.predicted_output[guessed] / trace.output_len[guessed])
+        stats["prediction_short_share"] = float((log_error < 0).mean())
+        # The median |log error| of a normal error is 0.6745 sigma: a robust estimate.
+        stats["prediction_sigma"] = float(np.median(np.abs(log_error)) / 0.6745)
     return stats

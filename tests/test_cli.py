@@ -297,6 +297,12 @@ def test_trace_stats_and_export(tmp_path):
         "this is a trace file")
     proc = kvsim("trace", "stats", str(tmp_path / "missing.csv"))
     assert proc.returncode == 2 and "trace file not found" in proc.stderr
+    generic = tmp_path / "generic.csv"
+    generic.write_text("t,in,out\n0,10,5\n")
+    proc = kvsim("trace", "stats", str(generic), "--format", "csv")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"kvsim: error: {generic}: format csv needs a columns map (arrival, prompt_len, "
+        "output_len): give a scenario whose workload.columns names them")
     proc = kvsim("trace", "list")
     assert proc.returncode == 0, proc.stderr
     listed = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()

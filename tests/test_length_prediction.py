@@ -14,6 +14,8 @@ from sim.memory import AllocatorError, ContiguousAllocator, SeqSpec
 from sim.memory.contiguous import reservation_slots
 from sim.scenario import PredictionConfig, ScenarioError, SchedulerConfig, scenario_from_dict
 from sim.scheduler import Request, Scheduler
+from sim.trace_stats import trace_stats
+from workloads import TraceImportError, WorkloadError
 from workloads.trace import Trace
 
 
@@ -230,3 +232,72 @@ def test_a_prefill_replica_reserves_the_prompt_and_first_token_only():
     decode = memory[memory["replica"] == 1]
     held = decode["token"] + decode["reserved"] + decode["internal"]
     assert (held > 0).any() and (held % 150 == 0).all()
+
+
+PREDICTED_COLUMNS = {"arrival": "t", "prompt_len": "in", "output_len": "out",
+                     "predicted_output": "guess"}
+
+
+def trace_scenario(path, **prediction) -> dict:
+    return {
+        "name": "guesses", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1},
+        "workload": {"kind": "trace", "path": str(path), "format": "csv",
+                     "columns": PREDICTED_COLUMNS, "max_tokens": 100},
+        "systems": [{"name": "s", "allocator": {
+            "kind": "contiguous", "reserve_policy": "predicted",
+            "prediction": {"source": "trace", **prediction}}}],
+        "stop": {"num_requests": 3},
+    }
+
+
+def test_a_real_predictors_guesses_come_from_the_trace(tmp_path):
+    # Three requests of 20 + 30 tokens: guessed right, too short (10) and too long (60).
+    path = tmp_path / "guesses.csv"
+    path.write_text("t,in,out,guess\n0,20,30,30\n0.001,20,30,10\n0.002,20,30,60\n")
+    result = run_scenario(scenario_from_dict(trace_scenario(path)))
+    rows = result.systems["s"].requests.set_index("request")
+    assert rows["preemptions"].tolist() == [0, 2, 0]  # 10 → 20 → 40 output tokens reserved
+    assert rows["allocated_at_finish"].tolist() == [50, 60, 80]
+    assert result.systems["s"].summary["reservation_overflows"] == 2
+    # Headroom applies to a real predictor's guesses too: 10 × 1.5 → 15, then 30 fits.
+    roomy = run_scenario(scenario_from_dict(trace_scenario(path, headroom=0.5)))
+    assert roomy.systems["s"].requests["preemptions"].tolist() == [0, 1, 0]
+
+
+def test_guesses_in_the_trace_are_checked_and_needed(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("t,in,out,guess\n0,20,30,30\n1,20,30,0\n")
+    with pytest.raises(TraceImportError, match=r"bad.csv:3: column 'guess': expected an "
+                                               r"integer >= 1, got '0'"):
+        run_scenario(scenario_from_dict(trace_scenario(bad)))
+    synthetic = scenario({"kind": "contiguous", "reserve_policy": "predicted",
+                          "prediction": {"source": "trace"}})
+    with pytest.raises(WorkloadError, match=r"systems\[predicted\]\.allocator\.prediction"
+                                            r"\.source: trace, but request 0 of synthetic has "
+                                            r"no predicted_output") as err:
+        run_scenario(scenario_from_dict(synthetic))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ScenarioError, match="sigma applies to source: model only"):
+        scenario_from_dict(trace_scenario(bad, sigma=0.3))
+
+
+def test_guesses_survive_a_trace_table_round_trip():
+    trace = Trace.from_columns(arrival_s=np.zeros(2), prompt_len=np.array([5, 6]),
+                               output_len=np.array([3, 4]), predicted_output=np.array([2, 9]))
+    again = Trace.from_frame(trace.to_frame())
+    assert again.predicted_output.tolist() == [2, 9]
+    assert trace.head(1).predicted_output.tolist() == [2]
+
+
+def test_trace_stats_say_what_sigma_a_real_predictors_guesses_amount_to():
+    # Guesses blurred exactly as the model does, at sigma 0.4: the estimate finds it.
+    rng = np.random.default_rng(3)
+    output = rng.integers(200, 2000, 5000)
+    guess = np.round(output * np.exp(0.4 * rng.standard_normal(5000))).astype(np.int64)
+    trace = Trace.from_columns(arrival_s=np.zeros(5000), prompt_len=np.full(5000, 10),
+                               output_len=output, predicted_output=np.maximum(guess, 1))
+    stats = trace_stats(trace)
+    assert stats["prediction_sigma"] == pytest.approx(0.4, rel=0.05)
+    assert stats["prediction_short_share"] == pytest.approx(0.5, abs=0.03)
+    assert "prediction_sigma" not in trace_stats(Trace.from_columns(
+        arrival_s=np.zeros(2), prompt_len=np.array([5, 6]), output_len=np.array([3, 4])))

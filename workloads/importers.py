@@ -95,8 +95,7 @@ def _guess_format(path: Path) -> str:
 def _read_rows(path: Path, reader: str, columns: ColumnMap) -> tuple[pd.DataFrame, int]:
     """Raw table with the mapped columns (as read) and the line number of its first row."""
     wanted = [columns.arrival, columns.prompt_len, columns.output_len]
-    if columns.priority is not None:
-        wanted.append(columns.priority)
+    wanted += [c for c in (columns.priority, columns.predicted_output) if c is not None]
     if reader == "csv":
         try:
             frame = pd.read_csv(path, dtype=str, keep_default_na=False)
@@ -140,7 +139,7 @@ def read_trace_table(
     workload: TraceWorkload, base_dir: Path
 ) -> tuple[pd.DataFrame, list[str]]:
     """The trace as a clean table (arrival_s from 0, prompt_len, output_len[, priority]
-    [, hash_ids]) and notes on what was skipped."""
+    [, predicted_output][, hash_ids]) and notes on what was skipped."""
     path = resolve_path(workload.path, base_dir)
     fmt_name = workload.format or _guess_format(path)
     if fmt_name in KNOWN_FORMATS:
@@ -170,6 +169,12 @@ def read_trace_table(
         priority = pd.to_numeric(raw[columns.priority], errors="coerce").to_numpy(dtype=float)
         problems.append((~np.isfinite(priority) | (priority != np.round(priority)),
                          columns.priority, "an integer"))
+    if columns.predicted_output is not None:
+        predicted = pd.to_numeric(raw[columns.predicted_output],
+                                  errors="coerce").to_numpy(dtype=float)
+        problems.append((~np.isfinite(predicted) | (predicted < 1)
+                         | (predicted != np.round(predicted)), columns.predicted_output,
+                         "an integer >= 1"))
     bad = np.zeros(len(raw), dtype=bool)
     notes: list[str] = []
     for mask, column, expected in problems:
@@ -204,6 +209,8 @@ def read_trace_table(
     })
     if columns.priority is not None:
         table["priority"] = priority[keep].astype(np.int64)
+    if columns.predicted_output is not None:
+        table["predicted_output"] = predicted[keep].astype(np.int64)
     if columns.hash_ids is not None:
         if columns.hash_ids not in raw:
             raise TraceImportError(f"{path}: missing column {columns.hash_ids!r}")
@@ -255,6 +262,8 @@ def import_trace(
         seg_ids=seg_ids,
         seg_lens=seg_lens,
         priority=table["priority"].to_numpy() if "priority" in table else None,
+        predicted_output=(table["predicted_output"].to_numpy() if "predicted_output" in table
+                          else None),
         source=str(workload.path),
     )
     trace.notes.extend(notes)

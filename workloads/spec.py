@@ -102,6 +102,9 @@ class ColumnMap(ConfigModel):
     hash_ids: str | None = None
     priority: str | None = Field(default=None, description="integer scheduling priority, "
                                  "lower first")
+    predicted_output: str | None = Field(
+        default=None, description="the output length a predictor expected for the request "
+        "(integer >= 1), for reserve_policy predicted with prediction.source: trace")
 
 
 class TraceWorkload(ConfigModel):

@@ -42,6 +42,7 @@ COLUMNS = (
     "session_id",
     "turn",
     "priority",
+    "predicted_output",
 )
 
 
@@ -68,6 +69,7 @@ class Trace:
     session_id: np.ndarray
     turn: np.ndarray
     priority: np.ndarray  # scheduling priority, lower first (vLLM's); 0 for all by default
+    predicted_output: np.ndarray  # output tokens a length predictor expected; 0: none given
     seg_offsets: np.ndarray
     seg_ids: np.ndarray
     seg_lens: np.ndarray
@@ -93,6 +95,7 @@ class Trace:
         session_id: np.ndarray | None = None,
         turn: np.ndarray | None = None,
         priority: np.ndarray | None = None,
+        predicted_output: np.ndarray | None = None,
         seg_offsets: np.ndarray | None = None,
         seg_ids: np.ndarray | None = None,
         seg_lens: np.ndarray | None = None,
@@ -125,6 +128,8 @@ class Trace:
             turn=np.zeros(count, np.int64) if turn is None else np.asarray(turn, np.int64),
             priority=np.zeros(count, np.int64) if priority is None
             else np.asarray(priority, np.int64),
+            predicted_output=np.zeros(count, np.int64) if predicted_output is None
+            else np.asarray(predicted_output, np.int64),
             seg_offsets=np.asarray(seg_offsets, np.int64),
             seg_ids=np.asarray(seg_ids, np.int64),
             seg_lens=np.asarray(seg_lens, np.int64),
@@ -152,6 +157,7 @@ class Trace:
         first_bad(self.output_len < 1, "output_len must be >= 1")
         first_bad(self.max_tokens < self.output_len, "max_tokens must be >= output_len")
         first_bad(self.n < 1, "n must be >= 1")
+        first_bad(self.predicted_output < 0, "predicted_output must be >= 0 (0: none given)")
         idx = np.arange(count)
         first_bad(self.after >= idx, "after must name an earlier request (or -1)")
         first_bad(self.context_parent >= idx, "context_parent must name an earlier request (or -1)")
@@ -228,7 +234,7 @@ class Trace:
                 seg_lens.append(int(n))
             offsets.append(len(seg_ids))
         return cls.from_columns(
-            # Tables written before priorities existed have no such column: all 0.
+            # Tables written before priorities (predictions) existed lack them: all 0.
             **{name: frame[name].to_numpy() for name in COLUMNS if name in frame},
             seg_offsets=np.array(offsets),
             seg_ids=np.array(seg_ids, dtype=np.int64),
