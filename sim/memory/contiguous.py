@@ -120,7 +120,7 @@ class ContiguousAllocator(KVAllocator):
         slots = reservation_slots(spec, self.reserve_policy, self.max_model_len)
         if self.reserve_policy == "predicted":
             # A guess never asks for more than the pool: the request might still fit.
-            slots = min(slots, max(self.capacity_slots, spec.prompt_len + 1))
+            slots = min(slots, self.capacity_slots)
         return slots
 
     def num_tokens(self, seq_id: int) -> int:
