@@ -301,3 +301,16 @@ def test_trace_stats_say_what_sigma_a_real_predictors_guesses_amount_to():
     assert stats["prediction_short_share"] == pytest.approx(0.5, abs=0.03)
     assert "prediction_sigma" not in trace_stats(Trace.from_columns(
         arrival_s=np.zeros(2), prompt_len=np.array([5, 6]), output_len=np.array([3, 4])))
+
+
+def test_an_overflow_under_swap_parks_the_kv_instead_of_recomputing_it():
+    data = scenario({"kind": "contiguous", "reserve_policy": "predicted",
+                     "prediction": {"sigma": 1.0}})
+    data["systems"][0]["scheduler"] = {"preemption_mode": "swap", "swap_space_gib": 16}
+    data["stop"] = {"num_requests": 200}
+    summary = run_scenario(scenario_from_dict(data)).systems["predicted"].summary
+    assert summary["reservation_overflows"] > 20
+    # Every preemption was an overflow, and every one was swapped: nothing recomputed.
+    assert summary["swap_preemptions"] == summary["preemptions"] == (
+        summary["reservation_overflows"])
+    assert summary["recomputed_tokens"] == 0 and summary["completed"] == 200
