@@ -34,7 +34,14 @@ from sim.memory import TAXONOMY, ContiguousAllocator, KVAllocator, PagedAllocato
 from sim.presets import KV_CACHE_DTYPE_BYTES, SizingError, kv_pool_slots
 from sim.results import RunResult, ScenarioResult, summarize
 from sim.router import Router
-from sim.scenario import ContiguousConfig, Scenario, ScenarioError, SystemConfig
+from sim.scenario import (
+    ContiguousConfig,
+    PagedConfig,
+    Scenario,
+    ScenarioError,
+    SystemConfig,
+    VirtualConfig,
+)
 from sim.scheduler import Batch, Request, Scheduler
 from sim.timing import (
     Calibration,
@@ -52,14 +59,36 @@ class SimulationError(RuntimeError):
     """The simulation reached a state it cannot leave (a bug, or an impossible setting)."""
 
 
+def allocation_unit(scenario: Scenario, system: SystemConfig) -> int:
+    """Token slots a system's memory is handed out in: a paged block, the tokens one page of
+    virtual memory holds (vAttention), or 1 (a contiguous extent may have any size)."""
+    cfg = system.allocator
+    if isinstance(cfg, VirtualConfig):
+        model = scenario.model_spec()
+        tokens = model.tokens_per_page(cfg.page_kib * 1024,
+                                       scenario.parallel.tensor_parallel_size)
+        if tokens < 1:
+            raise SizingError(f"systems[{system.name}].allocator.page_kib: a {cfg.page_kib} "
+                              f"KiB page holds not one token of one layer's K for {model.name}")
+        return tokens
+    return cfg.block_size if isinstance(cfg, PagedConfig) else 1
+
+
 def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int,
-                    host_slots: int = 0) -> KVAllocator:
+                    host_slots: int = 0, page_tokens: int = 0) -> KVAllocator:
     """The allocator a system describes, over ``pool_slots`` token slots (and a host tier of
-    ``host_slots`` if it has one)."""
+    ``host_slots`` if it has one); a virtual-memory system maps ``page_tokens`` at a time
+    (see :func:`allocation_unit`)."""
     cfg = system.allocator
     if isinstance(cfg, ContiguousConfig):
         return ContiguousAllocator(pool_slots, max_model_len=max_model_len,
                                    reserve_policy=cfg.reserve_policy, placement=cfg.placement)
+    if isinstance(cfg, VirtualConfig):
+        # Physical pages on demand, exactly as blocks are; no sharing between requests.
+        if page_tokens < 1:
+            raise ValueError("a virtual-memory system needs the tokens a page holds")
+        return PagedAllocator(pool_slots // page_tokens, page_tokens,
+                              enable_prefix_caching=False, watermark=cfg.watermark)
     if pool_slots < cfg.block_size:
         raise SizingError(f"systems[{system.name}]: the KV pool ({pool_slots} slots) is smaller "
                           f"than one block ({cfg.block_size} slots)")
@@ -210,8 +239,9 @@ class _Replica:
         self.allocator = allocator
         self.scheduler = Scheduler(allocator, sim.system.scheduler, sim.debug, sim.swap_slots,
                                    sim.predicted_output)
-        self.rho = sim.timing.rho(allocator.block_size if isinstance(allocator, PagedAllocator)
-                                  else None)
+        # Only a block table costs attention its indirection: contiguous extents and
+        # contiguous virtual memory are read directly.
+        self.rho = sim.timing.rho(sim.unit_slots if sim.block_table else None)
         self.open: list[int] = []  # open-arrival request indices, in arrival order
         self.open_pos = 0
         # (release time, request index, the Request if already made) heap: session turns,
@@ -357,6 +387,8 @@ class _SystemRun:
         self.system = system
         self.trace = trace
         self.timing = timing
+        self.block_table = isinstance(system.allocator, PagedConfig)
+        self.unit_slots = allocation_unit(scenario, system)  # a block, a page, or 1
         self.jump = scenario.engine.mode == "jump"
         self.debug = scenario.engine.debug_invariants
         if self.debug and not __debug__:
@@ -436,7 +468,7 @@ class _SystemRun:
         self.replicas = []
         for r in range(replicas):
             allocator = build_allocator(system, pool_slots, scenario.model_spec().max_model_len,
-                                        host_slots)
+                                        host_slots, self.unit_slots)
             role = ("both" if not self.handovers
                     else "prefill" if r < self.prefill_replicas else "decode")
             replica = _Replica(self.env, r, self, allocator, role)
@@ -673,13 +705,14 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
                                kv_memory_gib=scenario.memory.kv_memory_gib,
                                gpu_memory_utilization=scenario.memory.gpu_memory_utilization,
                                tensor_parallel_size=scenario.parallel.tensor_parallel_size)
-    block_size = getattr(system.allocator, "block_size", 1)
     if pool_slots < 1:
         raise SizingError(f"memory: the KV pool holds not one token ({model.name} takes "
                           f"{model.kv_bytes_per_token:,} bytes a token)")
-    if pool_slots < block_size:
-        raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than one block "
-                          f"({block_size} slots) of system {system.name!r}")
+    unit = allocation_unit(scenario, system)
+    if pool_slots < unit:
+        what = "page" if isinstance(system.allocator, VirtualConfig) else "block"
+        raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than one {what} "
+                          f"({unit} slots) of system {system.name!r}")
     smallest = int((trace.prompt_len + trace.output_len).min())
     if pool_slots < smallest:
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than the "
@@ -736,5 +769,5 @@ def run_scenario(scenario: Scenario, base_dir: Path = Path(),
                           trace_notes=list(trace.notes))
 
 
-__all__ = ["SimulationError", "build_allocator", "build_timing", "run_scenario",
+__all__ = ["SimulationError", "allocation_unit", "build_allocator", "build_timing", "run_scenario",
            "run_system", "scenario_trace"]

@@ -61,6 +61,14 @@ class ModelSpec:
         return (2 * self.num_layers * self.kv_heads_per_gpu(tensor_parallel_size)
                 * self.head_dim * self.kv_element_bytes)
 
+    def tokens_per_page(self, page_bytes: int, tensor_parallel_size: int) -> int:
+        """Tokens one physical page holds when, as vAttention lays KV out, every layer's K and
+        every layer's V is a virtual tensor of its own on each GPU: a page backs one of them,
+        so it holds ``page_bytes`` / (KV heads per GPU × head_dim × KV dtype) tokens."""
+        per_token = (self.kv_heads_per_gpu(tensor_parallel_size) * self.head_dim
+                     * self.kv_element_bytes)
+        return page_bytes // per_token
+
     def slots_in_gib(self, gib: float, tensor_parallel_size: int) -> int:
         """Token slots ``gib`` GiB hold when spread over a tensor-parallel group's GPUs."""
         return int(gib * GIB // (self.kv_bytes_per_token_per_gpu(tensor_parallel_size)

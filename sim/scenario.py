@@ -162,7 +162,21 @@ class PagedConfig(ConfigModel):
         return self
 
 
-AllocatorConfig = Annotated[ContiguousConfig | PagedConfig, Field(discriminator="kind")]
+class VirtualConfig(ConfigModel):
+    """Contiguous virtual memory backed by physical pages on demand (vAttention): each
+    request's KV is contiguous in virtual address space, so attention reads it without a
+    block table (no paging overhead), while physical memory is mapped a page at a time as it
+    grows. A page backs one layer's K or V: with 2 MB pages it holds hundreds of tokens."""
+
+    kind: Literal["virtual"]
+    page_kib: int = Field(default=2048, ge=4, le=1 << 20, description="physical page size "
+                          "in KiB: 2048 (CUDA's 2 MB), or 64, 128, 256 (vAttention's driver)")
+    watermark: float = Field(default=0.01, ge=0, lt=1,
+                             description="share of pages admission keeps free, as paged")
+
+
+AllocatorConfig = Annotated[ContiguousConfig | PagedConfig | VirtualConfig,
+                            Field(discriminator="kind")]
 
 
 class SchedulerConfig(ConfigModel):

@@ -2,8 +2,9 @@
 every router (its decisions must not depend on how far a replica has run ahead) and with
 prefill/decode disaggregation (a decode replica must see every handover when stepping
 would, and least-loaded decode placement must see the same finishes), with preemption
-by swap, with scheduling by priority (an arrival may then jump a blocked queue), and with
-contiguous reservations sized by a length predictor (a request may outgrow its extent)."""
+by swap, with scheduling by priority (an arrival may then jump a blocked queue), with
+contiguous reservations sized by a length predictor (a request may outgrow its extent), and
+with virtual memory mapped a page at a time."""
 
 from __future__ import annotations
 
@@ -79,6 +80,8 @@ def random_scenario(seed: int) -> dict:
         engine["disaggregation"]["kv_transfer"] = "layerwise"
     if scheduler.get("policy") == "priority" and rng.random() < 0.5:
         scheduler["priority_preemption"] = True
+    if kind == "paged" and rng.random() < 0.15:  # drawn last, as the above
+        allocator = {"kind": "virtual", "page_kib": rng.choice([8, 64, 256])}
     if kind == "contiguous" and rng.random() < 0.5:  # drawn last, as the above
         allocator["reserve_policy"] = "predicted"
         allocator["prediction"] = {"sigma": rng.choice([0.0, 0.3, 1.0]),

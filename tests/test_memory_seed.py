@@ -126,5 +126,5 @@ def test_pool_sizing_from_gpu_and_errors():
         kv_pool_slots(lookup_model("llama-2-70b"), lookup_gpu("a100-40g"))
     with pytest.raises(ValueError, match="at least one block"):
         PagedAllocator(0, 16)
-    with pytest.raises(ValueError, match=r"block_size must be in 1\.\.256"):
+    with pytest.raises(ValueError, match="block_size must be at least 1, got 0"):
         PagedAllocator(10, 0)

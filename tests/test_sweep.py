@@ -183,7 +183,8 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
                                   "eviction_pressure", "rate_sweep", "router_policies",
                                   "host_cache", "kv_cache_dtype", "disaggregation",
                                   "disaggregation_chat", "preemption_mode",
-                                  "priority_classes", "length_prediction"])
+                                  "priority_classes", "length_prediction",
+                                  "virtual_memory"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -241,6 +242,16 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         assert t.loc[(0, 0), "contiguous-predicted"] == t.loc[(0, 0), "contiguous-oracle"]
         assert t.loc[0, "contiguous-predicted"].is_monotonic_decreasing  # worse guesses
         assert (t["contiguous-oracle"] < t["paged-16"]).all()
+    if name == "virtual_memory":  # big pages strand memory, the more so under GQA
+        page = "param:systems[virtual].allocator.page_kib"
+        virtual = outcome.table[outcome.table["system"] == "virtual"].set_index(
+            ["param:model", page])
+        for model in ("llama-2-7b", "llama-3-8b"):
+            assert (virtual.loc[(model, 2048), "throughput_tok_s"]
+                    < virtual.loc[(model, 64), "throughput_tok_s"])
+        internal = virtual["internal_frac_of_allocated"]
+        assert internal[("llama-3-8b", 2048)] > internal[("llama-2-7b", 2048)] > (
+            internal[("llama-2-7b", 64)])
     if name == "host_cache":  # more host memory, more prefixes loaded instead of recomputed
         hit = outcome.table.groupby("param:systems[paged-16].allocator.host_cache_gib")[
             "prefix_hit_rate"].mean()

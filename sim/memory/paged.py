@@ -67,8 +67,8 @@ class PagedAllocator(KVAllocator):
         watermark: float = 0.0,
         host_cache_blocks: int = 0,
     ) -> None:
-        if not 1 <= block_size <= 256:
-            raise ValueError(f"block_size must be in 1..256, got {block_size}")
+        if block_size < 1:  # (a page of virtual memory may hold thousands of tokens)
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
         if num_blocks < 1:
             raise ValueError(f"the pool must hold at least one block, got {num_blocks}")
         self.block_size = block_size
