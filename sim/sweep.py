@@ -152,11 +152,24 @@ class SweepPoint:
 
 
 def config_key(resolved: dict[str, Any]) -> str:
-    """Stable hash of a resolved scenario (names and output folder excluded)."""
+    """Stable hash of a resolved scenario (names and output folder excluded).
+
+    Unset optional fields (null) are left out, so a kvsim that adds one more optional
+    feature keys every scenario not using it as before, and a resumed sweep keeps its runs.
+    """
     material = {k: v for k, v in resolved.items()
                 if k not in ("name", "description", "output_dir", "sweep")}
-    text = json.dumps(material, sort_keys=True, separators=(",", ":"))
+    text = json.dumps(_without_nulls(material), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _without_nulls(value: Any) -> Any:
+    """``value`` with every mapping entry whose value is null removed, at any depth."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _combinations(config: SweepConfig) -> Iterator[dict[str, Any]]:

@@ -81,6 +81,28 @@ def test_expand_grid_zip_seeds():
     assert first["systems"][1]["scheduler"]["max_num_seqs"] == 8
 
 
+def test_keys_ignore_optional_fields_left_unset():
+    # A later kvsim that adds an optional field (null by default) must key every run that
+    # does not use it as before, so a resumed sweep keeps what it ran.
+    import copy
+
+    from sim.sweep import config_key
+
+    point = expand(dict(BASE, sweep={"grid": {"workload.arrival.rate": [1]}}), "x.yaml")[0]
+    older = copy.deepcopy(point.scenario)
+    assert older["systems"][0]["allocator"].pop("prediction", "absent") is None
+    older["engine"].pop("disaggregation")
+    assert config_key(older) == point.key
+    newer = copy.deepcopy(point.scenario)
+    newer["engine"]["some_future_feature"] = None
+    newer["systems"][1]["scheduler"]["another"] = {"inner": None}
+    assert config_key(newer) != point.key  # (a mapping is a value, even of nulls)
+    del newer["systems"][1]["scheduler"]["another"]
+    assert config_key(newer) == point.key
+    newer["engine"]["some_future_feature"] = 1  # a set field is part of the key
+    assert config_key(newer) != point.key
+
+
 @pytest.mark.parametrize(("sweep", "message"), [
     ({"grid": {"systems[paged].allocator.block_size": [16, 0]}},
      "systems[1].allocator.block_size: Input should be greater than or equal to 1"),
