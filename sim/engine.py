@@ -328,8 +328,8 @@ class _Replica:
                 sched.fill_decode(batch)
                 snap = sched.snapshot().as_dict()
                 # An arrival matters only to an empty queue (behind a blocked head it
-                # waits), unless its priority may put it ahead of that head.
-                heeded = not sched.waiting or sched.waiting.by_priority
+                # waits), unless its priority or its length may put it ahead of that head.
+                heeded = not sched.waiting or sched.waiting.ordered
                 stop_at = self.next_arrival() if heeded else math.inf
                 if self.role == "decode" and heeded:
                     stop_at = min(stop_at, sim.handover_horizon())
@@ -416,11 +416,9 @@ class _SystemRun:
             self.transfer_layers = (scenario.model_spec().num_layers
                                     if split.kv_transfer == "layerwise" else 0)
         host_slots, self.swap_slots, self.host_s_per_token = host_memory(scenario, system)
-        allocator_cfg = system.allocator
         self.predicted_output = (
-            predicted_output_lengths(trace, allocator_cfg.predictor, scenario.seed)
-            if isinstance(allocator_cfg, ContiguousConfig)
-            and allocator_cfg.reserve_policy == "predicted" else None)
+            predicted_output_lengths(trace, system.length_predictor, scenario.seed)
+            if system.uses_predictor else None)
         self.pipelined_layers = (scenario.model_spec().num_layers if getattr(
             system.allocator, "host_load", "serial") == "layerwise" else 0)
         self.arrival_s = trace.arrival_s.tolist()
@@ -683,7 +681,7 @@ class _SystemRun:
         # None (shown "—") but for a contiguous reservation sized by a predictor.
         extra["reservation_overflows"] = (
             sum(r.scheduler.reservation_overflows for r in self.replicas)
-            if self.predicted_output is not None else None)
+            if self.system.predicts_reservations else None)
         summary_requests = requests.fillna({"finished_s": -1.0})
         summary = summarize(summary_requests, steps,
                             self.recorder.averages(len(self.replicas)), capacity, extra,
@@ -732,11 +730,11 @@ def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) 
         raise WorkloadError(f"slo.priorities: no request has priority "
                             f"{', '.join(map(str, judged))}; the trace's levels: {levels}")
     for system in scenario.systems:
-        prediction = getattr(system.allocator, "prediction", None)
         unpredicted = np.flatnonzero(trace.predicted_output < 1)
-        if prediction is not None and prediction.source == "trace" and len(unpredicted):
+        if (system.uses_predictor and system.length_predictor.source == "trace"
+                and len(unpredicted)):
             raise WorkloadError(
-                f"systems[{system.name}].allocator.prediction.source: trace, but request "
+                f"systems[{system.name}].predictor.source: trace, but request "
                 f"{unpredicted[0]} of {trace.source} has no predicted_output (map the column "
                 "that holds them with workload.columns.predicted_output)")
     return trace

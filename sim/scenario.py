@@ -91,19 +91,19 @@ class ParallelConfig(ConfigModel):
                                        description="fixed cost of one all-reduce")
 
 
-class PredictionConfig(ConfigModel):
-    """The output-length predictor a ``predicted`` reservation is sized by (S3): the true
-    output × exp(sigma·z), z ~ N(0, 1) per request (``source: model``), or a real
-    predictor's guesses from the trace (``source: trace``); × (1 + headroom), within
-    max_tokens."""
+class PredictorConfig(ConfigModel):
+    """An output-length predictor a system consults: a contiguous ``predicted`` reservation
+    is sized by it (S3), a ``shortest_predicted`` waiting line ordered by it. Its guess is
+    the true output × exp(sigma·z), z ~ N(0, 1) per request (``source: model``), or a real
+    predictor's from the trace (``source: trace``); × (1 + headroom), within max_tokens."""
 
     source: Literal["model", "trace"] = Field(
         default="model", description="model: the truth blurred by a log-normal error; trace: "
         "the trace's predicted_output column (workload.columns.predicted_output)")
     sigma: float = Field(default=0.5, ge=0, le=5, description="spread of the log-normal "
                          "prediction error (0: a perfect predictor)")
-    headroom: float = Field(default=0.0, ge=0, le=10, description="share reserved beyond "
-                            "the prediction (0.2: 20 % more)")
+    headroom: float = Field(default=0.0, ge=0, le=10, description="share added to every "
+                            "guess (0.2: 20 % more), to make reservations fall short less")
 
     @model_validator(mode="after")
     def _sigma_for_the_model(self):  # type: ignore[no-untyped-def]
@@ -118,24 +118,10 @@ class ContiguousConfig(ConfigModel):
 
     kind: Literal["contiguous"]
     reserve_policy: Literal["max_model_len", "request_max", "pow2", "oracle", "predicted"] = (
-        Field(default="max_model_len", description="predicted: the predicted final length "
-              "(see prediction); a request that outgrows it is preempted and seated again "
-              "with twice the predicted output"))
+        Field(default="max_model_len", description="predicted: the final length the "
+              "system's predictor expects; a request that outgrows it is preempted and "
+              "seated again with twice the predicted output"))
     placement: Literal["first_fit", "best_fit"] = "first_fit"
-    prediction: PredictionConfig | None = Field(
-        default=None, description="the length predictor of reserve_policy predicted "
-        "(default sigma 0.5, headroom 0)")
-
-    @model_validator(mode="after")
-    def _prediction_for_predicted(self):  # type: ignore[no-untyped-def]
-        if self.prediction is not None and self.reserve_policy != "predicted":
-            raise ValueError("prediction applies to reserve_policy: predicted only")
-        return self
-
-    @property
-    def predictor(self) -> PredictionConfig:
-        """The length predictor, with its defaults where the scenario gives none."""
-        return self.prediction or PredictionConfig()
 
 
 class PagedConfig(ConfigModel):
@@ -185,10 +171,12 @@ class SchedulerConfig(ConfigModel):
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt = 8192
     chunked_prefill: bool = False
-    policy: Literal["fcfs", "priority"] = Field(
+    policy: Literal["fcfs", "priority", "shortest_predicted"] = Field(
         default="fcfs", description="as vLLM's --scheduling-policy: first come, first served, "
         "or by each request's priority (lower first, then arrival): the waiting request with "
-        "the best priority is seated first and the running one with the worst is preempted")
+        "the best priority is seated first and the running one with the worst is preempted; "
+        "or shortest_predicted: the waiting request with the fewest tokens the system's "
+        "predictor expects it still to generate is seated first (shortest job first)")
     priority_preemption: bool = Field(
         default=False, description="under priority: a waiting request that finds no seat or "
         "memory preempts running requests of a worse priority to take theirs (vLLM v0); "
@@ -219,6 +207,33 @@ class SystemConfig(ConfigModel):
     name: str = Field(min_length=1)
     allocator: AllocatorConfig
     scheduler: SchedulerConfig = SchedulerConfig()
+    predictor: PredictorConfig | None = Field(
+        default=None, description="the output-length predictor reserve_policy predicted and "
+        "scheduler.policy shortest_predicted consult (default: source model, sigma 0.5)")
+
+    @model_validator(mode="after")
+    def _predictor_is_consulted(self):  # type: ignore[no-untyped-def]
+        if self.predictor is not None and not self.uses_predictor:
+            raise ValueError("predictor: nothing in this system consults it (set "
+                             "allocator.reserve_policy: predicted or scheduler.policy: "
+                             "shortest_predicted)")
+        return self
+
+    @property
+    def uses_predictor(self) -> bool:
+        """Whether the allocator or the scheduler consults a length predictor."""
+        return (self.predicts_reservations
+                or self.scheduler.policy == "shortest_predicted")
+
+    @property
+    def predicts_reservations(self) -> bool:
+        """Whether contiguous extents are sized by the predictor."""
+        return getattr(self.allocator, "reserve_policy", None) == "predicted"
+
+    @property
+    def length_predictor(self) -> PredictorConfig:
+        """The predictor, with its defaults where the scenario gives none."""
+        return self.predictor or PredictorConfig()
 
 
 class StopConfig(ConfigModel):

@@ -8,7 +8,8 @@ running request needs memory that is not there, someone is asked to leave and go
 the front of the queue: by recompute (its KV is dropped, to be computed again), or by swap
 (its KV is parked in host memory, to be copied back when it is seated again). Some houses
 keep a guest list by rank (``policy: priority``): the best-ranked waiting guest is seated
-first, the worst-ranked seated one is the first asked to leave. A house that lays each
+first, the worst-ranked seated one is the first asked to leave; others seat first the
+diner expected to order least (``policy: shortest_predicted``). A house that lays each
 table for the courses it expects a diner to order (contiguous memory reserved for a
 predicted output length) sends a diner who orders more back to the queue, to be seated
 again at a table laid for twice as many.
@@ -83,8 +84,9 @@ class Request:
         self.max_len = self.prompt_len + columns["max_tokens"][index]
         self.n = columns["n"][index]
         self.priority = columns["priority"][index]  # lower is served first (vLLM's)
-        # Output tokens a contiguous reservation is sized for, when the engine predicts
-        # lengths (0: it does not); doubled each time the request outgrows it.
+        # Output tokens the engine's length predictor expects (0: it has none): what a
+        # contiguous reservation is sized for (doubled each time the request outgrows it),
+        # and what a line by predicted length orders by.
         self.predicted_output = 0
         self.prompt_segments = tuple(trace.prompt_segments(index))
         self.gen_sync = 0  # generated tokens as of step g_sync (exact unless decoding)
@@ -144,53 +146,61 @@ class Request:
 
 
 class WaitingLine:
-    """The queue of requests waiting for a seat: first come, first served, or by priority.
+    """The queue of requests waiting for a seat: first come, first served, by priority, or
+    shortest predicted job first.
 
-    First come, first served is a deque; a preempted request goes back to its front. By
-    priority (vLLM v1's ``--scheduling-policy priority``) it is a heap ordered by
-    (priority, arrival, request index), lower first; a preempted request simply goes back
-    in, where its priority and arrival place it.
+    First come, first served is a deque; a preempted request goes back to its front. The
+    others are heaps, lower first, ordered by (priority, arrival, request index) — vLLM
+    v1's ``--scheduling-policy priority`` — or by (tokens the predictor expects the request
+    still to generate, arrival, request index); a preempted request simply goes back in,
+    where its key places it.
     """
 
-    def __init__(self, by_priority: bool) -> None:
-        self.by_priority = by_priority
+    def __init__(self, order: str = "fcfs") -> None:
+        self.by_priority = order == "priority"
+        self.by_length = order == "shortest_predicted"
+        self.ordered = self.by_priority or self.by_length  # an arrival may pass the head
         self._line: deque[Request] = deque()
         self._heap: list[tuple[int, float, int, Request]] = []  # index: never compare requests
 
     def __len__(self) -> int:
-        return len(self._heap) if self.by_priority else len(self._line)
+        return len(self._heap) if self.ordered else len(self._line)
 
     def __bool__(self) -> bool:
-        return bool(self._heap) if self.by_priority else bool(self._line)
+        return bool(self._heap) if self.ordered else bool(self._line)
 
     def head(self) -> Request:
         """The request to seat next."""
-        return self._heap[0][3] if self.by_priority else self._line[0]
+        return self._heap[0][3] if self.ordered else self._line[0]
 
     def pop(self) -> Request:
         """Take the head off the line."""
-        if self.by_priority:
+        if self.ordered:
             return heapq.heappop(self._heap)[3]
         return self._line.popleft()
 
     def arrive(self, request: Request) -> None:
-        """A new arrival joins the back (or its place, by priority)."""
+        """A new arrival joins the back (or its place, by its key)."""
         if self.by_priority:
-            heapq.heappush(self._heap, (request.priority, request.arrival_s, request.index,
-                                        request))
+            key = request.priority
+        elif self.by_length:
+            # What is left of the guess (a preempted request has generated some of it).
+            key = max(request.predicted_output - request.gen_sync, 1)
         else:
             self._line.append(request)
+            return
+        heapq.heappush(self._heap, (key, request.arrival_s, request.index, request))
 
     def readmit(self, request: Request) -> None:
-        """A preempted request returns to the front (or its place, by priority)."""
-        if self.by_priority:
+        """A preempted request returns to the front (or its place, by its key)."""
+        if self.ordered:
             self.arrive(request)
         else:
             self._line.appendleft(request)
 
     def requests(self) -> list[Request]:
         """Everyone waiting, in no particular order."""
-        return [entry[3] for entry in self._heap] if self.by_priority else list(self._line)
+        return [entry[3] for entry in self._heap] if self.ordered else list(self._line)
 
 
 @dataclass
@@ -212,11 +222,13 @@ class Batch:
 
 
 class Scheduler:
-    """Continuous batching over one allocator, first come first served or by priority, with
-    preemption by recompute or swap (into ``swap_slots`` token slots of host memory).
+    """Continuous batching over one allocator, first come first served, by priority or
+    shortest predicted job first, with preemption by recompute or swap (into
+    ``swap_slots`` token slots of host memory).
 
-    ``predicted_output`` (per trace request, for a contiguous ``predicted`` reservation) is
-    what the engine's length predictor says each request will generate.
+    ``predicted_output`` (per trace request, for a contiguous ``predicted`` reservation or a
+    line by predicted length) is what the engine's length predictor says each request will
+    generate.
     """
 
     def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,
@@ -234,7 +246,7 @@ class Scheduler:
         self.swap_preemptions = 0
         self.swapped_out_slots = 0
         self.swapped_in_slots = 0
-        self.waiting = WaitingLine(config.policy == "priority")
+        self.waiting = WaitingLine(config.policy)
         self.running: dict[int, Request] = {}  # admit_seq -> request, in admission order
         self.steps = 0  # steps completed
         self.num_preemptions = 0
@@ -264,8 +276,9 @@ class Scheduler:
         # and only a predicted reservation may end before the request does.
         self._block_size: int | None = getattr(allocator, "block_size", None)
         self._predicts = getattr(allocator, "reserve_policy", None) == "predicted"
-        if self._predicts and predicted_output is None:
-            raise ValueError("a predicted reservation needs the predicted output lengths")
+        if (self._predicts or self.waiting.by_length) and predicted_output is None:
+            raise ValueError("a predicted reservation, or a line by predicted length, needs "
+                             "the predicted output lengths")
 
     # ------------------------------------------------------------------ queue
     def fits_ever(self, request: Request) -> bool:

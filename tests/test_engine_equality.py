@@ -2,9 +2,9 @@
 every router (its decisions must not depend on how far a replica has run ahead) and with
 prefill/decode disaggregation (a decode replica must see every handover when stepping
 would, and least-loaded decode placement must see the same finishes), with preemption
-by swap, with scheduling by priority (an arrival may then jump a blocked queue), with
-contiguous reservations sized by a length predictor (a request may outgrow its extent), and
-with virtual memory mapped a page at a time."""
+by swap, with scheduling by priority or by predicted length (an arrival may then jump a
+blocked queue), with contiguous reservations sized by a length predictor (a request may
+outgrow its extent), and with virtual memory mapped a page at a time."""
 
 from __future__ import annotations
 
@@ -82,16 +82,22 @@ def random_scenario(seed: int) -> dict:
         scheduler["priority_preemption"] = True
     if kind == "paged" and rng.random() < 0.15:  # drawn last, as the above
         allocator = {"kind": "virtual", "page_kib": rng.choice([8, 64, 256])}
+    predictor = None
     if kind == "contiguous" and rng.random() < 0.5:  # drawn last, as the above
         allocator["reserve_policy"] = "predicted"
-        allocator["prediction"] = {"sigma": rng.choice([0.0, 0.3, 1.0]),
-                                   "headroom": rng.choice([0.0, 0.2])}
+        predictor = {"sigma": rng.choice([0.0, 0.3, 1.0]),
+                     "headroom": rng.choice([0.0, 0.2])}
+    if scheduler.get("policy") != "priority" and rng.random() < 0.15:  # drawn last too
+        scheduler["policy"] = "shortest_predicted"
+        predictor = predictor or {"sigma": rng.choice([0.0, 1.0])}
+    system = {"name": "s", "allocator": allocator, "scheduler": scheduler,
+              **({"predictor": predictor} if predictor else {})}
     return {
         "name": f"random-{seed}",
         "model": "llama-2-7b",
         "memory": memory,
         "workload": workload,
-        "systems": [{"name": "s", "allocator": allocator, "scheduler": scheduler}],
+        "systems": [system],
         "stop": stop,
         "seed": seed,
         "engine": engine,

@@ -12,7 +12,7 @@ from sim.engine import run_scenario
 from sim.length_predictor import predicted_output_lengths
 from sim.memory import AllocatorError, ContiguousAllocator, SeqSpec
 from sim.memory.contiguous import reservation_slots
-from sim.scenario import PredictionConfig, ScenarioError, SchedulerConfig, scenario_from_dict
+from sim.scenario import PredictorConfig, ScenarioError, SchedulerConfig, scenario_from_dict
 from sim.scheduler import Request, Scheduler
 from sim.trace_stats import trace_stats
 from workloads import TraceImportError, WorkloadError
@@ -125,7 +125,7 @@ def trace_like(sigma: float, headroom: float = 0.0, seed: int = 0, count: int = 
     trace = Trace.from_columns(arrival_s=np.zeros(count), prompt_len=np.full(count, 10),
                                output_len=output, max_tokens=output * 4)
     return trace, np.array(predicted_output_lengths(
-        trace, PredictionConfig(sigma=sigma, headroom=headroom), seed))
+        trace, PredictorConfig(sigma=sigma, headroom=headroom), seed))
 
 
 def test_the_predictor_blurs_the_truth_by_its_sigma_within_max_tokens():
@@ -168,17 +168,25 @@ def scenario(*allocators: dict, **top) -> dict:
                                     "max": 2000},
                      "output_len": {"dist": "lognormal", "mean": 250, "sigma": 1.0,
                                     "max": 1500}},
-        "systems": [{"name": a.get("name", a.get("reserve_policy", "paged")),
-                     "allocator": {k: v for k, v in a.items() if k != "name"}}
-                    for a in allocators],
+        "systems": [system(a) for a in allocators],
         "stop": {"num_requests": 500}, **top,
     }
+
+
+def system(allocator: dict) -> dict:
+    """A system of ``allocator``, whose ``name`` and ``predictor`` go to the system."""
+    allocator = dict(allocator)
+    out = {"name": allocator.pop("name", allocator.get("reserve_policy", "paged")),
+           "allocator": allocator}
+    if "predictor" in allocator:
+        out["predictor"] = allocator.pop("predictor")
+    return out
 
 
 def test_a_perfect_predictor_is_the_oracle():
     result = run_scenario(scenario_from_dict(scenario(
         {"kind": "contiguous", "reserve_policy": "oracle"},
-        {"kind": "contiguous", "reserve_policy": "predicted", "prediction": {"sigma": 0}})))
+        {"kind": "contiguous", "reserve_policy": "predicted", "predictor": {"sigma": 0}})))
     oracle, predicted = result.systems["oracle"], result.systems["predicted"]
     pd.testing.assert_frame_equal(oracle.requests, predicted.requests)
     assert predicted.summary["reservation_overflows"] == 0
@@ -190,7 +198,7 @@ def test_a_blurred_predictor_lands_between_request_max_and_the_oracle():
     # and loses to knowing the length by the recompute of the requests that outgrow it.
     result = run_scenario(scenario_from_dict(scenario(
         {"kind": "contiguous", "reserve_policy": "request_max"},
-        {"kind": "contiguous", "reserve_policy": "predicted", "prediction": {"sigma": 0.5}},
+        {"kind": "contiguous", "reserve_policy": "predicted", "predictor": {"sigma": 0.5}},
         {"kind": "contiguous", "reserve_policy": "oracle"})))
     summary = {name: run.summary for name, run in result.systems.items()}
     tput = {name: s["throughput_tok_s"] for name, s in summary.items()}
@@ -203,16 +211,15 @@ def test_a_blurred_predictor_lands_between_request_max_and_the_oracle():
     assert summary["oracle"]["internal_frac_of_allocated"] == 0
 
 
-def test_a_prediction_setting_is_refused_without_the_predicted_policy():
+def test_a_predictor_is_refused_where_nothing_consults_it():
     data = scenario({"kind": "contiguous", "reserve_policy": "oracle",
-                     "prediction": {"sigma": 0.5}})
-    with pytest.raises(ScenarioError, match="prediction applies to reserve_policy: predicted "
-                       "only") as err:
+                     "predictor": {"sigma": 0.5}})
+    with pytest.raises(ScenarioError, match="predictor: nothing in this system consults it") as err:
         scenario_from_dict(data)
     assert "\n" not in str(err.value)
     data = scenario({"kind": "contiguous", "reserve_policy": "predicted",
-                     "prediction": {"sigma": -1}})
-    with pytest.raises(ScenarioError, match=r"prediction\.sigma") as err:
+                     "predictor": {"sigma": -1}})
+    with pytest.raises(ScenarioError, match=r"predictor\.sigma") as err:
         scenario_from_dict(data)
     assert "\n" not in str(err.value)
 
@@ -243,9 +250,9 @@ def trace_scenario(path, **prediction) -> dict:
         "name": "guesses", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1},
         "workload": {"kind": "trace", "path": str(path), "format": "csv",
                      "columns": PREDICTED_COLUMNS, "max_tokens": 100},
-        "systems": [{"name": "s", "allocator": {
-            "kind": "contiguous", "reserve_policy": "predicted",
-            "prediction": {"source": "trace", **prediction}}}],
+        "systems": [{"name": "s", "allocator": {"kind": "contiguous",
+                                                "reserve_policy": "predicted"},
+                     "predictor": {"source": "trace", **prediction}}],
         "stop": {"num_requests": 3},
     }
 
@@ -271,10 +278,10 @@ def test_guesses_in_the_trace_are_checked_and_needed(tmp_path):
                                                r"integer >= 1, got '0'"):
         run_scenario(scenario_from_dict(trace_scenario(bad)))
     synthetic = scenario({"kind": "contiguous", "reserve_policy": "predicted",
-                          "prediction": {"source": "trace"}})
-    with pytest.raises(WorkloadError, match=r"systems\[predicted\]\.allocator\.prediction"
-                                            r"\.source: trace, but request 0 of synthetic has "
-                                            r"no predicted_output") as err:
+                          "predictor": {"source": "trace"}})
+    with pytest.raises(WorkloadError, match=r"systems\[predicted\]\.predictor\.source: "
+                                            r"trace, but request 0 of synthetic has no "
+                                            r"predicted_output") as err:
         run_scenario(scenario_from_dict(synthetic))
     assert "\n" not in str(err.value)
     with pytest.raises(ScenarioError, match="sigma applies to source: model only"):
@@ -305,7 +312,7 @@ def test_trace_stats_say_what_sigma_a_real_predictors_guesses_amount_to():
 
 def test_an_overflow_under_swap_parks_the_kv_instead_of_recomputing_it():
     data = scenario({"kind": "contiguous", "reserve_policy": "predicted",
-                     "prediction": {"sigma": 1.0}})
+                     "predictor": {"sigma": 1.0}})
     data["systems"][0]["scheduler"] = {"preemption_mode": "swap", "swap_space_gib": 16}
     data["stop"] = {"num_requests": 200}
     summary = run_scenario(scenario_from_dict(data)).systems["predicted"].summary

@@ -35,7 +35,7 @@ def trace_of(priorities: list[int], prompt_len: int = 32, output_len: int = 8) -
 def test_the_waiting_line_orders_by_priority_then_arrival():
     trace = trace_of([1, 0, 1, 0])
     requests = [Request(trace, i, float(i)) for i in range(4)]
-    fcfs, by_priority = WaitingLine(False), WaitingLine(True)
+    fcfs, by_priority = WaitingLine("fcfs"), WaitingLine("priority")
     for request in requests:
         fcfs.arrive(request)
         by_priority.arrive(request)
@@ -61,7 +61,7 @@ def test_the_line_by_priority_always_seats_the_best_waiting(operations):
     whoever returned to the front."""
     priorities = [level for _, level in operations]
     trace = trace_of(priorities or [0])
-    by_priority, fcfs = WaitingLine(True), WaitingLine(False)
+    by_priority, fcfs = WaitingLine("priority"), WaitingLine("fcfs")
     waiting: list[Request] = []
     model: list[Request] = []  # FCFS: the deque, as a list
     taken: list[Request] = []

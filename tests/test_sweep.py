@@ -90,7 +90,7 @@ def test_keys_ignore_optional_fields_left_unset():
 
     point = expand(dict(BASE, sweep={"grid": {"workload.arrival.rate": [1]}}), "x.yaml")[0]
     older = copy.deepcopy(point.scenario)
-    assert older["systems"][0]["allocator"].pop("prediction", "absent") is None
+    assert older["systems"][0].pop("predictor", "absent") is None
     older["engine"].pop("disaggregation")
     assert config_key(older) == point.key
     newer = copy.deepcopy(point.scenario)
@@ -206,7 +206,7 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
                                   "host_cache", "kv_cache_dtype", "disaggregation",
                                   "disaggregation_chat", "preemption_mode",
                                   "priority_classes", "length_prediction",
-                                  "virtual_memory"])
+                                  "virtual_memory", "shortest_first"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -255,8 +255,8 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         gain = (t["paged-16"] / t["contiguous-req"]).to_numpy()
         assert (np.diff(gain) > 0).all() and gain[-1] > 1.5
     if name == "length_prediction":  # a predictor lands between request_max and oracle
-        sigma = "param:systems[contiguous-predicted].allocator.prediction.sigma"
-        headroom = "param:systems[contiguous-predicted].allocator.prediction.headroom"
+        sigma = "param:systems[contiguous-predicted].predictor.sigma"
+        headroom = "param:systems[contiguous-predicted].predictor.headroom"
         t = outcome.table.pivot_table(index=[headroom, sigma], columns="system",
                                       values="throughput_tok_s")
         assert (t["contiguous-request-max"] < t["contiguous-predicted"]).all()
@@ -264,6 +264,14 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         assert t.loc[(0, 0), "contiguous-predicted"] == t.loc[(0, 0), "contiguous-oracle"]
         assert t.loc[0, "contiguous-predicted"].is_monotonic_decreasing  # worse guesses
         assert (t["contiguous-oracle"] < t["paged-16"]).all()
+    if name == "shortest_first":  # past capacity, short jobs first keep most in time
+        top = outcome.table[outcome.table["param:workload.arrival.rate"] == 12].pivot_table(
+            index="param:systems[shortest-predicted].predictor.sigma", columns="system",
+            values=["slo_attainment", "ttft_p50_s"])
+        assert (top["slo_attainment"]["shortest-predicted"]
+                > top["slo_attainment"]["fcfs"] + 0.3).all()
+        assert (top["ttft_p50_s"]["shortest-predicted"] < top["ttft_p50_s"]["fcfs"]).all()
+        assert "slo_attainment" in figures
     if name == "virtual_memory":  # big pages strand memory, the more so under GQA
         page = "param:systems[virtual].allocator.page_kib"
         virtual = outcome.table[outcome.table["system"] == "virtual"].set_index(

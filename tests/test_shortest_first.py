@@ -1,0 +1,121 @@
+"""Shortest predicted job first: the waiting line ordered by the tokens a length predictor
+expects each request still to generate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sim.engine import run_scenario
+from sim.memory import PagedAllocator
+from sim.scenario import ScenarioError, SchedulerConfig, scenario_from_dict
+from sim.scheduler import Request, Scheduler, WaitingLine
+from workloads.trace import Trace
+
+
+def burst(outputs: list[int]) -> Trace:
+    count = len(outputs)
+    return Trace.from_columns(arrival_s=np.zeros(count), prompt_len=np.full(count, 20),
+                              output_len=np.array(outputs))
+
+
+def test_the_line_by_length_seats_the_fewest_predicted_tokens_left_first():
+    trace = burst([50, 10, 30, 10])
+    line = WaitingLine("shortest_predicted")
+    requests = [Request(trace, i, 0.0) for i in range(4)]
+    for request, guess in zip(requests, [50, 10, 30, 10], strict=True):
+        request.predicted_output = guess
+        line.arrive(request)
+    assert line.ordered and not line.by_priority
+    assert [line.pop().index for _ in range(4)] == [1, 3, 2, 0]  # ties: arrival, index
+    # A preempted request is placed by what is left of its guess.
+    requests[0].gen_sync = 45
+    line.readmit(requests[0])
+    line.arrive(requests[2])
+    assert line.head() is requests[0]
+
+
+def test_a_short_arrival_is_seated_before_a_long_head_that_waits():
+    # One seat: the long request 0 runs; 1 (long) and 2 (short) wait; 2 is seated next.
+    trace = burst([40, 40, 5])
+    allocator = PagedAllocator(num_blocks=64, block_size=16, enable_prefix_caching=False)
+    sched = Scheduler(allocator, SchedulerConfig(policy="shortest_predicted", max_num_seqs=1),
+                      debug=True, predicted_output=[40, 40, 5])
+    requests = [Request(trace, i, 0.0) for i in range(3)]
+    assert sched.add(requests[0])
+    batch = sched.schedule(0.0)
+    sched.finish_step(batch, 1.0)
+    for request in requests[1:]:
+        assert sched.add(request)
+    clock, order = 1.0, []
+    while sched.running or sched.waiting:
+        batch = sched.schedule(clock)
+        clock += 1.0
+        order += [r.index for r in sched.finish_step(batch, clock)]
+    assert order == [0, 2, 1]
+
+
+def scenario(policy: str, outputs: list[int], **predictor) -> dict:
+    system = {"name": "s", "allocator": {"kind": "paged"},
+              "scheduler": {"policy": policy, "max_num_seqs": 1}}
+    if predictor:
+        system["predictor"] = predictor
+    return {"name": "sjf", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1},
+            "workload": {"kind": "trace", "path": "burst.csv", "format": "csv",
+                         "columns": {"arrival": "t", "prompt_len": "in",
+                                     "output_len": "out"}},
+            "systems": [system], "stop": {"num_requests": len(outputs)}}
+
+
+@pytest.mark.parametrize(("policy", "expected"), [
+    ("fcfs", [0, 1, 2, 3, 4]),
+    ("shortest_predicted", [0, 4, 2, 3, 1]),  # 0 is seated before the rest arrive
+])
+def test_a_burst_is_served_shortest_first_with_a_perfect_predictor(tmp_path, policy,
+                                                                    expected):
+    outputs = [30, 90, 20, 60, 5]
+    rows = "".join(f"{0.001 * i},20,{out}\n" for i, out in enumerate(outputs))
+    (tmp_path / "burst.csv").write_text("t,in,out\n" + rows)
+    data = scenario(policy, outputs, **({"sigma": 0} if policy != "fcfs" else {}))
+    requests = run_scenario(scenario_from_dict(data), tmp_path).systems["s"].requests
+    assert requests.sort_values("finished_s")["request"].tolist() == expected
+
+
+def test_shortest_first_trades_the_typical_wait_for_the_longest_ones():
+    data = {
+        "name": "sjf", "model": "llama-2-7b", "gpu": "a100-80g",
+        "memory": {"kv_memory_gib": 8},
+        "workload": {"arrival": {"process": "poisson", "rate": 12},
+                     "prompt_len": {"dist": "lognormal", "mean": 200, "p99": 1500,
+                                    "max": 2000},
+                     "output_len": {"dist": "lognormal", "mean": 250, "p99": 1500,
+                                    "max": 2048}},
+        "systems": [{"name": "fcfs", "allocator": {"kind": "paged"}},
+                    {"name": "sjf", "allocator": {"kind": "paged"},
+                     "scheduler": {"policy": "shortest_predicted"},
+                     "predictor": {"sigma": 0.5}}],
+        "stop": {"num_requests": 600},
+    }
+    result = run_scenario(scenario_from_dict(data))
+    fcfs, sjf = (result.systems[name].summary for name in ("fcfs", "sjf"))
+    assert sjf["ttft_p50_s"] < 0.2 * fcfs["ttft_p50_s"]
+    assert sjf["e2e_p50_s"] < fcfs["e2e_p50_s"]
+    waits = {name: run.requests["first_token_s"] - run.requests["arrival_s"]
+             for name, run in result.systems.items()}
+    assert waits["sjf"].max() > waits["fcfs"].max()  # the longest requests wait longer
+    assert sjf["reservation_overflows"] is None  # paged: the guess only orders the line
+
+
+def test_settings_are_checked_in_one_line():
+    data = scenario("fcfs", [1])
+    data["systems"][0]["predictor"] = {"sigma": 0.5}
+    with pytest.raises(ScenarioError, match="predictor: nothing in this system consults "
+                                            "it") as err:
+        scenario_from_dict(data)
+    assert "\n" not in str(err.value)
+    data = scenario("shortest", [1])
+    with pytest.raises(ScenarioError, match=r"scheduler\.policy"):
+        scenario_from_dict(data)
+    # Without a predictor section, the default one (sigma 0.5) orders the line.
+    system = scenario_from_dict(scenario("shortest_predicted", [1])).systems[0]
+    assert system.uses_predictor and system.length_predictor.sigma == 0.5
