@@ -106,8 +106,10 @@ def _series(table: pd.DataFrame, by: str, others: list[str]
         key = key if isinstance(key, tuple) else (key,)
         name, rest = key[0], key[1:]
         style_index = combos.setdefault(rest, len(combos))
-        label = ", ".join([str(name)] + [f"{_short(c)}={v}"
-                                         for c, v in zip(others, rest, strict=True)])
+        # Fields zipped together under one name (each system's sigma) are named once.
+        parts = dict.fromkeys([str(name)] + [f"{_short(c)}={v}"
+                                             for c, v in zip(others, rest, strict=True)])
+        label = ", ".join(parts)
         # One system: colours tell the other fields' values apart instead.
         colour = colours[name] if len(colours) > 1 else style_index
         style = {"color": system_color(colour),

@@ -304,6 +304,7 @@ class _Replica:
         sched = self.scheduler
         timing = sim.timing
         while True:
+            sched.notice_time(self.clock)
             self.pull_arrivals()
             if not sched.running and not sched.waiting:
                 t = self.next_arrival()
@@ -333,6 +334,7 @@ class _Replica:
                 stop_at = self.next_arrival() if heeded else math.inf
                 if self.role == "decode" and heeded:
                     stop_at = min(stop_at, sim.handover_horizon())
+                stop_at = min(stop_at, sched.next_promotion_s())
                 steps, clock, finished = sched.decode_quietly(
                     timing.decode_step_time(batch.decode_seqs, self.rho), start, stop_at)
                 snap_end = sched.snapshot().as_dict() if steps > 1 else snap

@@ -181,6 +181,10 @@ class SchedulerConfig(ConfigModel):
         default=False, description="under priority: a waiting request that finds no seat or "
         "memory preempts running requests of a worse priority to take theirs (vLLM v0); "
         "without it, as vLLM v1, it waits until memory runs short elsewhere")
+    max_wait_s: float | None = Field(
+        default=None, gt=0, description="under shortest_predicted: a request that has waited "
+        "this long since it arrived is seated before shorter ones, the oldest first (aging, "
+        "against the starvation of long requests)")
     preemption_victim: Literal["last_admitted", "fewest_generated"] = Field(
         default="last_admitted", description="under fcfs: which running request is preempted "
         "when memory runs short (priority always preempts the worst priority, latest arrival)")
@@ -198,6 +202,8 @@ class SchedulerConfig(ConfigModel):
                              "running request with the worst priority is preempted")
         if self.priority_preemption and self.policy != "priority":
             raise ValueError("priority_preemption needs policy: priority")
+        if self.max_wait_s is not None and self.policy != "shortest_predicted":
+            raise ValueError("max_wait_s needs policy: shortest_predicted")
         return self
 
 

@@ -26,6 +26,7 @@ No SimPy here: the engine asks for a :class:`Batch`, times it, and reports it do
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class Request:
         "spec_cache",
         "swap_slots",
         "swapped",
+        "ticket",
         "tok_sync",
         "transferred",
         "version",
@@ -115,6 +117,7 @@ class Request:
         self.swapped = 0
         self.swap_slots = 0
         self.spec_cache: SeqSpec | None = None
+        self.ticket = 0  # its place in the waiting line; a new one each time it joins
 
     @property
     def final_len(self) -> int:
@@ -154,33 +157,74 @@ class WaitingLine:
     v1's ``--scheduling-policy priority`` — or by (tokens the predictor expects the request
     still to generate, arrival, request index); a preempted request simply goes back in,
     where its key places it.
+
+    With ``max_wait_s`` (aging, against the starvation of long jobs), a request that
+    arrived that long before ``clock`` goes ahead of the key's order, the oldest first. It
+    then sits in a second heap, by arrival, too; an entry whose ticket is no longer its
+    request's (the request left the line by the other heap) is skipped when it surfaces.
     """
 
-    def __init__(self, order: str = "fcfs") -> None:
+    def __init__(self, order: str = "fcfs", max_wait_s: float | None = None) -> None:
         self.by_priority = order == "priority"
         self.by_length = order == "shortest_predicted"
         self.ordered = self.by_priority or self.by_length  # an arrival may pass the head
+        self.max_wait_s = max_wait_s
+        self.clock = 0.0  # the time "waited that long" is judged at (the scheduler sets it)
         self._line: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []  # index: never compare requests
+        # (key, arrival, request index, ticket, request): the index and ticket, unique,
+        # spare comparing requests.
+        self._heap: list[tuple[int, float, int, int, Request]] = []
+        self._by_arrival: list[tuple[float, int, int, Request]] = []
+        self._count = 0
 
     def __len__(self) -> int:
-        return len(self._heap) if self.ordered else len(self._line)
+        return self._count
 
     def __bool__(self) -> bool:
-        return bool(self._heap) if self.ordered else bool(self._line)
+        return self._count > 0
 
     def head(self) -> Request:
         """The request to seat next."""
-        return self._heap[0][3] if self.ordered else self._line[0]
+        if not self.ordered:
+            return self._line[0]
+        if self.max_wait_s is None:
+            return self._heap[0][4]
+        overdue = self._oldest()
+        if overdue is not None and overdue.arrival_s + self.max_wait_s <= self.clock:
+            return overdue
+        heap = self._heap
+        while heap[0][3] != heap[0][4].ticket:  # left by the other heap
+            heapq.heappop(heap)
+        return heap[0][4]
+
+    def _oldest(self) -> Request | None:
+        """The earliest arrival waiting (aging only)."""
+        by_arrival = self._by_arrival
+        while by_arrival and by_arrival[0][2] != by_arrival[0][3].ticket:
+            heapq.heappop(by_arrival)
+        return by_arrival[0][3] if by_arrival else None
+
+    def oldest_due_s(self) -> float:
+        """When the earliest arrival waiting will have waited ``max_wait_s`` (inf if none)."""
+        if self.max_wait_s is None:
+            return math.inf
+        oldest = self._oldest()
+        return math.inf if oldest is None else oldest.arrival_s + self.max_wait_s
 
     def pop(self) -> Request:
         """Take the head off the line."""
-        if self.ordered:
-            return heapq.heappop(self._heap)[3]
-        return self._line.popleft()
+        self._count -= 1
+        if not self.ordered:
+            return self._line.popleft()
+        if self.max_wait_s is None:
+            return heapq.heappop(self._heap)[4]
+        request = self.head()
+        request.ticket += 1  # its entry in the other heap is stale now
+        return request
 
     def arrive(self, request: Request) -> None:
         """A new arrival joins the back (or its place, by its key)."""
+        self._count += 1
         if self.by_priority:
             key = request.priority
         elif self.by_length:
@@ -189,18 +233,26 @@ class WaitingLine:
         else:
             self._line.append(request)
             return
-        heapq.heappush(self._heap, (key, request.arrival_s, request.index, request))
+        request.ticket += 1
+        heapq.heappush(self._heap, (key, request.arrival_s, request.index, request.ticket,
+                                    request))
+        if self.max_wait_s is not None:
+            heapq.heappush(self._by_arrival, (request.arrival_s, request.index,
+                                              request.ticket, request))
 
     def readmit(self, request: Request) -> None:
         """A preempted request returns to the front (or its place, by its key)."""
         if self.ordered:
             self.arrive(request)
         else:
+            self._count += 1
             self._line.appendleft(request)
 
     def requests(self) -> list[Request]:
         """Everyone waiting, in no particular order."""
-        return [entry[3] for entry in self._heap] if self.ordered else list(self._line)
+        if not self.ordered:
+            return list(self._line)
+        return [entry[4] for entry in self._heap if entry[3] == entry[4].ticket]
 
 
 @dataclass
@@ -246,7 +298,8 @@ class Scheduler:
         self.swap_preemptions = 0
         self.swapped_out_slots = 0
         self.swapped_in_slots = 0
-        self.waiting = WaitingLine(config.policy)
+        self.waiting = WaitingLine(config.policy, config.max_wait_s)
+        self._noticed_s = -math.inf  # the last time notice_time was told
         self.running: dict[int, Request] = {}  # admit_seq -> request, in admission order
         self.steps = 0  # steps completed
         self.num_preemptions = 0
@@ -319,6 +372,22 @@ class Scheduler:
         fit the pool (the allocator cannot place more; the true length fits if any does)."""
         most = self.allocator.capacity_slots // request.n - request.prompt_len
         return max(1, min(predicted_output, most))
+
+    def notice_time(self, now_s: float) -> None:
+        """The engine is at a step boundary at ``now_s``. Under aging the line's head
+        depends on the time: the earliest arrival goes ahead once it has waited
+        ``max_wait_s``, and a head blocked before may give way to one that fits."""
+        if self.waiting.max_wait_s is None:
+            return
+        if self._noticed_s < self.waiting.oldest_due_s() <= now_s:
+            self.head_blocked = False
+        self._noticed_s = self.waiting.clock = now_s
+
+    def next_promotion_s(self) -> float:
+        """When the line's head next changes by time alone (aging), or inf: a run of
+        decode steps must stop there, as stepping would try to seat it then."""
+        due = self.waiting.oldest_due_s()
+        return due if due > self._noticed_s else math.inf
 
     def _snapshot_head(self) -> SeqSpec | None:
         # Only contiguous memory has external fragmentation, defined by the waiting head.
@@ -558,6 +627,7 @@ class Scheduler:
 
     def schedule(self, now_s: float) -> Batch:
         """Choose this step's work (starting at ``now_s``) and claim its memory."""
+        self.notice_time(now_s)
         batch = Batch()
         budget = self.config.max_num_batched_tokens
         for request in self._due(GROW, self.steps):

@@ -90,6 +90,8 @@ def random_scenario(seed: int) -> dict:
     if scheduler.get("policy") != "priority" and rng.random() < 0.15:  # drawn last too
         scheduler["policy"] = "shortest_predicted"
         predictor = predictor or {"sigma": rng.choice([0.0, 1.0])}
+        if rng.random() < 0.5:
+            scheduler["max_wait_s"] = rng.choice([0.05, 0.5, 3.0])
     system = {"name": "s", "allocator": allocator, "scheduler": scheduler,
               **({"predictor": predictor} if predictor else {})}
     return {

@@ -119,3 +119,53 @@ def test_settings_are_checked_in_one_line():
     # Without a predictor section, the default one (sigma 0.5) orders the line.
     system = scenario_from_dict(scenario("shortest_predicted", [1])).systems[0]
     assert system.uses_predictor and system.length_predictor.sigma == 0.5
+
+
+def test_aging_seats_a_request_that_waited_long_enough_before_shorter_ones():
+    trace = burst([50, 10, 30])
+    line = WaitingLine("shortest_predicted", max_wait_s=2.0)
+    requests = [Request(trace, i, float(i)) for i in range(3)]  # arrivals 0, 1, 2
+    for request, guess in zip(requests, [50, 10, 30], strict=True):
+        request.predicted_output = guess
+        line.arrive(request)
+    line.clock = 1.5
+    assert line.head() is requests[1] and line.oldest_due_s() == 2.0
+    line.clock = 2.0  # request 0 has waited 2 s: it goes first, then the order by length
+    assert [line.pop().index for _ in range(2)] == [0, 1]
+    assert len(line) == 1 and line.requests() == [requests[2]]
+    assert line.oldest_due_s() == 4.0
+    line.clock = 10.0
+    assert line.pop() is requests[2] and not line
+    # Popped by age, a request is gone from the order by length too: readmitted, it
+    # stands once.
+    line.readmit(requests[0])
+    assert line.requests() == [requests[0]] and len(line) == 1
+
+
+def test_aging_bounds_the_wait_of_long_requests_and_keeps_most_of_the_gain():
+    data = {
+        "name": "sjf", "model": "llama-2-7b", "gpu": "a100-80g",
+        "memory": {"kv_memory_gib": 8},
+        "workload": {"arrival": {"process": "poisson", "rate": 12},
+                     "prompt_len": {"dist": "lognormal", "mean": 200, "p99": 1500,
+                                    "max": 2000},
+                     "output_len": {"dist": "lognormal", "mean": 250, "p99": 1500,
+                                    "max": 2048}},
+        "systems": [{"name": name, "allocator": {"kind": "paged"},
+                     "scheduler": scheduler, **({"predictor": {"sigma": 0.5}}
+                                                if scheduler else {})}
+                    for name, scheduler in [
+                        ("fcfs", {}),
+                        ("sjf", {"policy": "shortest_predicted"}),
+                        ("aged", {"policy": "shortest_predicted", "max_wait_s": 5.0})]],
+        "stop": {"num_requests": 600},
+    }
+    result = run_scenario(scenario_from_dict(data))
+    waits = {name: run.requests["first_token_s"] - run.requests["arrival_s"]
+             for name, run in result.systems.items()}
+    assert waits["aged"].max() < waits["sjf"].max()
+    ttft = {name: run.summary["ttft_p50_s"] for name, run in result.systems.items()}
+    assert ttft["aged"] < 0.5 * ttft["fcfs"]
+    bad = dict(data["systems"][0], scheduler={"max_wait_s": 5.0})
+    with pytest.raises(ScenarioError, match="max_wait_s needs policy: shortest_predicted"):
+        scenario_from_dict({**data, "systems": [bad]})
