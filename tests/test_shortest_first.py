@@ -81,7 +81,12 @@ def test_a_burst_is_served_shortest_first_with_a_perfect_predictor(tmp_path, pol
     assert requests.sort_values("finished_s")["request"].tolist() == expected
 
 
-def test_shortest_first_trades_the_typical_wait_for_the_longest_ones():
+@pytest.fixture(scope="module")
+def overloaded():
+    """600 requests at 12 req/s, past first come, first served's capacity: first come,
+    first served, shortest predicted first, and the same aged at 5 s."""
+    schedulers = {"fcfs": {}, "sjf": {"policy": "shortest_predicted"},
+                  "aged": {"policy": "shortest_predicted", "max_wait_s": 5.0}}
     data = {
         "name": "sjf", "model": "llama-2-7b", "gpu": "a100-80g",
         "memory": {"kv_memory_gib": 8},
@@ -90,19 +95,27 @@ def test_shortest_first_trades_the_typical_wait_for_the_longest_ones():
                                     "max": 2000},
                      "output_len": {"dist": "lognormal", "mean": 250, "p99": 1500,
                                     "max": 2048}},
-        "systems": [{"name": "fcfs", "allocator": {"kind": "paged"}},
-                    {"name": "sjf", "allocator": {"kind": "paged"},
-                     "scheduler": {"policy": "shortest_predicted"},
-                     "predictor": {"sigma": 0.5}}],
+        "systems": [{"name": name, "allocator": {"kind": "paged"}, "scheduler": scheduler,
+                     **({"predictor": {"sigma": 0.5}} if scheduler else {})}
+                    for name, scheduler in schedulers.items()],
         "stop": {"num_requests": 600},
     }
-    result = run_scenario(scenario_from_dict(data))
+    return data, run_scenario(scenario_from_dict(data))
+
+
+def waits(result) -> dict:
+    """Each system's waits for a first token, per request."""
+    return {name: run.requests["first_token_s"] - run.requests["arrival_s"]
+            for name, run in result.systems.items()}
+
+
+def test_shortest_first_trades_the_typical_wait_for_the_longest_ones(overloaded):
+    _, result = overloaded
     fcfs, sjf = (result.systems[name].summary for name in ("fcfs", "sjf"))
     assert sjf["ttft_p50_s"] < 0.2 * fcfs["ttft_p50_s"]
     assert sjf["e2e_p50_s"] < fcfs["e2e_p50_s"]
-    waits = {name: run.requests["first_token_s"] - run.requests["arrival_s"]
-             for name, run in result.systems.items()}
-    assert waits["sjf"].max() > waits["fcfs"].max()  # the longest requests wait longer
+    wait = waits(result)
+    assert wait["sjf"].max() > wait["fcfs"].max()  # the longest requests wait longer
     assert sjf["reservation_overflows"] is None  # paged: the guess only orders the line
 
 
@@ -142,28 +155,10 @@ def test_aging_seats_a_request_that_waited_long_enough_before_shorter_ones():
     assert line.requests() == [requests[0]] and len(line) == 1
 
 
-def test_aging_bounds_the_wait_of_long_requests_and_keeps_most_of_the_gain():
-    data = {
-        "name": "sjf", "model": "llama-2-7b", "gpu": "a100-80g",
-        "memory": {"kv_memory_gib": 8},
-        "workload": {"arrival": {"process": "poisson", "rate": 12},
-                     "prompt_len": {"dist": "lognormal", "mean": 200, "p99": 1500,
-                                    "max": 2000},
-                     "output_len": {"dist": "lognormal", "mean": 250, "p99": 1500,
-                                    "max": 2048}},
-        "systems": [{"name": name, "allocator": {"kind": "paged"},
-                     "scheduler": scheduler, **({"predictor": {"sigma": 0.5}}
-                                                if scheduler else {})}
-                    for name, scheduler in [
-                        ("fcfs", {}),
-                        ("sjf", {"policy": "shortest_predicted"}),
-                        ("aged", {"policy": "shortest_predicted", "max_wait_s": 5.0})]],
-        "stop": {"num_requests": 600},
-    }
-    result = run_scenario(scenario_from_dict(data))
-    waits = {name: run.requests["first_token_s"] - run.requests["arrival_s"]
-             for name, run in result.systems.items()}
-    assert waits["aged"].max() < waits["sjf"].max()
+def test_aging_bounds_the_wait_of_long_requests_and_keeps_most_of_the_gain(overloaded):
+    data, result = overloaded
+    wait = waits(result)
+    assert wait["aged"].max() < wait["sjf"].max()
     ttft = {name: run.summary["ttft_p50_s"] for name, run in result.systems.items()}
     assert ttft["aged"] < 0.5 * ttft["fcfs"]
     bad = dict(data["systems"][0], scheduler={"max_wait_s": 5.0})
