@@ -384,13 +384,13 @@ class _SystemRun:
     """Everything one system's simulation shares between its replicas."""
 
     def __init__(self, scenario: Scenario, system: SystemConfig, trace: Trace,
-                 timing: StepTimeModel, pool_slots: int,
+                 timing: StepTimeModel, pool_slots: int, unit_slots: int,
                  progress: Callable[[int], None] | None) -> None:
         self.system = system
         self.trace = trace
         self.timing = timing
         self.block_table = isinstance(system.allocator, PagedConfig)
-        self.unit_slots = allocation_unit(scenario, system)  # a block, a page, or 1
+        self.unit_slots = unit_slots  # a block, a page, or 1 (see allocation_unit)
         self.jump = scenario.engine.mode == "jump"
         self.debug = scenario.engine.debug_invariants
         if self.debug and not __debug__:
@@ -717,7 +717,7 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
     if pool_slots < smallest:
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than the "
                           f"smallest request ({smallest} tokens)")
-    return _SystemRun(scenario, system, trace, timing, pool_slots, progress).run()
+    return _SystemRun(scenario, system, trace, timing, pool_slots, unit, progress).run()
 
 
 def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) -> Trace:

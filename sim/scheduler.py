@@ -335,12 +335,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue
     def fits_ever(self, request: Request) -> bool:
-        """Whether ``request`` (all its samples) fits this pool when nothing else holds it.
-        (The first look at a request: it learns its predicted output here, if any.)"""
-        if self.predicted_output is not None and not request.predicted_output:
-            request.predicted_output = self._within_pool(
-                request, self.predicted_output[request.index])
-            request.spec_cache = None
+        """Whether ``request`` (all its samples) fits this pool when nothing else holds it."""
         spec = request.spec()
         fits = self.allocator.can_admit_ever(spec)
         if fits and request.n > 1:
@@ -359,6 +354,12 @@ class Scheduler:
 
     def add(self, request: Request) -> bool:
         """Queue a new arrival; a request that could never fit is rejected (False)."""
+        if self.predicted_output is not None and not request.predicted_output:
+            # What the engine's predictor expects it to generate (its reservation and its
+            # place in a line by length follow from it).
+            request.predicted_output = self._within_pool(
+                request, self.predicted_output[request.index])
+            request.spec_cache = None
         if not self.fits_ever(request):
             request.rejected = True
             return False
