@@ -44,12 +44,17 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m gpu_validate",
     args = parser.parse_args(argv)
 
     from gpu_validate.fit import FitError, fit_calibration, plot_fit
+    from gpu_validate.harness import model_problem
     from sim.presets import lookup_model
 
     try:
         model = lookup_model(args.model)
     except KeyError as exc:
         print(f"{name}: error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    problem = model_problem(model)
+    if problem:
+        print(f"{name}: error: --model: {problem}", file=sys.stderr)
         return 2
     out = Path(args.out)
     status = 0

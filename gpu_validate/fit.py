@@ -148,7 +148,7 @@ def fit_calibration(timings: pd.DataFrame, model: ModelSpec, *, device: str = ""
     else:
         d = float(b)
     best_flops = float((gemm["flops"] / gemm["time_s"]).max())
-    e = 2.0 * model.num_layers * model.hidden_size / best_flops
+    e = 2.0 * model.num_layers * model.attention_dim / best_flops
     calibration = Calibration(
         model=model.name,
         device=device,

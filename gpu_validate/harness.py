@@ -136,6 +136,18 @@ def copy_bandwidth(cp, nbytes: int = 2 * 1024**3) -> float:  # type: ignore[no-u
     return 2 * nbytes / timing.median_s
 
 
+def model_problem(model: ModelSpec) -> str | None:
+    """Why the harness cannot time ``model``, or None. Its kernel is MHA/GQA decode attention
+    and its GEMMs are a dense layer's, sized from the parameter count: an MLA model's latent
+    attention and a mixture of experts' routed MLPs would be timed as something else."""
+    kinds = [kind for kind, applies in (("MLA attention", model.uses_mla),
+                                        ("a mixture of experts", model.is_moe)) if applies]
+    if kinds:
+        return (f"{model.name} uses {' and '.join(kinds)}; the harness times dense models "
+                "with multi-head or grouped-query attention only (llama-2-7b, llama-3-8b, ...)")
+    return None
+
+
 def layer_gemm_shapes(model: ModelSpec) -> list[tuple[int, int]]:
     """(in, out) of one layer's GEMMs: QKV, O, and an MLP sized from the parameter count."""
     hidden = model.hidden_size

@@ -18,7 +18,15 @@ MIB = 1024**2
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a decoder-only transformer, as far as KV memory and step time need it."""
+    """Shape of a decoder-only transformer, as far as KV memory and step time need it.
+
+    Three kinds of attention cache differently. Multi-head attention keeps K and V for every
+    head, grouped-query attention (GQA) for each of ``num_kv_heads`` shared heads, and
+    multi-head latent attention (MLA, DeepSeek-V2/V3) one compressed latent of
+    ``kv_latent_dim`` elements a layer (its ``kv_lora_rank`` plus ``qk_rope_head_dim``), from
+    which every head's K and V are rebuilt. A mixture-of-experts model keeps all its
+    ``num_params`` in memory but passes each token through only ``active_params`` of them.
+    """
 
     name: str
     num_layers: int
@@ -31,6 +39,16 @@ class ModelSpec:
     # Bytes of one cached K or V element when the cache is stored narrower than the weights
     # (vLLM's --kv-cache-dtype fp8: 1); None: the weights' dtype.
     kv_dtype_bytes: int | None = None
+    # The residual stream's width (config.json's hidden_size) where it is not
+    # num_heads × head_dim (MLA, many MoE models); None: num_heads × head_dim.
+    model_dim: int | None = None
+    # MLA: elements of the latent one token caches per layer; None: K and V per KV head.
+    kv_latent_dim: int | None = None
+    # MoE: parameters one token's forward pass multiplies by; None: all of num_params.
+    active_params: float | None = None
+    # Bytes of one stored weight when the checkpoint is quantized (FP8: 1, 4-bit: 0.5);
+    # None: dtype_bytes, the dtype activations and the KV cache keep.
+    weight_dtype_bytes: float | None = None
 
     @property
     def kv_element_bytes(self) -> int:
@@ -38,17 +56,38 @@ class ModelSpec:
         return self.kv_dtype_bytes or self.dtype_bytes
 
     @property
+    def uses_mla(self) -> bool:
+        """Whether the model caches one latent a layer (MLA) instead of K and V per head."""
+        return self.kv_latent_dim is not None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.active_params is not None
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """K and V, every layer, every KV head: 2 × layers × kv_heads × head_dim × KV dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_element_bytes
+        """K and V, every layer, every KV head: 2 × layers × kv_heads × head_dim × KV dtype;
+        under MLA the latent alone: layers × latent × KV dtype."""
+        return self.kv_bytes_per_token_per_gpu(1)
 
     @property
     def weight_bytes(self) -> float:
-        """Weights stored in the same dtype as the KV cache."""
-        return self.num_params * self.dtype_bytes
+        """All the weights, experts included, as stored (``weight_dtype_bytes``)."""
+        return self.num_params * (self.weight_dtype_bytes or self.dtype_bytes)
+
+    @property
+    def flops_params(self) -> float:
+        """Parameters each token is multiplied by: the active ones of a MoE model."""
+        return self.active_params or self.num_params
 
     @property
     def hidden_size(self) -> int:
+        """Width of the residual stream, which tensor parallelism all-reduces."""
+        return self.model_dim or self.attention_dim
+
+    @property
+    def attention_dim(self) -> int:
+        """num_heads × head_dim: the width over which each query meets each key."""
         return self.num_heads * self.head_dim
 
     def kv_heads_per_gpu(self, tensor_parallel_size: int) -> int:
@@ -56,18 +95,31 @@ class ModelSpec:
         (GQA) every GPU keeps one whole head, replicated, as vLLM does."""
         return max(1, self.num_kv_heads // tensor_parallel_size)
 
+    def kv_elements_per_layer_tensor(self, tensor_parallel_size: int) -> int:
+        """Elements one token adds to one layer's K (or V, or MLA latent) tensor on one GPU.
+        vLLM keeps the whole MLA latent on every GPU of a tensor-parallel group: every head
+        needs all of it, so it cannot be split by head."""
+        if self.kv_latent_dim is not None:
+            return self.kv_latent_dim
+        return self.kv_heads_per_gpu(tensor_parallel_size) * self.head_dim
+
+    @property
+    def kv_tensors_per_layer(self) -> int:
+        """Cached tensors per layer: K and V, or the MLA latent alone."""
+        return 1 if self.uses_mla else 2
+
     def kv_bytes_per_token_per_gpu(self, tensor_parallel_size: int) -> int:
-        """One token's K and V on one GPU of a tensor-parallel group."""
-        return (2 * self.num_layers * self.kv_heads_per_gpu(tensor_parallel_size)
-                * self.head_dim * self.kv_element_bytes)
+        """One token's K and V (or MLA latent) on one GPU of a tensor-parallel group."""
+        return (self.kv_tensors_per_layer * self.num_layers
+                * self.kv_elements_per_layer_tensor(tensor_parallel_size)
+                * self.kv_element_bytes)
 
     def tokens_per_page(self, page_bytes: int, tensor_parallel_size: int) -> int:
         """Tokens one physical page holds when, as vAttention lays KV out, every layer's K and
-        every layer's V is a virtual tensor of its own on each GPU: a page backs one of them,
-        so it holds ``page_bytes`` / (KV heads per GPU × head_dim × KV dtype) tokens."""
-        per_token = (self.kv_heads_per_gpu(tensor_parallel_size) * self.head_dim
-                     * self.kv_element_bytes)
-        return page_bytes // per_token
+        every layer's V (or MLA latent) is a virtual tensor of its own on each GPU: a page
+        backs one of them, so it holds ``page_bytes`` / (its elements a token × KV dtype)."""
+        return page_bytes // (self.kv_elements_per_layer_tensor(tensor_parallel_size)
+                              * self.kv_element_bytes)
 
     def slots_in_gib(self, gib: float, tensor_parallel_size: int) -> int:
         """Token slots ``gib`` GiB hold when spread over a tensor-parallel group's GPUs."""
@@ -78,11 +130,14 @@ class ModelSpec:
         """Why the model cannot be split over ``tensor_parallel_size`` GPUs, or None.
 
         vLLM's rule: the query heads divide evenly, and the KV heads either divide evenly or
-        are replicated, which needs the GPU count to be a multiple of them.
+        are replicated, which needs the GPU count to be a multiple of them. An MLA latent is
+        replicated whole on every GPU, whatever their number.
         """
         tp, kv = tensor_parallel_size, self.num_kv_heads
         if self.num_heads % tp:
             return f"{self.name}'s {self.num_heads} attention heads do not divide over {tp} GPUs"
+        if self.uses_mla:  # the latent is whole on every GPU
+            return None
         if (kv % tp) if kv >= tp else (tp % kv):
             return (f"{self.name}'s {kv} KV heads neither divide over {tp} GPUs nor replicate "
                     f"evenly onto them")
@@ -118,6 +173,16 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("mistral-7b", 32, 32, 8, 128, 7.24e9, 32768),
         # OPT-13B: 800 KB per token, the figure the vLLM paper (SOSP'23, §3) quotes.
         ModelSpec("opt-13b", 40, 40, 40, 128, 12.85e9, 2048),
+        # Qwen3-30B-A3B: mixture of experts (8 of 128 per token), GQA with 4 KV heads.
+        ModelSpec("qwen3-30b-a3b", 48, 32, 4, 128, 30.5e9, 40960, model_dim=2048,
+                  active_params=3.3e9),
+        # DeepSeek-V2-Lite and DeepSeek-V3: MLA, a latent of kv_lora_rank 512 +
+        # qk_rope_head_dim 64 a layer; head_dim is a query head's (128 + 64). Parameter counts
+        # (total, activated) from their papers; V3 ships its weights in FP8.
+        ModelSpec("deepseek-v2-lite", 27, 16, 16, 192, 15.7e9, 163840, model_dim=2048,
+                  kv_latent_dim=576, active_params=2.4e9),
+        ModelSpec("deepseek-v3", 61, 128, 128, 192, 671e9, 163840, model_dim=7168,
+                  kv_latent_dim=576, active_params=37e9, weight_dtype_bytes=1),
     ]
 }
 

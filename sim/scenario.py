@@ -44,16 +44,40 @@ class ScenarioError(ValueError):
 
 
 class ModelConfig(ConfigModel):
-    """A model given explicitly (instead of a preset name)."""
+    """A model given explicitly (instead of a preset name), in its config.json's terms."""
 
     name: str
     num_layers: PositiveInt
     num_heads: PositiveInt
-    num_kv_heads: PositiveInt
+    num_kv_heads: PositiveInt | None = Field(
+        default=None, description="KV heads (grouped-query attention); absent: num_heads")
     head_dim: PositiveInt
-    num_params: PositiveFloat
+    num_params: PositiveFloat = Field(description="all parameters, every expert's included")
     max_model_len: PositiveInt
-    dtype_bytes: Literal[1, 2, 4] = 2
+    dtype_bytes: Literal[1, 2, 4] = Field(
+        default=2, description="bytes of an activation and, unless memory.kv_cache_dtype says "
+        "otherwise, of a cached K or V element")
+    hidden_size: PositiveInt | None = Field(
+        default=None, description="width of the residual stream; absent: num_heads × head_dim")
+    kv_latent_dim: PositiveInt | None = Field(
+        default=None, description="multi-head latent attention (MLA): elements of the latent "
+        "a token caches per layer, kv_lora_rank + qk_rope_head_dim (DeepSeek: 576)")
+    active_params: PositiveFloat | None = Field(
+        default=None, description="mixture of experts: parameters each token passes through")
+    weight_dtype_bytes: float | None = Field(
+        default=None, gt=0, le=4, description="bytes of a stored weight when the checkpoint "
+        "is quantized (FP8: 1, 4-bit: 0.5, with its scales a little more); absent: "
+        "dtype_bytes")
+
+    @model_validator(mode="after")
+    def _consistent(self):  # type: ignore[no-untyped-def]
+        if self.active_params is not None and self.active_params > self.num_params:
+            raise ValueError(f"active_params ({self.active_params:g}) exceeds num_params "
+                             f"({self.num_params:g})")
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        return self
 
 
 class GpuConfig(ConfigModel):
@@ -459,7 +483,11 @@ def _per_s(gbps: float | None) -> float | None:
 def _model_spec(model: str | ModelConfig) -> ModelSpec:
     if isinstance(model, str):
         return MODEL_PRESETS[model.lower()]
-    return ModelSpec(**model.model_dump())
+    fields = model.model_dump()
+    fields["model_dim"] = fields.pop("hidden_size")
+    if fields["num_kv_heads"] is None:
+        fields["num_kv_heads"] = model.num_heads
+    return ModelSpec(**fields)
 
 
 # Keep the names importable for documentation and the sweep's validation.
@@ -560,9 +588,12 @@ def scenario_from_dict(data: Any, source: str = "<scenario>") -> Scenario:
         return Scenario.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
-        # In a union every member complains; the deepest complaint is the useful one.
-        # An unknown key explains the rest (a misspelt required field is also "missing").
-        errors.sort(key=lambda e: (e["type"] != "extra_forbidden", -len(e["loc"])))
+        # In a union every member complains; the deepest complaint is the useful one, and a
+        # member that took the value's type but refused the value beats one of another type
+        # ("should be a valid string" for a model given as a mapping). An unknown key
+        # explains the rest (a misspelt required field is also "missing").
+        errors.sort(key=lambda e: (e["type"] != "extra_forbidden", e["type"].endswith("_type"),
+                                   -len(e["loc"])))
         first = _format_error(errors[0], data)
         # A complaint about an enclosing value is another union member refusing the same
         # input (``gpu`` as a preset name when the mapping misses a field): not one more.

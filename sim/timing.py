@@ -102,8 +102,13 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
     (all of them work at once, so the slowest, i.e. any, sets the step time).
 
     a = weights per GPU / HBM bandwidth + a fixed overhead; b = d = 2·params FLOP per token /
-    peak FLOP/s per GPU; c = one GPU's KV bytes per token / HBM bandwidth; e = 2·layers·hidden
-    FLOP per (query, key) pair (QKᵀ and PV, causal) / peak FLOP/s per GPU.
+    peak FLOP/s per GPU; c = one GPU's KV bytes per token / HBM bandwidth; e = 2·layers·heads·
+    head_dim FLOP per (query, key) pair (QKᵀ and PV, causal) / peak FLOP/s per GPU.
+
+    A mixture-of-experts model multiplies each token by its active parameters only (b, d),
+    but a step reads every expert's weights (a): at the batch sizes a serving engine runs,
+    each layer's tokens between them choose nearly every expert. Small batches, which touch
+    fewer, come out slower than they are. An MLA model reads its latent (c).
 
     Tensor parallelism divides all of that by N (KV heads as
     :meth:`ModelSpec.kv_bytes_per_token_per_gpu` says) and adds two all-reduces per layer (after
@@ -112,7 +117,7 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
     adds to ``a``.
     """
     tp = tensor_parallel_size
-    per_token_flops = 2.0 * model.num_params / tp
+    per_token_flops = 2.0 * model.flops_params / tp
     per_token_allreduce_s = 0.0
     allreduce_fixed_s = 0.0
     if tp > 1:
@@ -130,7 +135,7 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
         b=per_token_flops / gpu.peak_flops + per_token_allreduce_s,
         c=model.kv_bytes_per_token_per_gpu(tp) / gpu.hbm_bandwidth_bytes_per_s,
         d=per_token_flops / gpu.peak_flops + per_token_allreduce_s,
-        e=2.0 * model.num_layers * model.hidden_size / tp / gpu.peak_flops,
+        e=2.0 * model.num_layers * model.attention_dim / tp / gpu.peak_flops,
         source=f"roofline({model.name}, {gpus})",
     )
 

@@ -206,7 +206,7 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
                                   "host_cache", "kv_cache_dtype", "disaggregation",
                                   "disaggregation_chat", "preemption_mode",
                                   "priority_classes", "length_prediction",
-                                  "virtual_memory", "shortest_first"])
+                                  "virtual_memory", "shortest_first", "attention_kinds"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -285,6 +285,15 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         internal = virtual["internal_frac_of_allocated"]
         assert internal[("llama-3-8b", 2048)] > internal[("llama-2-7b", 2048)] > (
             internal[("llama-2-7b", 64)])
+    if name == "attention_kinds":  # paging pays where the pool holds few reservations
+        t = outcome.table.pivot_table(index="param:model", columns="system",
+                                      values="throughput_tok_s")
+        gain = t["paged-16"] / t["contiguous-request-max"]
+        assert gain["qwen3-30b-a3b"] > 1.2 and gain["llama-2-7b"] > 1.05
+        assert abs(gain["deepseek-v2-lite"] - 1) < 0.05  # a pool too big to bind
+        # Reserving a 163,840-token context window (40,960 for Qwen3) seats a handful.
+        for model in ("qwen3-30b-a3b", "deepseek-v2-lite"):
+            assert t.loc[model, "contiguous-max"] < 0.2 * t.loc[model, "contiguous-request-max"]
     if name == "host_cache":  # more host memory, more prefixes loaded instead of recomputed
         hit = outcome.table.groupby("param:systems[paged-16].allocator.host_cache_gib")[
             "prefix_hit_rate"].mean()

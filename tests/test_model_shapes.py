@@ -1,0 +1,138 @@
+"""Model shapes beyond dense multi-head attention: grouped-query and multi-head latent
+attention (MLA), mixtures of experts (MoE), quantized weights."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from gpu_validate.__main__ import main as gpu_validate_main
+from gpu_validate.harness import model_problem
+from sim.engine import build_timing, run_scenario
+from sim.presets import GIB, GPU_PRESETS, MODEL_PRESETS, kv_pool_slots
+from sim.scenario import ScenarioError, scenario_from_dict
+from sim.timing import roofline
+
+H100 = GPU_PRESETS["h100-80g"]
+
+
+@pytest.mark.parametrize("name, kv_bytes", [
+    # Published config.json shapes, by hand: MLA caches kv_lora_rank 512 + qk_rope_head_dim 64
+    # elements a layer, once (no separate V); GQA caches K and V for each KV head.
+    ("deepseek-v2-lite", 27 * (512 + 64) * 2),
+    ("deepseek-v3", 61 * (512 + 64) * 2),
+    ("qwen3-30b-a3b", 2 * 48 * 4 * 128 * 2),
+    ("llama-3-8b", 2 * 32 * 8 * 128 * 2),
+])
+def test_bytes_a_token_caches(name, kv_bytes):
+    assert MODEL_PRESETS[name].kv_bytes_per_token == kv_bytes
+
+
+def test_an_mla_latent_is_whole_on_every_gpu_of_a_tensor_parallel_group():
+    v3 = MODEL_PRESETS["deepseek-v3"]
+    assert v3.tensor_parallel_problem(8) is None
+    assert "128 attention heads" in v3.tensor_parallel_problem(3)
+    # Each GPU holds every token's whole latent: eight GPUs, eight copies.
+    assert v3.kv_bytes_per_token_per_gpu(8) == v3.kv_bytes_per_token == 70_272
+    assert v3.slots_in_gib(80, 8) == 80 * GIB // (8 * 70_272)
+    # Whereas GQA's KV heads split: Llama-3-8B's 8 heads, 2 a GPU over 4.
+    llama = MODEL_PRESETS["llama-3-8b"]
+    assert llama.kv_bytes_per_token_per_gpu(4) == llama.kv_bytes_per_token // 4
+    # vAttention: a page backs one layer's latent, 576 two-byte elements a token.
+    assert v3.tokens_per_page(2 * 1024**2, 8) == 2 * 1024**2 // 1152 == 1820
+
+
+def test_fp8_weights_leave_the_pool_what_they_save():
+    v3 = MODEL_PRESETS["deepseek-v3"]  # shipped in FP8: a byte a weight
+    bf16 = dataclasses.replace(v3, weight_dtype_bytes=None)
+    assert v3.weight_bytes == 671e9 and bf16.weight_bytes == 2 * 671e9
+    h200 = GPU_PRESETS["h200-141g"]
+    per_gpu = h200.memory_bytes * 0.9 - 671e9 / 8
+    assert kv_pool_slots(v3, h200, tensor_parallel_size=8) == int(per_gpu // 70_272)
+    # In 16-bit its weights do not fit eight H200s at all.
+    with pytest.raises(ValueError, match="do not fit"):
+        kv_pool_slots(bf16, h200, tensor_parallel_size=8)
+
+
+def test_a_mixture_of_experts_reads_every_expert_but_multiplies_by_the_active_ones():
+    moe = MODEL_PRESETS["qwen3-30b-a3b"]
+    dense = dataclasses.replace(moe, active_params=None)
+    moe_t, dense_t = roofline(moe, H100), roofline(dense, H100)
+    assert moe_t.a == dense_t.a  # all 30.5 B weights stream from HBM each step
+    assert moe_t.b == pytest.approx(dense_t.b * 3.3 / 30.5)
+    assert moe_t.d == pytest.approx(dense_t.d * 3.3 / 30.5)
+    assert moe_t.c == dense_t.c and moe_t.e == dense_t.e
+    # Prefill attention spans heads × head_dim (32 × 128), not the 2,048-wide residual
+    # stream; tensor parallelism all-reduces the residual stream.
+    assert moe_t.e == pytest.approx(2 * 48 * 4096 / H100.peak_flops)
+    wide = dataclasses.replace(moe, model_dim=4096)
+    assert roofline(wide, H100, tensor_parallel_size=2).b > roofline(
+        moe, H100, tensor_parallel_size=2).b
+
+
+def explicit(**model) -> dict:
+    shape = {"name": "custom", "num_layers": 27, "num_heads": 16, "head_dim": 192,
+             "num_params": 15.7e9, "max_model_len": 8192, **model}
+    return {"name": "shapes", "model": shape, "gpu": "h100-80g",
+            "workload": {"arrival": {"process": "poisson", "rate": 20},
+                         "prompt_len": {"dist": "constant", "value": 500},
+                         "output_len": {"dist": "constant", "value": 200}},
+            "systems": [{"name": "paged", "allocator": {"kind": "paged"}}],
+            "stop": {"num_requests": 40}}
+
+
+def test_an_explicit_model_in_its_config_json_terms():
+    mla = scenario_from_dict(explicit(hidden_size=2048, kv_latent_dim=576,
+                                      active_params=2.4e9)).model_spec()
+    assert mla == dataclasses.replace(MODEL_PRESETS["deepseek-v2-lite"], name="custom",
+                                      max_model_len=8192)
+    mha = scenario_from_dict(explicit()).model_spec()
+    assert mha.num_kv_heads == 16 and mha.hidden_size == 16 * 192  # HF's defaults
+    assert mha.kv_bytes_per_token == 2 * 27 * 16 * 192 * 2
+    int4 = scenario_from_dict(explicit(weight_dtype_bytes=0.5)).model_spec()
+    assert int4.weight_bytes == 15.7e9 / 2
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"active_params": 20e9}, "model: active_params (2e+10) exceeds num_params (1.57e+10)"),
+    ({"num_kv_heads": 5}, "num_heads (16) must be a multiple of num_kv_heads (5)"),
+    ({"weight_dtype_bytes": 8}, "model.weight_dtype_bytes: Input should be less than or equal"),
+    ({"kv_latent_dim": 0}, "model.kv_latent_dim"),
+])
+def test_inconsistent_shapes_are_one_line_errors(model, message):
+    with pytest.raises(ScenarioError, match=message.replace("(", r"\(").replace(
+            ")", r"\)").replace("+", r"\+")) as caught:
+        scenario_from_dict(explicit(**model))
+    assert "\n" not in str(caught.value)
+
+
+def test_a_smaller_latent_serves_more_from_the_same_pool():
+    # The same 27-layer model with 1 GiB of KV: MHA caches 20 × what MLA does per token, so
+    # the pool holds far fewer requests at once and they wait for memory.
+    def run(**model):
+        data = explicit(**model)
+        data["memory"] = {"kv_memory_gib": 1}
+        scenario = scenario_from_dict(data)
+        return run_scenario(scenario).systems["paged"].summary
+
+    mla, mha = run(kv_latent_dim=576), run()
+    assert mla["peak_batch"] > 3 * mha["peak_batch"]
+    assert mla["throughput_tok_s"] > mha["throughput_tok_s"]
+
+
+def test_mla_decode_reads_its_latent():
+    scenario = scenario_from_dict(explicit(kv_latent_dim=576))
+    timing = build_timing(scenario, Path())
+    assert timing.c == pytest.approx(27 * 576 * 2 / H100.hbm_bandwidth_bytes_per_s)
+
+
+@pytest.mark.parametrize("name, words", [("deepseek-v3", "MLA attention and a mixture"),
+                                         ("qwen3-30b-a3b", "uses a mixture of experts")])
+def test_the_gpu_harness_refuses_what_its_kernel_does_not_time(name, words, capsys, tmp_path):
+    assert words in model_problem(MODEL_PRESETS[name])
+    assert model_problem(MODEL_PRESETS["llama-3-8b"]) is None
+    assert gpu_validate_main(["--model", name, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
