@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -523,13 +524,7 @@ def _format_error(error: ErrorDetails, data: Any) -> str:
     where = _loc(loc, data)
     kind = error["type"]
     if kind == "extra_forbidden":
-        key = str(loc[-1])
-        hint = difflib.get_close_matches(key, [f for f in _ALL_FIELDS if f != key], n=1,
-                                         cutoff=0.6)
-        suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
-        if key in _ALL_FIELDS:
-            suggestion = " in this section (it belongs to another kind of section)"
-        return f"{where}: unknown key{suggestion}"
+        return f"{where}: unknown key{_unknown_key_hint(str(loc[-1]), loc, data)}"
     if kind == "missing":
         return f"{where}: required field is missing"
     message = error["msg"].removeprefix("Value error, ")
@@ -539,24 +534,63 @@ def _format_error(error: ErrorDetails, data: Any) -> str:
     return f"{where}: {message}"
 
 
-def _collect_fields() -> list[str]:
-    """Every field name of every config model, for 'did you mean' suggestions."""
+def _unknown_key_hint(key: str, loc: tuple[Any, ...], data: Any) -> str:
+    """What to tell of an unknown ``key``: the section or kind it belongs to, when it is a
+    field elsewhere; else the closest field of this section, or of another (and where)."""
+    section = re.sub(r"\[\d+\]", "[]", _loc(loc[:-1], data))
+    section = "" if section == "(top level)" else section
+    homes = _FIELD_HOMES.get(key, [])
+    kinds = sorted({kind for home, kind in homes if home == section and kind})
+    if kinds:
+        return f" for this kind (kind: {' or '.join(kinds)} has it)"
+    if homes:
+        return f" here; it belongs under {_homes_text(homes)}"
+    here = [f for f, places in _FIELD_HOMES.items() if any(h == section for h, _ in places)]
+    near = difflib.get_close_matches(key, here, n=1, cutoff=0.6)
+    anywhere = difflib.get_close_matches(key, list(_FIELD_HOMES), n=1, cutoff=0.6)
+    if near and (not anywhere or _likeness(key, near[0]) >= _likeness(key, anywhere[0])):
+        return f"; did you mean {near[0]!r}?"
+    if anywhere:  # a closer field of another section: say where it goes
+        return f"; did you mean {anywhere[0]!r} (under {_homes_text(_FIELD_HOMES[anywhere[0]])})?"
+    return ""
+
+
+def _likeness(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
+def _homes_text(homes: list[tuple[str, str]]) -> str:
+    sections = sorted({home or "the top level" for home, _ in homes})
+    return " or ".join(sections[:3]) + (" ..." if len(sections) > 3 else "")
+
+
+def _collect_fields() -> dict[str, list[tuple[str, str]]]:
+    """Where each field of the config models may stand: (section path, as ``systems[].
+    allocator``, and the ``kind`` of section that has it, or "" where sections have no
+    kinds), for the hints on unknown keys."""
+    from typing import get_args, get_origin
+
     from pydantic import BaseModel
 
-    names: set[str] = set()
-    seen: set[type] = set()
+    homes: dict[str, list[tuple[str, str]]] = {}
 
-    def walk(model: type[BaseModel]) -> None:
-        if model in seen:
-            return
-        seen.add(model)
+    def listed(annotation: Any) -> bool:
+        return get_origin(annotation) in (list, tuple) or any(
+            listed(arg) for arg in get_args(annotation))
+
+    def walk(model: type[BaseModel], section: str) -> None:
+        tag = model.model_fields.get("kind")
+        kinds = get_args(tag.annotation) if tag is not None else ()
+        kind = str(kinds[0]) if len(kinds) == 1 else ""
         for name, info in model.model_fields.items():
-            names.add(name)
+            homes.setdefault(name, []).append((section, kind))
+            inner = f"{section}.{name}" if section else name
+            inner += "[]" if listed(info.annotation) else ""
             for sub in _models_in(info.annotation):
-                walk(sub)
+                walk(sub, inner)
 
-    walk(Scenario)
-    return sorted(names)
+    walk(Scenario, "")
+    return homes
 
 
 def _models_in(annotation: Any) -> list[type]:
@@ -572,7 +606,7 @@ def _models_in(annotation: Any) -> list[type]:
     return found
 
 
-_ALL_FIELDS = _collect_fields()
+_FIELD_HOMES = _collect_fields()
 
 
 def _encloses(outer: str, path: str) -> bool:

@@ -114,6 +114,30 @@ def test_bad_input_is_one_line_exit_2(tmp_path, label, text, expected):
     assert expected in lines[0], lines[0]
 
 
+@pytest.mark.parametrize(("old", "new", "expected"), [
+    # A field of another section: where it goes.
+    ("  arrival:", "  max_wait_s: 5\n  arrival:",
+     "workload.max_wait_s: unknown key here; it belongs under systems[].scheduler"),
+    # A field of another kind of the same section: which kind has it.
+    ("{kind: contiguous}", "{kind: contiguous, block_size: 16}",
+     "systems[0].allocator.block_size: unknown key for this kind (kind: paged has it)"),
+    # A misspelling: this section's field, unless another section's is closer.
+    ("prefix_groups:", "prefix_grups:", "workload.prefix_grups: unknown key; did you mean "
+     "'prefix_groups'?"),
+    ("{kind: paged, block_size: 16}", "{kind: paged, block_size: 16, prediction: {}}",
+     "systems[1].allocator.prediction: unknown key; did you mean 'predictor' (under "
+     "systems[])?"),
+])
+def test_an_unknown_key_is_told_where_it_belongs(old, new, expected):
+    import yaml
+
+    from sim.scenario import ScenarioError, scenario_from_dict
+
+    assert old in GOOD
+    with pytest.raises(ScenarioError) as caught:
+        scenario_from_dict(yaml.safe_load(GOOD.replace(old, new, 1)))
+    assert str(caught.value) == f"<scenario>: {expected}"
+
 
 def test_a_union_alternative_is_not_counted_as_another_error(tmp_path):
     # `gpu` is a preset name or a mapping; the name form also refuses an incomplete mapping,
