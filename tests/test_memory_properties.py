@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -301,3 +301,33 @@ for _machine in (PagedMachine, PagedBs1, PagedBs7NoCache, PagedBs32Lfu, PagedBs4
                  ContiguousBestFitPow2, ContiguousMaxLen, ContiguousPredicted):
     _machine.TestCase.settings = _SETTINGS
     globals()[f"Test{_machine.__name__}"] = _machine.TestCase
+
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(block_size=st.integers(1, 8), prompt=st.integers(1, 40), samples=st.integers(1, 4),
+       spare=st.integers(0, 8), limit=st.integers(1, 30), with_other=st.booleans())
+def test_max_uniform_append_over_samples_sharing_a_tail(block_size, prompt, samples, spare,
+                                                        limit, with_other):
+    """The state machines rarely bring forked samples to the edge of a full pool, where the
+    copy-on-write count decides; here every example starts there. The samples of one request
+    share its prompt's blocks (a partial tail among them, unless the prompt fills its last
+    block); the pool has ``spare`` blocks besides; max_uniform_append over all samples (and,
+    ``with_other``, over all but one, which then still holds the shared tail) must be what
+    appending to each in turn achieves."""
+    blocks = -(-(prompt + 1) // block_size)  # admission claims the first output token too
+    allocator = PagedAllocator(blocks + spare, block_size, enable_prefix_caching=False)
+    final = prompt + limit
+    parent = SeqSpec(0, ((1, final),), prompt, final, final)
+    assert allocator.admit(parent) == 0 and allocator.append(0, prompt)
+    for child in range(1, samples):
+        assert allocator.fork(0, SeqSpec(child, ((1, prompt), (100 + child, limit)), prompt,
+                                          final, final))
+    seq_ids = list(range(samples - 1 if with_other and samples > 1 else samples))
+    fit = allocator.max_uniform_append(seq_ids, limit)
+    assert 0 <= fit <= limit
+    for seq_id in seq_ids:
+        assert allocator.append(seq_id, fit)
+    if fit < limit:
+        assert not all([allocator.append(seq_id, 1) for seq_id in seq_ids])
+    allocator.check_invariants()
