@@ -697,14 +697,20 @@ def _imbalance(replica_column: pd.Series, replicas: int) -> float:
     return float(counts.max() / counts.mean()) if counts.sum() else 1.0
 
 
+def scenario_pool_slots(scenario: Scenario) -> int:
+    """Token slots in one replica's KV pool, as the scenario's model, GPU and memory
+    settings size it."""
+    return kv_pool_slots(scenario.model_spec(), scenario.gpu_spec(),
+                         kv_memory_gib=scenario.memory.kv_memory_gib,
+                         gpu_memory_utilization=scenario.memory.gpu_memory_utilization,
+                         tensor_parallel_size=scenario.parallel.tensor_parallel_size)
+
+
 def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: StepTimeModel,
                progress: Callable[[int], None] | None = None) -> RunResult:
     """Simulate one system on ``trace``."""
     model = scenario.model_spec()
-    pool_slots = kv_pool_slots(model, scenario.gpu_spec(),
-                               kv_memory_gib=scenario.memory.kv_memory_gib,
-                               gpu_memory_utilization=scenario.memory.gpu_memory_utilization,
-                               tensor_parallel_size=scenario.parallel.tensor_parallel_size)
+    pool_slots = scenario_pool_slots(scenario)
     if pool_slots < 1:
         raise SizingError(f"memory: the KV pool holds not one token ({model.name} takes "
                           f"{model.kv_bytes_per_token:,} bytes a token)")

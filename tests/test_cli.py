@@ -159,6 +159,26 @@ def test_missing_file_and_validate_and_schema(tmp_path):
     good.write_text(GOOD)
     proc = kvsim("validate", str(good))
     assert proc.returncode == 0 and "ok" in proc.stdout
+    # How memory divides, in the figures vLLM logs at start-up: 2 GiB of 0.5 MiB tokens.
+    assert ("memory: llama-2-7b on a100-80g: weights 12.6 GiB, KV pool 2.0 GiB "
+            "(memory.kv_memory_gib); GPU KV cache size 4,096 tokens of 512.0 KiB; maximum "
+            "concurrency for 4,096 tokens per request: 1.00x") in proc.stdout
+    split = tmp_path / "split.yaml"
+    split.write_text(GOOD.replace("memory: {kv_memory_gib: 2}", "model: llama-2-70b\n"
+                                  "parallel: {tensor_parallel_size: 4}"))
+    proc = kvsim("validate", str(split))
+    # Per GPU: 90 % of 80 GiB less a quarter of 68.98 B fp16 weights, over 80 layers × 2
+    # of Llama-2-70B's 8 KV heads × 128 × 2 (K, V) × 2 bytes.
+    pool_bytes = 81920 * 1024**2 * 0.9 - 68.98e9 * 2 / 4
+    tokens = int(pool_bytes // (80 * 2 * 128 * 2 * 2))
+    assert (f"GPU KV cache size {tokens:,} tokens of 80.0 KiB a GPU; maximum concurrency for "
+            f"4,096 tokens per request: {tokens / 4096:.2f}x") in proc.stdout
+    proc = kvsim("validate", str(split).replace("split", "nope"))
+    assert proc.returncode == 2
+    split.write_text(GOOD.replace("memory: {kv_memory_gib: 2}", "model: llama-2-70b"))
+    proc = kvsim("validate", str(split))  # the weights leave no pool: an error, not "ok"
+    assert proc.returncode == 2 and not proc.stdout
+    assert "llama-2-70b weights (128.5 GiB) do not fit" in proc.stderr
     # A sweep file is valid only if every point is: validate checks them all.
     swept = tmp_path / "sweep.yaml"
     swept.write_text(GOOD + "sweep: {grid: {workload.arrival.rate: [5, 10]}, seeds: [0, 1]}\n")
