@@ -22,7 +22,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -145,8 +145,7 @@ def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
     base = roofline(model, scenario.gpu_spec(), scenario.timing.step_overhead_s,
                     tensor_parallel_size=scenario.parallel.tensor_parallel_size,
                     allreduce_latency_s=scenario.parallel.allreduce_latency_s)
-    return StepTimeModel(base.a, base.b, base.c, base.d, base.e,
-                         paged_alpha=scenario.timing.paged_alpha, source=base.source)
+    return replace(base, paged_alpha=scenario.timing.paged_alpha)
 
 
 class _RowBuffer:
@@ -546,7 +545,7 @@ class _SystemRun:
             else:
                 start = max(replica.clock, replica.next_arrival())
             earliest = min(earliest, start)
-        return earliest + self.timing.a + self.transfer_latency_s
+        return earliest + self.timing.min_fixed_s + self.transfer_latency_s
 
     def _least_loaded_decode(self) -> int:
         """The decode replica (counted from the first) with the fewest requests in flight

@@ -46,6 +46,10 @@ class ModelSpec:
     kv_latent_dim: int | None = None
     # MoE: parameters one token's forward pass multiplies by; None: all of num_params.
     active_params: float | None = None
+    # MoE: routed experts per MoE layer, and how many of them each token is sent to (shared
+    # experts are part of the dense weights). None: every step reads every expert.
+    num_experts: int | None = None
+    experts_per_token: int | None = None
     # Bytes of one stored weight when the checkpoint is quantized (FP8: 1, 4-bit: 0.5);
     # None: dtype_bytes, the dtype activations and the KV cache keep.
     weight_dtype_bytes: float | None = None
@@ -74,6 +78,16 @@ class ModelSpec:
     def weight_bytes(self) -> float:
         """All the weights, experts included, as stored (``weight_dtype_bytes``)."""
         return self.num_params * (self.weight_dtype_bytes or self.dtype_bytes)
+
+    @property
+    def routed_expert_bytes(self) -> float:
+        """Weights of the routed experts, which a step reads only where its tokens go: what
+        the active parameters leave out is the unchosen (E − k)/E of them."""
+        if not (self.active_params and self.num_experts and self.experts_per_token):
+            return 0.0
+        unchosen = 1 - self.experts_per_token / self.num_experts
+        routed = (self.num_params - self.active_params) / unchosen
+        return routed * (self.weight_dtype_bytes or self.dtype_bytes)
 
     @property
     def flops_params(self) -> float:
@@ -173,16 +187,18 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("mistral-7b", 32, 32, 8, 128, 7.24e9, 32768),
         # OPT-13B: 800 KB per token, the figure the vLLM paper (SOSP'23, §3) quotes.
         ModelSpec("opt-13b", 40, 40, 40, 128, 12.85e9, 2048),
-        # Qwen3-30B-A3B: mixture of experts (8 of 128 per token), GQA with 4 KV heads.
+        # Qwen3-30B-A3B: a mixture of experts (8 of 128 a token), GQA with 4 KV heads.
         ModelSpec("qwen3-30b-a3b", 48, 32, 4, 128, 30.5e9, 40960, model_dim=2048,
-                  active_params=3.3e9),
+                  active_params=3.3e9, num_experts=128, experts_per_token=8),
         # DeepSeek-V2-Lite and DeepSeek-V3: MLA, a latent of kv_lora_rank 512 +
         # qk_rope_head_dim 64 a layer; head_dim is a query head's (128 + 64). Parameter counts
-        # (total, activated) from their papers; V3 ships its weights in FP8.
+        # (total, activated) from their papers; routed experts 6 of 64 (V2-Lite) and 8 of 256
+        # (V3) a token; V3 ships its weights in FP8.
         ModelSpec("deepseek-v2-lite", 27, 16, 16, 192, 15.7e9, 163840, model_dim=2048,
-                  kv_latent_dim=576, active_params=2.4e9),
+                  kv_latent_dim=576, active_params=2.4e9, num_experts=64, experts_per_token=6),
         ModelSpec("deepseek-v3", 61, 128, 128, 192, 671e9, 163840, model_dim=7168,
-                  kv_latent_dim=576, active_params=37e9, weight_dtype_bytes=1),
+                  kv_latent_dim=576, active_params=37e9, num_experts=256, experts_per_token=8,
+                  weight_dtype_bytes=1),
     ]
 }
 

@@ -65,6 +65,11 @@ class ModelConfig(ConfigModel):
         "a token caches per layer, kv_lora_rank + qk_rope_head_dim (DeepSeek: 576)")
     active_params: PositiveFloat | None = Field(
         default=None, description="mixture of experts: parameters each token passes through")
+    num_experts: PositiveInt | None = Field(
+        default=None, description="mixture of experts: routed experts per MoE layer (a step "
+        "reads only those its tokens choose); absent: every step reads every expert")
+    experts_per_token: PositiveInt | None = Field(
+        default=None, description="mixture of experts: routed experts each token goes to")
     weight_dtype_bytes: float | None = Field(
         default=None, gt=0, le=4, description="bytes of a stored weight when the checkpoint "
         "is quantized (FP8: 1, 4-bit: 0.5, with its scales a little more); absent: "
@@ -75,6 +80,16 @@ class ModelConfig(ConfigModel):
         if self.active_params is not None and self.active_params > self.num_params:
             raise ValueError(f"active_params ({self.active_params:g}) exceeds num_params "
                              f"({self.num_params:g})")
+        routing = (self.num_experts, self.experts_per_token)
+        if routing.count(None) == 1:
+            raise ValueError("num_experts and experts_per_token go together")
+        if self.num_experts is not None:
+            if self.active_params is None:
+                raise ValueError("num_experts needs active_params (the parameters each token "
+                                 "passes through)")
+            if self.experts_per_token >= self.num_experts:  # type: ignore[operator]
+                raise ValueError(f"experts_per_token ({self.experts_per_token}) must be fewer "
+                                 f"than num_experts ({self.num_experts})")
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")

@@ -4,7 +4,8 @@ prefill/decode disaggregation (a decode replica must see every handover when ste
 would, and least-loaded decode placement must see the same finishes), with preemption
 by swap, with scheduling by priority or by predicted length (an arrival may then jump a
 blocked queue), with contiguous reservations sized by a length predictor (a request may
-outgrow its extent), and with virtual memory mapped a page at a time."""
+outgrow its extent), with virtual memory mapped a page at a time, and with a mixture of
+experts, whose step cost depends on the tokens a step carries."""
 
 from __future__ import annotations
 
@@ -94,9 +95,13 @@ def random_scenario(seed: int) -> dict:
             scheduler["max_wait_s"] = rng.choice([0.05, 0.5, 3.0])
     system = {"name": "s", "allocator": allocator, "scheduler": scheduler,
               **({"predictor": predictor} if predictor else {})}
+    # Drawn last, as the above: a mixture of experts, whose step cost depends on how many
+    # tokens the step carries (MLA's latent too, for DeepSeek).
+    model = "llama-2-7b" if rng.random() < 0.8 else rng.choice(["qwen3-30b-a3b",
+                                                                 "deepseek-v2-lite"])
     return {
         "name": f"random-{seed}",
-        "model": "llama-2-7b",
+        "model": model,
         "memory": memory,
         "workload": workload,
         "systems": [system],

@@ -56,20 +56,61 @@ def test_fp8_weights_leave_the_pool_what_they_save():
         kv_pool_slots(bf16, h200, tensor_parallel_size=8)
 
 
-def test_a_mixture_of_experts_reads_every_expert_but_multiplies_by_the_active_ones():
+def test_a_mixture_of_experts_multiplies_by_the_active_weights_and_reads_the_chosen_ones():
     moe = MODEL_PRESETS["qwen3-30b-a3b"]
-    dense = dataclasses.replace(moe, active_params=None)
+    dense = dataclasses.replace(moe, active_params=None, num_experts=None,
+                                experts_per_token=None)
     moe_t, dense_t = roofline(moe, H100), roofline(dense, H100)
-    assert moe_t.a == dense_t.a  # all 30.5 B weights stream from HBM each step
+    assert moe_t.a == dense_t.a  # all 30.5 B weights, when every expert is chosen
     assert moe_t.b == pytest.approx(dense_t.b * 3.3 / 30.5)
     assert moe_t.d == pytest.approx(dense_t.d * 3.3 / 30.5)
     assert moe_t.c == dense_t.c and moe_t.e == dense_t.e
+    # The routed experts are what the active parameters leave out, over the 120 of 128
+    # experts a token does not choose: (30.5 − 3.3) B / (120/128), two bytes each.
+    routed_bytes = (30.5e9 - 3.3e9) / (120 / 128) * 2
+    assert moe_t.expert_s == pytest.approx(routed_bytes / H100.hbm_bandwidth_bytes_per_s)
+    # T tokens, each to 8 of 128 experts, leave (120/128)^T of them unread.
+    for tokens in (1, 8, 64, 512):
+        unread = moe_t.expert_s * (120 / 128) ** tokens
+        assert moe_t.fixed_s(tokens) == pytest.approx(moe_t.a - unread)
+    assert moe_t.min_fixed_s < 0.2 * moe_t.a
+    assert moe_t.fixed_s(64) > 0.98 * moe_t.a
+    # A step's cost counts decoding and prefilled tokens alike.
+    assert moe_t.step_time(4, 0, 60, 0, 1.0) == pytest.approx(
+        moe_t.fixed_s(64) + 4 * moe_t.b + 60 * moe_t.d)
+    assert dense_t.fixed_s(1) == dense_t.a  # a dense model reads all its weights
+    # Active parameters without routing: every step reads every expert.
+    unrouted = dataclasses.replace(moe, num_experts=None, experts_per_token=None)
+    assert roofline(unrouted, H100).fixed_s(1) == moe_t.a
     # Prefill attention spans heads × head_dim (32 × 128), not the 2,048-wide residual
     # stream; tensor parallelism all-reduces the residual stream.
     assert moe_t.e == pytest.approx(2 * 48 * 4096 / H100.peak_flops)
     wide = dataclasses.replace(moe, model_dim=4096)
     assert roofline(wide, H100, tensor_parallel_size=2).b > roofline(
         moe, H100, tensor_parallel_size=2).b
+
+
+def test_few_tokens_a_step_read_few_experts():
+    # At a trickle of requests the batch is small and a step reads a few experts only: each
+    # output token comes far sooner than if every step read all 30.5 B weights.
+    def tpot_ms(**routing):
+        scenario = {"name": "moe", "model": "qwen3-30b-a3b", "gpu": "h100-80g",
+                    "workload": {"arrival": {"process": "poisson", "rate": 0.5},
+                                 "prompt_len": {"dist": "constant", "value": 200},
+                                 "output_len": {"dist": "constant", "value": 100}},
+                    "systems": [{"name": "paged", "allocator": {"kind": "paged"}}],
+                    "stop": {"num_requests": 20}}
+        if routing:
+            scenario["model"] = {"name": "qwen3-30b-a3b-unrouted", "num_layers": 48,
+                                 "num_heads": 32, "num_kv_heads": 4, "head_dim": 128,
+                                 "num_params": 30.5e9, "max_model_len": 40960,
+                                 "hidden_size": 2048, "active_params": 3.3e9, **routing}
+        result = run_scenario(scenario_from_dict(scenario)).systems["paged"]
+        return result.summary["tpot_p50_s"] * 1e3
+
+    preset = tpot_ms()
+    assert tpot_ms(num_experts=128, experts_per_token=8) == pytest.approx(preset)
+    assert preset < 0.5 * tpot_ms(num_experts=None)  # every step reading every expert
 
 
 def explicit(**model) -> dict:
@@ -85,7 +126,8 @@ def explicit(**model) -> dict:
 
 def test_an_explicit_model_in_its_config_json_terms():
     mla = scenario_from_dict(explicit(hidden_size=2048, kv_latent_dim=576,
-                                      active_params=2.4e9)).model_spec()
+                                      active_params=2.4e9, num_experts=64,
+                                      experts_per_token=6)).model_spec()
     assert mla == dataclasses.replace(MODEL_PRESETS["deepseek-v2-lite"], name="custom",
                                       max_model_len=8192)
     mha = scenario_from_dict(explicit()).model_spec()
@@ -100,6 +142,10 @@ def test_an_explicit_model_in_its_config_json_terms():
     ({"num_kv_heads": 5}, "num_heads (16) must be a multiple of num_kv_heads (5)"),
     ({"weight_dtype_bytes": 8}, "model.weight_dtype_bytes: Input should be less than or equal"),
     ({"kv_latent_dim": 0}, "model.kv_latent_dim"),
+    ({"num_experts": 8}, "num_experts and experts_per_token go together"),
+    ({"num_experts": 8, "experts_per_token": 2}, "num_experts needs active_params"),
+    ({"num_experts": 8, "experts_per_token": 8, "active_params": 1e9},
+     "experts_per_token (8) must be fewer than num_experts (8)"),
 ])
 def test_inconsistent_shapes_are_one_line_errors(model, message):
     with pytest.raises(ScenarioError, match=message.replace("(", r"\(").replace(
