@@ -70,13 +70,27 @@ def _summary_table(result: ScenarioResult) -> str:
     return f"<table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table>"
 
 
+def _memory_line(scenario: dict) -> str:
+    """The run's memory figures; "" for a run folder this version cannot read them from
+    (written by an older kvsim whose scenario fields have changed since)."""
+    from sim.engine import memory_summary
+    from sim.scenario import scenario_from_dict
+
+    try:
+        return memory_summary(scenario_from_dict(scenario))
+    except ValueError:
+        return ""
+
+
 def render_html(title: str, sections: list[tuple[str, str]], scenario: dict,
-                notes: list[str]) -> str:
-    """The report page from (heading, HTML body) sections."""
+                notes: list[str], lead: str = "") -> str:
+    """The report page from (heading, HTML body) sections, ``lead`` a line above them."""
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
              f"</title><style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
     if scenario.get("description"):
         parts.append(f"<p>{html.escape(scenario['description'])}</p>")
+    if lead:
+        parts.append(f"<p>{html.escape(lead)}</p>")
     for note in notes:
         parts.append(f"<p class='note'>note: {html.escape(note)}</p>")
     for heading, body in sections:
@@ -107,7 +121,7 @@ def write_report(run_dir: Path) -> Path:
         sections.append((name.replace("_", " ").capitalize(), img_tag(png, name)))
     notes = run_notes({n: r.summary for n, r in result.systems.items()})
     page = render_html(f"kvsim report: {result.scenario['name']}", sections, result.scenario,
-                       [*result.trace_notes, *notes])
+                       [*result.trace_notes, *notes], lead=_memory_line(result.scenario))
     out = run_dir / "report.html"
     out.write_text(page)
     return out

@@ -106,7 +106,7 @@ def _progress_factory(quiet: bool) -> Callable[[str, int], Callable[[int], None]
 # ---------------------------------------------------------------------- commands
 def cmd_run(args: argparse.Namespace) -> int:
     from sim.api import load
-    from sim.engine import run_scenario
+    from sim.engine import memory_summary, run_scenario
     from sim.results import make_output_folder, run_notes, write_run
 
     path = Path(args.scenario)
@@ -121,6 +121,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     changed = "".join(f", {field}={value}" for field, value in (args.overrides or []))
     print(f"{scenario.name}: {len(next(iter(result.systems.values())).requests):,} requests, "
           f"seed {scenario.seed}{changed}")
+    print(memory_summary(scenario))
     for note in result.trace_notes:
         print(f"note: {note}")
     if scenario.sweep:
@@ -369,31 +370,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if scenario.sweep:  # every point must be valid too, as kvsim sweep checks before running
         _, points = load_sweep_points(path, overrides=overrides)
         sweep = f"; sweep: {len(points)} runs, each valid"
-    memory = memory_line(scenario)  # a pool the weights leave no room for is an error
+    from sim.engine import memory_summary
+
+    memory = memory_summary(scenario)  # a pool the weights leave no room for is an error
     print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}{sweep}")
     print(memory)
     return EXIT_OK
-
-
-def memory_line(scenario) -> str:  # type: ignore[no-untyped-def]
-    """How a replica's GPU memory divides, in the figures vLLM logs as it starts ("GPU KV
-    cache size", "Maximum concurrency for N tokens per request"), to check a scenario
-    against a real deployment before running it."""
-    from sim.engine import scenario_pool_slots
-    from sim.presets import GIB
-
-    model, gpu = scenario.model_spec(), scenario.gpu_spec()
-    tp = scenario.parallel.tensor_parallel_size
-    slots = scenario_pool_slots(scenario)
-    per_gpu = model.kv_bytes_per_token_per_gpu(tp)
-    gpus = f"{gpu.name}" if tp == 1 else f"{tp} × {gpu.name}"
-    each = "" if tp == 1 else " a GPU"
-    source = (" (memory.kv_memory_gib)" if scenario.memory.kv_memory_gib is not None else
-              f" ({scenario.memory.gpu_memory_utilization:.0%} of GPU memory less the weights)")
-    return (f"memory: {model.name} on {gpus}: weights {model.weight_bytes / tp / GIB:.1f} GiB"
-            f"{each}, KV pool {slots * per_gpu / GIB:.1f} GiB{each}{source}; GPU KV cache size "
-            f"{slots:,} tokens of {per_gpu / 1024:,.1f} KiB{each}; maximum concurrency for "
-            f"{model.max_model_len:,} tokens per request: {slots / model.max_model_len:.2f}x")
 
 
 def cmd_schema(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ import simpy
 
 from sim.length_predictor import predicted_output_lengths
 from sim.memory import TAXONOMY, ContiguousAllocator, KVAllocator, PagedAllocator
-from sim.presets import KV_CACHE_DTYPE_BYTES, SizingError, kv_pool_slots
+from sim.presets import GIB, KV_CACHE_DTYPE_BYTES, SizingError, kv_pool_slots
 from sim.results import RunResult, ScenarioResult, summarize
 from sim.router import Router
 from sim.scenario import (
@@ -703,6 +703,24 @@ def scenario_pool_slots(scenario: Scenario) -> int:
                          kv_memory_gib=scenario.memory.kv_memory_gib,
                          gpu_memory_utilization=scenario.memory.gpu_memory_utilization,
                          tensor_parallel_size=scenario.parallel.tensor_parallel_size)
+
+
+def memory_summary(scenario: Scenario) -> str:
+    """How a replica's GPU memory divides, in the figures vLLM logs as it starts ("GPU KV
+    cache size", "Maximum concurrency for N tokens per request"), to check a scenario
+    against a real deployment."""
+    model, gpu = scenario.model_spec(), scenario.gpu_spec()
+    tp = scenario.parallel.tensor_parallel_size
+    slots = scenario_pool_slots(scenario)
+    per_gpu = model.kv_bytes_per_token_per_gpu(tp)
+    gpus = f"{gpu.name}" if tp == 1 else f"{tp} × {gpu.name}"
+    each = "" if tp == 1 else " a GPU"
+    source = (" (memory.kv_memory_gib)" if scenario.memory.kv_memory_gib is not None else
+              f" ({scenario.memory.gpu_memory_utilization:.0%} of GPU memory less the weights)")
+    return (f"memory: {model.name} on {gpus}: weights {model.weight_bytes / tp / GIB:.1f} GiB"
+            f"{each}, KV pool {slots * per_gpu / GIB:.1f} GiB{each}{source}; GPU KV cache size "
+            f"{slots:,} tokens of {per_gpu / 1024:,.1f} KiB{each}; maximum concurrency for "
+            f"{model.max_model_len:,} tokens per request: {slots / model.max_model_len:.2f}x")
 
 
 def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: StepTimeModel,

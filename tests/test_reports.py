@@ -133,6 +133,9 @@ def test_report_html_embeds_every_figure_offline(result):
     assert not re.search(r"(src|href)=['\"]?(https?:)?//", text)
     assert "url(" not in text and "@import" not in text
     assert "Resolved scenario" in text and "report-test" in text and "matplotlib" in text
+    # How memory divides: 1.5 GiB of Llama-2-7B's 0.5 MiB tokens.
+    assert ("GPU KV cache size 3,072 tokens of 512.0 KiB; maximum concurrency for 4,096 "
+            "tokens per request: 0.75x") in text
     queued = [r.summary["waiting_at_last_arrival"] for r in result.systems.values()]
     assert max(queued) >= 10  # 30 req/s outruns this small pool: the report must say so
     assert saturation_note({n: r.summary for n, r in result.systems.items()}) in text
