@@ -248,15 +248,16 @@ def capacity_points(path: Path, *, quick: bool = False,
 
 
 def point_capacity(scenario_data: dict[str, Any], base_dir: str, rel_tol: float,
-                   max_probes: int) -> list[dict[str, Any]]:
-    """:func:`capacity_rows` of one sweep point's search (in a worker), or its error."""
+                   max_probes: int, systems: list[str] | None = None) -> list[dict[str, Any]]:
+    """:func:`capacity_rows` of one sweep point's search of ``systems`` (all if None), in a
+    worker, or its error."""
     scenario = scenario_from_dict(scenario_data)
     try:
         knob, capacities = find_capacity(scenario, Path(base_dir), rel_tol=rel_tol,
-                                         max_probes=max_probes)
+                                         max_probes=max_probes, systems=systems)
     except Exception as exc:  # recorded with the point; the others go on
         return [{"system": s.name, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
-                for s in scenario.systems]
+                for s in _chosen_systems(scenario, systems)]
     return capacity_rows(scenario, knob, capacities)
 
 
@@ -283,17 +284,19 @@ def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "loca
                    address: str | None = None, rel_tol: float = 0.02, max_probes: int = 24,
                    quick: bool = False,
                    progress: Callable[[int], Callable[[int], None]] | None = None,
-                   overrides: dict[str, Any] | None = None) -> pd.DataFrame:
+                   overrides: dict[str, Any] | None = None,
+                   systems: list[str] | None = None) -> pd.DataFrame:
     """Each sweep point's capacity, searched in parallel (local processes or Ray, as
-    :func:`sim.sweep.make_executor`): one row per point, seed and system, with the point's
-    parameters as ``param:PATH`` columns."""
-    _, points = capacity_points(path, quick=quick, overrides=overrides)
+    :func:`sim.sweep.make_executor`): one row per point, seed and system (``systems`` only,
+    if given), with the point's parameters as ``param:PATH`` columns."""
+    scenario, points = capacity_points(path, quick=quick, overrides=overrides)
+    _chosen_systems(scenario, systems)  # an unknown name is an error before any search
     base_dir = str(path.parent.resolve())
     tick = progress(len(points)) if progress else None
     execute = make_executor(executor, jobs, address)
     results = {}
     for key, rows_of_point in execute(point_capacity, [
-            (p.key, (p.scenario, base_dir, rel_tol, max_probes)) for p in points]):
+            (p.key, (p.scenario, base_dir, rel_tol, max_probes, systems)) for p in points]):
         results[key] = rows_of_point
         if tick:
             tick(1)

@@ -260,7 +260,7 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
         table = capacity_sweep(path, jobs=args.jobs, executor=args.executor,
                                address=args.address, rel_tol=args.rel_tol,
                                max_probes=args.max_probes, quick=args.quick,
-                               overrides=dict(args.overrides or []),
+                               overrides=dict(args.overrides or []), systems=args.system,
                                progress=lambda total: _progress_bar(total, "capacity", "point",
                                                                     quiet=args.quiet))
     except _bad_input_types() as exc:

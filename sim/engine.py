@@ -236,8 +236,9 @@ class _Replica:
         self.role = role  # "both", or "prefill" / "decode" under disaggregation
         self.sim = sim
         self.allocator = allocator
-        self.scheduler = Scheduler(allocator, sim.system.scheduler, sim.debug, sim.swap_slots,
-                                   sim.predicted_output)
+        self.scheduler = Scheduler(
+            allocator, sim.system.scheduler, sim.debug, sim.swap_slots, sim.predicted_output,
+            overflow_to_max=getattr(sim.system.allocator, "on_overflow", None) == "request_max")
         # Only a block table costs attention its indirection: contiguous extents and
         # contiguous virtual memory are read directly.
         self.rho = sim.timing.rho(sim.unit_slots if sim.block_table else None)

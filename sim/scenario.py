@@ -160,8 +160,19 @@ class ContiguousConfig(ConfigModel):
     reserve_policy: Literal["max_model_len", "request_max", "pow2", "oracle", "predicted"] = (
         Field(default="max_model_len", description="predicted: the final length the "
               "system's predictor expects; a request that outgrows it is preempted and "
-              "seated again with twice the predicted output"))
+              "seated again with a larger reservation (on_overflow)"))
     placement: Literal["first_fit", "best_fit"] = "first_fit"
+    on_overflow: Literal["double", "request_max"] | None = Field(
+        default=None, description="reserve_policy predicted: what a request that outgrew its "
+        "reservation reserves when seated again: double: twice the predicted output (absent: "
+        "this); request_max: its max_tokens, so that it never outgrows it again")
+
+    @model_validator(mode="after")
+    def _overflow_of_a_prediction(self):  # type: ignore[no-untyped-def]
+        if self.on_overflow is not None and self.reserve_policy != "predicted":
+            raise ValueError(f"on_overflow applies to reserve_policy: predicted, not "
+                             f"{self.reserve_policy} (which no request outgrows)")
+        return self
 
 
 class PagedConfig(ConfigModel):

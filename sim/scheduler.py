@@ -284,9 +284,13 @@ class Scheduler:
     """
 
     def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,
-                 swap_slots: int = 0, predicted_output: list[int] | None = None) -> None:
+                 swap_slots: int = 0, predicted_output: list[int] | None = None,
+                 overflow_to_max: bool = False) -> None:
         self.allocator = allocator
         self.predicted_output = predicted_output
+        # A request that outgrew its predicted reservation is seated again with its
+        # max_tokens (True) or twice the predicted output (False).
+        self.overflow_to_max = overflow_to_max
         self.reservation_overflows = 0  # preemptions of requests that outgrew a prediction
         self.config = config
         self.debug = debug
@@ -593,9 +597,11 @@ class Scheduler:
     def _overflow(self, request: Request, batch: Batch) -> None:
         """``request`` outgrew its predicted contiguous reservation. The extent cannot grow
         where it lies, and preempting others would not lengthen it, so the request itself
-        goes back to the line, to be seated with twice the predicted output (S3's
-        rescheduling of a misprediction with a larger allocation)."""
-        request.predicted_output = self._within_pool(request, 2 * request.predicted_output)
+        goes back to the line, to be seated with a larger reservation (S3's rescheduling
+        of a misprediction): twice the predicted output, or its max_tokens."""
+        larger = (request.max_len - request.prompt_len if self.overflow_to_max
+                  else 2 * request.predicted_output)
+        request.predicted_output = self._within_pool(request, larger)
         request.spec_cache = None
         self.reservation_overflows += 1
         self._preempt(request, batch)

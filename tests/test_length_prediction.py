@@ -68,12 +68,14 @@ def test_a_guess_beyond_the_pool_is_cut_to_it_so_the_request_can_still_run():
 
 
 def one_request_scheduler(output_len: int, predicted: int, *, n: int = 1, max_tokens: int = 100,
-                          pool: int = 1000) -> tuple[Scheduler, Request]:
+                          pool: int = 1000, overflow_to_max: bool = False,
+                          ) -> tuple[Scheduler, Request]:
     trace = Trace.from_columns(arrival_s=np.zeros(1), prompt_len=np.array([30]),
                                output_len=np.array([output_len]), n=np.array([n]),
                                max_tokens=np.array([max_tokens]))
     alloc = ContiguousAllocator(pool, max_model_len=4096, reserve_policy="predicted")
-    sched = Scheduler(alloc, SchedulerConfig(), debug=True, predicted_output=[predicted])
+    sched = Scheduler(alloc, SchedulerConfig(), debug=True, predicted_output=[predicted],
+                      overflow_to_max=overflow_to_max)
     request = Request(trace, 0, 0.0)
     assert sched.add(request)
     return sched, request
@@ -102,6 +104,15 @@ def test_a_request_that_outgrows_its_guess_is_seated_again_with_twice_the_guess(
     assert sched.reservation_overflows == request.preemptions == 3
     assert request.recomputed_tokens == 35 + 40 + 50
     assert request.gen_sync == 40
+
+
+def test_on_overflow_request_max_seats_it_again_with_its_max_tokens():
+    # The same request under on_overflow: request_max: 35, then 30 + 100 (max_tokens),
+    # which no output outgrows. One recompute of 35 tokens instead of three.
+    sched, request = one_request_scheduler(output_len=40, predicted=5, overflow_to_max=True)
+    assert run_alone(sched, request) == [35, 130]
+    assert sched.reservation_overflows == request.preemptions == 1
+    assert request.recomputed_tokens == 35
 
 
 def test_a_good_guess_never_overflows():
@@ -209,6 +220,25 @@ def test_a_blurred_predictor_lands_between_request_max_and_the_oracle():
     # Over-guesses waste reservation; the oracle wastes none.
     assert predicted["internal_frac_of_allocated"] > 0.02
     assert summary["oracle"]["internal_frac_of_allocated"] == 0
+
+
+def test_retrying_with_max_tokens_overflows_once_at_most():
+    # A poor predictor: doubling may overflow a request several times; reserving its
+    # max_tokens after the first miss never twice, at the price of larger extents.
+    result = run_scenario(scenario_from_dict(scenario(
+        {"kind": "contiguous", "reserve_policy": "predicted", "name": "double",
+         "predictor": {"sigma": 1.5}},
+        {"kind": "contiguous", "reserve_policy": "predicted", "name": "to-max",
+         "on_overflow": "request_max", "predictor": {"sigma": 1.5}})))
+    double, to_max = result.systems["double"], result.systems["to-max"]
+    assert double.requests["preemptions"].max() >= 2
+    assert to_max.requests["preemptions"].max() == 1
+    assert 0 < to_max.summary["reservation_overflows"] < double.summary["reservation_overflows"]
+    with pytest.raises(ScenarioError, match="on_overflow applies to reserve_policy: "
+                       "predicted, not oracle") as err:
+        scenario_from_dict(scenario({"kind": "contiguous", "reserve_policy": "oracle",
+                                     "on_overflow": "double"}))
+    assert "\n" not in str(err.value)
 
 
 def test_a_predictor_is_refused_where_nothing_consults_it():

@@ -429,6 +429,20 @@ def test_capacity_sweep_command_tables_figures_and_failures(tmp_path):
     refused = kvsim_in_process("capacity", str(path), "--sweep", "--ttft-s", "1", "--out",
                                str(tmp_path / "x"))
     assert refused.returncode == 2 and "put the bounds or seeds there" in refused.stderr
+    # --system searches that system only, at every point, as it does without --sweep.
+    one = kvsim_in_process("capacity", str(path), "--sweep", "--system", "paged", "--jobs",
+                           "2", "--rel-tol", "0.1", "--out", str(tmp_path / "paged"), "--quiet")
+    assert one.returncode == 1
+    alone = pd.read_parquet(tmp_path / "paged" / "capacity.parquet")
+    assert list(alone["system"]) == ["paged"] * 3
+    both = table.set_index(["param:memory.kv_memory_gib", "system"])["capacity_req_s"]
+    for pool in (2.0, 4.0):
+        assert alone.set_index("param:memory.kv_memory_gib").loc[pool, "capacity_req_s"] == (
+            both[(pool, "paged")])
+    unknown = kvsim_in_process("capacity", str(path), "--sweep", "--system", "pagd", "--out",
+                               str(tmp_path / "y"))
+    assert unknown.returncode == 2
+    assert "--system pagd: no such system; systems: contiguous, paged" in unknown.stderr
 
 
 def test_per_gpu_capacity_is_shown_where_gpu_counts_differ():
