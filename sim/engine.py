@@ -714,7 +714,7 @@ def memory_summary(scenario: Scenario) -> str:
     tp = scenario.parallel.tensor_parallel_size
     slots = scenario_pool_slots(scenario)
     per_gpu = model.kv_bytes_per_token_per_gpu(tp)
-    gpus = f"{gpu.name}" if tp == 1 else f"{tp} × {gpu.name}"
+    gpus = gpu.name if tp == 1 else f"{tp} × {gpu.name}"
     each = "" if tp == 1 else " a GPU"
     source = (" (memory.kv_memory_gib)" if scenario.memory.kv_memory_gib is not None else
               f" ({scenario.memory.gpu_memory_utilization:.0%} of GPU memory less the weights)")

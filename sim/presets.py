@@ -66,7 +66,15 @@ class ModelSpec:
 
     @property
     def is_moe(self) -> bool:
+        """Whether a token passes through only some of the weights (a mixture of experts)."""
         return self.active_params is not None
+
+    @property
+    def expert_share(self) -> float:
+        """k/E: the share of the routed experts one token goes to; 0 where not given."""
+        if not (self.num_experts and self.experts_per_token):
+            return 0.0
+        return self.experts_per_token / self.num_experts
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -83,10 +91,9 @@ class ModelSpec:
     def routed_expert_bytes(self) -> float:
         """Weights of the routed experts, which a step reads only where its tokens go: what
         the active parameters leave out is the unchosen (E − k)/E of them."""
-        if not (self.active_params and self.num_experts and self.experts_per_token):
+        if not (self.active_params and self.expert_share):
             return 0.0
-        unchosen = 1 - self.experts_per_token / self.num_experts
-        routed = (self.num_params - self.active_params) / unchosen
+        routed = (self.num_params - self.active_params) / (1 - self.expert_share)
         return routed * (self.weight_dtype_bytes or self.dtype_bytes)
 
     @property

@@ -149,9 +149,6 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
         per_token_allreduce_s = allreduces * ring_bytes_per_token / gpu.interconnect_bytes_per_s
         allreduce_fixed_s = allreduces * allreduce_latency_s
     gpus = gpu.name if tp == 1 else f"{tp} × {gpu.name}"
-    expert_share = (model.experts_per_token / model.num_experts
-                    if model.routed_expert_bytes and model.num_experts and model.experts_per_token
-                    else 0.0)
     return StepTimeModel(
         a=(model.weight_bytes / tp / gpu.hbm_bandwidth_bytes_per_s + step_overhead_s
            + allreduce_fixed_s),
@@ -161,7 +158,7 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
         e=2.0 * model.num_layers * model.attention_dim / tp / gpu.peak_flops,
         source=f"roofline({model.name}, {gpus})",
         expert_s=model.routed_expert_bytes / tp / gpu.hbm_bandwidth_bytes_per_s,
-        expert_share=expert_share,
+        expert_share=model.expert_share,
     )
 
 
