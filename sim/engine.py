@@ -398,6 +398,7 @@ class _SystemRun:
                                 "which python -O removes; run without -O, or set it false")
         self.duration_s = scenario.stop.duration_s
         self.gpus_per_replica = scenario.parallel.tensor_parallel_size
+        self.usd_per_gpu_hour = scenario.cost.usd_per_gpu_hour if scenario.cost else None
         self.slo = scenario.slo
         # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode.
         split = scenario.engine.disaggregation
@@ -669,7 +670,8 @@ class _SystemRun:
                  "replica_imbalance": _imbalance(requests["replica"],
                                                  self.prefill_replicas or len(self.replicas)),
                  "prefill_replicas": self.prefill_replicas,
-                 "gpus": len(self.replicas) * self.gpus_per_replica}
+                 "gpus": len(self.replicas) * self.gpus_per_replica,
+                 "usd_per_gpu_hour": self.usd_per_gpu_hour}
         loaded = sum(r.scheduler.first_loaded_tokens for r in self.replicas)
         # None (shown "—") without a host tier, as the hit rate without a prefix cache.
         has_host = getattr(self.replicas[0].allocator, "host", None) is not None

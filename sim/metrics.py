@@ -21,6 +21,7 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("throughput_tok_s", "output throughput (tok/s)", "{:,.1f}"),
     ("throughput_tok_s_per_gpu", "output throughput per GPU (tok/s)", "{:,.1f}"),
     ("throughput_req_s", "request throughput (req/s)", "{:,.2f}"),
+    ("usd_per_million_tokens", "GPU cost per million output tokens (USD)", "{:,.2f}"),
     ("mean_batch", "mean decode batch", "{:,.1f}"),
     ("peak_batch", "peak decode batch", "{:,.0f}"),
     ("waiting_at_last_arrival", "queue at last arrival", "{:,.0f}"),
@@ -107,7 +108,7 @@ ONLY_WHEN_ABOVE_ONE = {"throughput_tok_s_per_gpu": "gpus", "replica_imbalance": 
 # Rows of a feature most runs do not use: shown only where some system has a value.
 ONLY_WHEN_SET = {"host_hit_rate", "slo_attainment", "slo_tightest_attainment", "goodput_req_s",
                  "capacity_req_s", "capacity_req_s_per_gpu", "swap_preemptions",
-                 "swapped_out_slots", "reservation_overflows"}
+                 "swapped_out_slots", "reservation_overflows", "usd_per_million_tokens"}
 # A total and its share per GPU, shown beside it where runs use different numbers of GPUs.
 PER_GPU = {"throughput_tok_s": "throughput_tok_s_per_gpu",
            "capacity_req_s": "capacity_req_s_per_gpu"}

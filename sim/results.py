@@ -112,6 +112,10 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
         "makespan_s": makespan,
         "throughput_tok_s": generated / makespan,
         "throughput_tok_s_per_gpu": generated / makespan / extra["gpus"],
+        # The GPUs' price over the output tokens they served (None: no cost section).
+        "usd_per_million_tokens": (
+            extra["gpus"] * extra["usd_per_gpu_hour"] / 3600 * makespan / generated * 1e6
+            if extra["usd_per_gpu_hour"] and generated else None),
         "total_tok_s": (generated + prompt) / makespan,
         "throughput_req_s": len(done) / makespan,
         **_percentiles(measured["ttft"], "ttft"),
@@ -140,7 +144,8 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
     }
     summary.update({k: v for k, v in extra.items()
                     if k not in ("hit_tokens", "lookup_tokens", "preempted_hit_tokens",
-                                 "preempted_lookup_tokens", "prefix_caching")})
+                                 "preempted_lookup_tokens", "prefix_caching",
+                                 "usd_per_gpu_hour")})
     return summary
 
 

@@ -316,6 +316,14 @@ class TimingConfig(ConfigModel):
     paged_alpha: float = Field(default=2.0, ge=0)
 
 
+class CostConfig(ConfigModel):
+    """What the GPUs cost, to put a price on the tokens they serve: every GPU of every
+    replica is paid for the whole run, busy or not."""
+
+    usd_per_gpu_hour: PositiveFloat = Field(
+        description="the price of one GPU for an hour (cloud list or amortised), in USD")
+
+
 class RouterConfig(ConfigModel):
     """Which replica serves each new request (a session's later turns stay with its first).
     ``cache_aware`` is SGLang's router: the replica holding the longest prefix of the prompt
@@ -418,6 +426,7 @@ class Scenario(ConfigModel):
     timing: TimingConfig = TimingConfig()
     engine: EngineConfig = EngineConfig()
     slo: SloConfig | None = None
+    cost: CostConfig | None = None
     output_dir: str | None = None
     sweep: dict[str, Any] | None = Field(
         default=None, description="grid/zip/seeds for kvsim sweep (see sim/sweep.py)")

@@ -245,3 +245,31 @@ def test_row_buffer_chunks_make_the_frame_built_at_once(chunk_rows):
     assert buffer.frame() is buffer.frame()  # the chunks are joined once
     empty = _RowBuffer(columns, {"rejected": bool}).frame()
     assert len(empty) == 0 and list(empty.dtypes) == list(expected.dtypes)
+
+
+def test_a_price_on_the_gpus_puts_one_on_the_tokens():
+    from sim.metrics import format_summary
+
+    data = {"name": "cost", "memory": {"kv_memory_gib": 2},
+            "parallel": {"tensor_parallel_size": 2}, "engine": {"replicas": 2},
+            "workload": {"arrival": {"process": "poisson", "rate": 20},
+                         "prompt_len": {"dist": "uniform", "low": 20, "high": 300},
+                         "output_len": {"dist": "uniform", "low": 5, "high": 150}},
+            "systems": [{"name": "paged", "allocator": {"kind": "paged"}}],
+            "stop": {"num_requests": 100}}
+    unpriced = run_scenario(scenario_from_dict(data)).systems["paged"].summary
+    assert unpriced["usd_per_million_tokens"] is None
+    assert "GPU cost" not in format_summary({"paged": unpriced})
+    priced = run_scenario(scenario_from_dict({**data, "cost": {"usd_per_gpu_hour": 3.6}}))
+    run = priced.systems["paged"]
+    # Four GPUs at a dollar a thousand seconds each, over the output tokens they served.
+    requests = run.requests
+    makespan = requests["finished_s"].max() - requests["arrival_s"].min()
+    tokens = (requests["output_len"] * requests["n"]).sum()
+    assert run.summary["gpus"] == 4
+    assert run.summary["usd_per_million_tokens"] == pytest.approx(
+        4 * 3.6 / 3600 * makespan / tokens * 1e6)
+    assert "GPU cost per million output tokens (USD)" in format_summary({"paged": run.summary})
+    # Pricing changes nothing else.
+    assert {k: v for k, v in run.summary.items() if k != "usd_per_million_tokens"} == {
+        k: v for k, v in unpriced.items() if k != "usd_per_million_tokens"}
