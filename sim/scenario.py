@@ -236,6 +236,10 @@ class SchedulerConfig(ConfigModel):
         default=None, gt=0, description="under shortest_predicted: a request that has waited "
         "this long since it arrived is seated before shorter ones, the oldest first (aging, "
         "against the starvation of long requests)")
+    aging_tokens_per_s: float | None = Field(
+        default=None, gt=0, description="under shortest_predicted: each second a request has "
+        "waited counts as this many predicted tokens fewer (linear aging: a long request "
+        "moves up the line as it waits, however long the line)")
     preemption_victim: Literal["last_admitted", "fewest_generated"] = Field(
         default="last_admitted", description="under fcfs: which running request is preempted "
         "when memory runs short (priority always preempts the worst priority, latest arrival)")
@@ -253,8 +257,9 @@ class SchedulerConfig(ConfigModel):
                              "running request with the worst priority is preempted")
         if self.priority_preemption and self.policy != "priority":
             raise ValueError("priority_preemption needs policy: priority")
-        if self.max_wait_s is not None and self.policy != "shortest_predicted":
-            raise ValueError("max_wait_s needs policy: shortest_predicted")
+        for aging in ("max_wait_s", "aging_tokens_per_s"):
+            if getattr(self, aging) is not None and self.policy != "shortest_predicted":
+                raise ValueError(f"{aging} needs policy: shortest_predicted")
         return self
 
 

@@ -158,22 +158,28 @@ class WaitingLine:
     still to generate, arrival, request index); a preempted request simply goes back in,
     where its key places it.
 
-    With ``max_wait_s`` (aging, against the starvation of long jobs), a request that
-    arrived that long before ``clock`` goes ahead of the key's order, the oldest first. It
-    then sits in a second heap, by arrival, too; an entry whose ticket is no longer its
-    request's (the request left the line by the other heap) is skipped when it surfaces.
+    Two kinds of aging keep long jobs from starving. With ``aging_tokens_per_s`` r, every
+    second waited counts as r predicted tokens fewer: the key is the tokens left − r × the
+    wait, and since the wait is now − arrival, where now is the same for everyone, the
+    order is that of tokens left + r × arrival, a key fixed when the request joins. With
+    ``max_wait_s``, a request that arrived that long before ``clock`` goes ahead of the
+    key's order, the oldest first. It then sits in a second heap, by arrival, too; an entry
+    whose ticket is no longer its request's (the request left the line by the other heap)
+    is skipped when it surfaces.
     """
 
-    def __init__(self, order: str = "fcfs", max_wait_s: float | None = None) -> None:
+    def __init__(self, order: str = "fcfs", max_wait_s: float | None = None,
+                 aging_tokens_per_s: float = 0.0) -> None:
         self.by_priority = order == "priority"
         self.by_length = order == "shortest_predicted"
         self.ordered = self.by_priority or self.by_length  # an arrival may pass the head
         self.max_wait_s = max_wait_s
+        self.aging_tokens_per_s = aging_tokens_per_s
         self.clock = 0.0  # the time "waited that long" is judged at (the scheduler sets it)
         self._line: deque[Request] = deque()
         # (key, arrival, request index, ticket, request): the index and ticket, unique,
         # spare comparing requests.
-        self._heap: list[tuple[int, float, int, int, Request]] = []
+        self._heap: list[tuple[float, float, int, int, Request]] = []
         self._by_arrival: list[tuple[float, int, int, Request]] = []
         self._count = 0
 
@@ -225,11 +231,14 @@ class WaitingLine:
     def arrive(self, request: Request) -> None:
         """A new arrival joins the back (or its place, by its key)."""
         self._count += 1
+        key: float
         if self.by_priority:
-            key = request.priority
+            key = float(request.priority)
         elif self.by_length:
             # What is left of the guess (a preempted request has generated some of it).
-            key = max(request.predicted_output - request.gen_sync, 1)
+            key = float(max(request.predicted_output - request.gen_sync, 1))
+            if self.aging_tokens_per_s:
+                key += self.aging_tokens_per_s * request.arrival_s
         else:
             self._line.append(request)
             return
@@ -302,7 +311,8 @@ class Scheduler:
         self.swap_preemptions = 0
         self.swapped_out_slots = 0
         self.swapped_in_slots = 0
-        self.waiting = WaitingLine(config.policy, config.max_wait_s)
+        self.waiting = WaitingLine(config.policy, config.max_wait_s,
+                                   config.aging_tokens_per_s or 0.0)
         self._noticed_s = -math.inf  # the last time notice_time was told
         self.running: dict[int, Request] = {}  # admit_seq -> request, in admission order
         self.steps = 0  # steps completed

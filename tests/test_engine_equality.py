@@ -99,6 +99,8 @@ def random_scenario(seed: int) -> dict:
     # tokens the step carries (MLA's latent too, for DeepSeek).
     model = "llama-2-7b" if rng.random() < 0.8 else rng.choice(["qwen3-30b-a3b",
                                                                  "deepseek-v2-lite"])
+    if scheduler.get("policy") == "shortest_predicted" and rng.random() < 0.5:  # last too
+        scheduler["aging_tokens_per_s"] = rng.choice([2.0, 50.0])
     return {
         "name": f"random-{seed}",
         "model": model,

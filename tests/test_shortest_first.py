@@ -84,9 +84,11 @@ def test_a_burst_is_served_shortest_first_with_a_perfect_predictor(tmp_path, pol
 @pytest.fixture(scope="module")
 def overloaded():
     """600 requests at 12 req/s, past first come, first served's capacity: first come,
-    first served, shortest predicted first, and the same aged at 5 s."""
+    first served, shortest predicted first, and the same aged at 5 s or by 25 tokens a
+    second waited."""
     schedulers = {"fcfs": {}, "sjf": {"policy": "shortest_predicted"},
-                  "aged": {"policy": "shortest_predicted", "max_wait_s": 5.0}}
+                  "aged": {"policy": "shortest_predicted", "max_wait_s": 5.0},
+                  "linear": {"policy": "shortest_predicted", "aging_tokens_per_s": 25.0}}
     data = {
         "name": "sjf", "model": "llama-2-7b", "gpu": "a100-80g",
         "memory": {"kv_memory_gib": 8},
@@ -164,3 +166,59 @@ def test_aging_bounds_the_wait_of_long_requests_and_keeps_most_of_the_gain(overl
     bad = dict(data["systems"][0], scheduler={"max_wait_s": 5.0})
     with pytest.raises(ScenarioError, match="max_wait_s needs policy: shortest_predicted"):
         scenario_from_dict({**data, "systems": [bad]})
+
+
+def test_linear_aging_orders_by_tokens_left_less_a_rate_times_the_wait():
+    # Request 0: 500 tokens, arrived at 0; request 1: 300 tokens, at 10 s. Shortest first
+    # seats 1 first; at 25 tokens a second, 0 has waited 10 s longer, worth 250 tokens:
+    # 500 - 250 < 300, so 0 goes first, whenever the line is looked at.
+    trace = burst([500, 300])
+    for aging, order in ((0.0, [1, 0]), (25.0, [0, 1]), (15.0, [1, 0])):
+        line = WaitingLine("shortest_predicted", aging_tokens_per_s=aging)
+        for index, (arrival, guess) in enumerate(((0.0, 500), (10.0, 300))):
+            request = Request(trace, index, arrival)
+            request.predicted_output = guess
+            line.arrive(request)
+        assert [line.pop().index for _ in range(2)] == order, aging
+
+
+def seat_order(aging_tokens_per_s: float | None) -> list[int]:
+    """One seat. Request 0 (3 tokens) runs from 0 s; request 1 (100 tokens) arrives at 0 s
+    and waits; a short request (5 tokens) arrives every second from 1 s to 30 s, faster than
+    they are served. The order in which the requests are seated."""
+    outputs = [3, 100] + [5] * 30
+    arrivals = [0.0, 0.0] + [float(t) for t in range(1, 31)]
+    trace = Trace.from_columns(arrival_s=np.array(arrivals), prompt_len=np.full(32, 20),
+                               output_len=np.array(outputs))
+    allocator = PagedAllocator(num_blocks=256, block_size=16, enable_prefix_caching=False)
+    config = SchedulerConfig(policy="shortest_predicted", max_num_seqs=1,
+                             aging_tokens_per_s=aging_tokens_per_s)
+    sched = Scheduler(allocator, config, debug=True, predicted_output=outputs)
+    requests = [Request(trace, i, arrivals[i]) for i in range(32)]
+    clock, arrived, seated = 0.0, 0, []
+    while len(seated) < 32:
+        assert clock < 1000, "not every request was seated"
+        while arrived < 32 and arrivals[arrived] <= clock:
+            assert sched.add(requests[arrived])
+            arrived += 1
+        batch = sched.schedule(clock)
+        seated += [r.index for r, _, _ in batch.prefill]
+        clock += 1.0
+        sched.finish_step(batch, clock)
+    return seated
+
+
+def test_linear_aging_lets_a_long_request_in_once_its_wait_outweighs_its_length():
+    # Shortest first seats the long request after every short one, for as long as short
+    # ones keep coming. At 10 tokens a second, a short request arriving at t weighs
+    # 5 + 10 t against the long one's 100: those arriving after 9.5 s go behind it.
+    assert seat_order(None) == [0, *range(2, 32), 1]
+    assert seat_order(10.0) == [0, *range(2, 11), 1, *range(11, 32)]
+    # At 1 token a second it would take 95 s: longer than the stream lasts.
+    assert seat_order(1.0) == seat_order(None)
+    bad = {"name": "s", "allocator": {"kind": "paged"},
+           "scheduler": {"aging_tokens_per_s": 5.0}}
+    with pytest.raises(ScenarioError, match="aging_tokens_per_s needs policy: "
+                       "shortest_predicted") as err:
+        scenario_from_dict({**scenario("fcfs", [1]), "systems": [bad]})
+    assert "\n" not in str(err.value)
