@@ -267,16 +267,26 @@ def kv_pool_slots(
     pool_bytes = usable_bytes - weight_bytes_per_gpu
     if pool_bytes <= 0:
         share = "" if tensor_parallel_size == 1 else f" (1/{tensor_parallel_size} of them)"
-        needed = math.ceil(model.weight_bytes / usable_bytes)
-        hint = (f"; shard them over more GPUs (parallel.tensor_parallel_size, at least "
-                f"{needed}) or give memory.kv_memory_gib" if needed > tensor_parallel_size
-                else "")
+        hint = _sharding_hint(model, gpu, usable_bytes)
         raise SizingError(
             f"{model.name} weights{share} ({weight_bytes_per_gpu / GIB:.1f} GiB) do not fit in "
             f"{gpu_memory_utilization:.0%} of {gpu.name} ({usable_bytes / GIB:.1f} GiB): no KV "
             f"pool left{hint}"
         )
     return int(pool_bytes // model.kv_bytes_per_token_per_gpu(tensor_parallel_size))
+
+
+def _sharding_hint(model: ModelSpec, gpu: GpuSpec, usable_bytes: float) -> str:
+    """What to do about weights one GPU cannot hold: the fewest GPUs that hold them and
+    split the model evenly, within the GPUs one NVLink board joins."""
+    board = gpu.interconnect_gpus or 64
+    needed = math.ceil(model.weight_bytes / usable_bytes)
+    fitting = [n for n in range(needed, board + 1) if model.tensor_parallel_problem(n) is None]
+    if fitting:
+        return (f"; shard them over {fitting[0]} GPUs (parallel.tensor_parallel_size: "
+                f"{fitting[0]}) or give memory.kv_memory_gib")
+    return (f"; no tensor-parallel group of at most {board} {gpu.name} GPUs (one board) holds "
+            "them: choose a GPU with more memory, or give memory.kv_memory_gib")
 
 
 def lookup_model(name: str) -> ModelSpec:

@@ -14,7 +14,7 @@ from reports.run_figures import memory_over_time
 from reports.sweep_report import sweep_figures
 from sim.engine import build_timing, run_scenario
 from sim.metrics import format_summary, sweep_metrics
-from sim.presets import GIB, SizingError, kv_pool_slots, lookup_gpu, lookup_model
+from sim.presets import GIB, GpuSpec, SizingError, kv_pool_slots, lookup_gpu, lookup_model
 from sim.scenario import ScenarioError, scenario_from_dict
 from sim.sweep import run_sweep
 from sim.timing import Calibration, CalibrationError, roofline
@@ -76,12 +76,24 @@ def test_pool_per_gpu_under_tensor_parallelism():
 
 def test_weights_that_do_not_fit_say_how_many_gpus_would():
     with pytest.raises(SizingError, match=r"llama-2-70b weights \(128\.5 GiB\) do not fit in 90% "
-                       r"of a100-80g \(72\.0 GiB\): no KV pool left; shard them over more GPUs "
-                       r"\(parallel\.tensor_parallel_size, at least 2\)"):
+                       r"of a100-80g \(72\.0 GiB\): no KV pool left; shard them over 2 GPUs "
+                       r"\(parallel\.tensor_parallel_size: 2\)"):
         kv_pool_slots(LLAMA_70B, A100)
     a100_40 = lookup_gpu("a100-40g")
-    with pytest.raises(SizingError, match=r"weights \(1/2 of them\) .* at least 4\)"):
+    with pytest.raises(SizingError, match=r"weights \(1/2 of them\) .* over 4 GPUs"):
         kv_pool_slots(LLAMA_70B, a100_40, tensor_parallel_size=2)
+    # The fewest GPUs that also split the heads evenly: three 24 GiB GPUs would hold
+    # Qwen3-30B-A3B's 56.8 GiB of weights, but its 32 heads need four.
+    small = GpuSpec("24g", 24 * 1024**3, 300e9, 121e12, 100e9)
+    with pytest.raises(SizingError, match=r"shard them over 4 GPUs"):
+        kv_pool_slots(lookup_model("qwen3-30b-a3b"), small)
+    # DeepSeek-V3 (625 GiB in FP8) needs 9 A100-80G, which its 128 heads round to 16: more
+    # than one 8-GPU board.
+    with pytest.raises(SizingError, match=r"no tensor-parallel group of at most 8 a100-80g GPUs "
+                       r"\(one board\) holds them: choose a GPU with more memory"):
+        kv_pool_slots(lookup_model("deepseek-v3"), A100)
+    assert kv_pool_slots(lookup_model("deepseek-v3"), lookup_gpu("h200-141g"),
+                         tensor_parallel_size=8) > 0
     with pytest.raises(SizingError, match="do not divide over 3 GPUs"):
         kv_pool_slots(LLAMA_70B, A100, tensor_parallel_size=3)
 
@@ -191,7 +203,7 @@ def test_too_large_a_model_fails_in_one_line_with_the_fix(tmp_path):
                             "--no-report")
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1
-    assert "parallel.tensor_parallel_size, at least 2" in proc.stderr
+    assert "shard them over 2 GPUs (parallel.tensor_parallel_size: 2)" in proc.stderr
 
 
 def test_shipped_tensor_parallel_sweep_keeps_gpu_counts_apart(tmp_path):
