@@ -455,6 +455,42 @@ def cmd_trace_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_presets(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from sim.presets import GIB, GPU_PRESETS, MODEL_PRESETS, ModelSpec
+
+    def attention(m: ModelSpec) -> str:
+        if m.uses_mla:
+            return f"MLA ({m.kv_latent_dim})"
+        return "MHA" if m.num_kv_heads == m.num_heads else f"GQA ({m.num_kv_heads} KV heads)"
+
+    models = pd.DataFrame([{
+        "model": m.name, "attention": attention(m), "layers": m.num_layers,
+        "KV a token (KiB)": f"{m.kv_bytes_per_token / 1024:,.1f}",
+        "params (B)": f"{m.num_params / 1e9:,.1f}",
+        "active (B)": f"{m.active_params / 1e9:,.1f}" if m.active_params else "—",
+        "experts a token": (f"{m.experts_per_token} of {m.num_experts}" if m.num_experts
+                            else "—"),
+        "weights (GiB)": f"{m.weight_bytes / GIB:,.1f}",
+        "max context": f"{m.max_model_len:,}"} for m in MODEL_PRESETS.values()])
+    gpus = pd.DataFrame([{
+        "gpu": g.name, "memory (GiB)": f"{g.memory_bytes / GIB:,.1f}",
+        "HBM (TB/s)": f"{g.hbm_bandwidth_bytes_per_s / 1e12:,.2f}",
+        "dense bf16 (TFLOP/s)": f"{g.peak_flops / 1e12:,.0f}",
+        "NVLink (GB/s, one way)": (f"{g.interconnect_bytes_per_s / 1e9:,.0f} × "
+                                   f"{g.interconnect_gpus} GPUs"
+                                   if g.interconnect_bytes_per_s else "—"),
+        "host link (GB/s, one way)": (f"{g.host_link_bytes_per_s / 1e9:,.0f}"
+                                      if g.host_link_bytes_per_s else "—")}
+        for g in GPU_PRESETS.values()])
+    print(models.to_string(index=False))
+    print()
+    print(gpus.to_string(index=False))
+    print("\nmodel: and gpu: take these names, or a mapping of the same shapes (kvsim schema)")
+    return EXIT_OK
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from sim.bench import main as bench_main
 
@@ -599,6 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     schema = sub.add_parser("schema", help="print the scenario JSON Schema (for editors)")
     schema.set_defaults(func=cmd_schema)
+
+    presets = sub.add_parser("presets", help="the model and GPU presets and their shapes")
+    presets.set_defaults(func=cmd_presets)
 
     bench = sub.add_parser("bench", help="engine benchmark: ShareGPT-like load, paged-16")
     bench.add_argument("--sizes", type=request_counts, default=DEFAULT_SIZES,

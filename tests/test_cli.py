@@ -193,6 +193,12 @@ def test_missing_file_and_validate_and_schema(tmp_path):
     assert "workload.arival: unknown key; did you mean 'arrival'?" in proc.stderr
     proc = kvsim("schema")
     assert proc.returncode == 0 and '"systems"' in proc.stdout
+    proc = kvsim("presets")  # every preset, with what a token of it caches
+    assert proc.returncode == 0
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    assert "MLA (576)" in rows["deepseek-v3"] and "68.6" in rows["deepseek-v3"]
+    assert "GQA (8 KV heads)" in rows["llama-2-70b"] and "512.0" in rows["llama-2-7b"]
+    assert "8 of 128" in rows["qwen3-30b-a3b"] and "450 × 8 GPUs" in rows["h200-141g"]
     proc = kvsim("run")
     assert proc.returncode == 2
 
