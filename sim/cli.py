@@ -361,6 +361,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from sim.api import load
+    from sim.engine import memory_summary
     from sim.sweep import load_sweep_points
 
     path = Path(args.scenario)
@@ -371,8 +372,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if scenario.sweep:  # every point must be valid too, as kvsim sweep checks before running
         _, points = load_sweep_points(path, overrides=overrides)
         sweep = f"; sweep: {len(points)} runs, each valid"
-    from sim.engine import memory_summary
-
     memory = memory_summary(scenario)  # a pool the weights leave no room for is an error
     print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}{sweep}")
     print(memory)

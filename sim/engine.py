@@ -757,10 +757,10 @@ def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) 
         levels = ", ".join(str(level) for level in np.unique(trace.priority))
         raise WorkloadError(f"slo.priorities: no request has priority "
                             f"{', '.join(map(str, judged))}; the trace's levels: {levels}")
+    unpredicted = np.flatnonzero(trace.predicted_output < 1)
     for system in scenario.systems:
-        unpredicted = np.flatnonzero(trace.predicted_output < 1)
-        if (system.uses_predictor and system.length_predictor.source == "trace"
-                and len(unpredicted)):
+        if (len(unpredicted) and system.uses_predictor
+                and system.length_predictor.source == "trace"):
             raise WorkloadError(
                 f"systems[{system.name}].predictor.source: trace, but request "
                 f"{unpredicted[0]} of {trace.source} has no predicted_output (map the column "

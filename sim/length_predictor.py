@@ -22,16 +22,16 @@ from workloads import Trace
 PREDICTION_STREAM = 0x50524544  # a random stream of its own: the trace's draws stay as they were
 
 
-def predicted_output_lengths(trace: Trace, prediction: PredictorConfig,
+def predicted_output_lengths(trace: Trace, predictor: PredictorConfig,
                              seed: int) -> list[int]:
     """Per request of ``trace``: the output tokens the predictor expects, at least one and
     at most the request's ``max_tokens`` (a client's limit is known before it runs)."""
-    if prediction.source == "trace":
+    if predictor.source == "trace":
         if (trace.predicted_output < 1).any():  # scenario_trace said which, in a line
             raise ValueError("predictor.source trace: some request has no predicted_output")
         guess = trace.predicted_output.astype(np.float64)
     else:
         z = np.random.default_rng([seed, PREDICTION_STREAM]).standard_normal(len(trace))
-        guess = trace.output_len * np.exp(prediction.sigma * z)
-    guess = guess * (1.0 + prediction.headroom)
+        guess = trace.output_len * np.exp(predictor.sigma * z)
+    guess = guess * (1.0 + predictor.headroom)
     return np.clip(np.ceil(guess), 1, trace.max_tokens).astype(np.int64).tolist()

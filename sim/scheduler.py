@@ -12,7 +12,7 @@ first, the worst-ranked seated one is the first asked to leave; others seat firs
 diner expected to order least (``policy: shortest_predicted``). A house that lays each
 table for the courses it expects a diner to order (contiguous memory reserved for a
 predicted output length) sends a diner who orders more back to the queue, to be seated
-again at a table laid for twice as many.
+again at a larger table: laid for twice as many, or for all the diner may order.
 
 Decoding is accounted lazily, like interest on a bank account: a decoding request's token
 count is ``tok_sync + (steps - g_sync)``, and the allocator is only told ("synced") when the

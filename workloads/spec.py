@@ -104,7 +104,7 @@ class ColumnMap(ConfigModel):
                                  "lower first")
     predicted_output: str | None = Field(
         default=None, description="the output length a predictor expected for the request "
-        "(integer >= 1), for reserve_policy predicted with prediction.source: trace")
+        "(integer >= 1), for a system whose predictor has source: trace")
 
 
 class TraceWorkload(ConfigModel):
