@@ -23,6 +23,10 @@ from sim.metrics import format_summary
 if TYPE_CHECKING:
     import pandas as pd
 
+    from sim.hit_curve import HitCurve
+    from sim.presets import ModelSpec
+    from sim.scenario import Scenario
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
@@ -386,7 +390,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def _load_trace_arg(target: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """A trace from a scenario file (with its --set changes) or directly from a trace file."""
+    """The trace of a scenario file (with its --set changes) and the scenario, or the trace
+    of a trace file and None."""
     from sim.api import load
     from sim.engine import scenario_trace
     from workloads import build_trace
@@ -395,7 +400,7 @@ def _load_trace_arg(target: str, args: argparse.Namespace):  # type: ignore[no-u
     path = Path(target)
     if path.suffix in (".yaml", ".yml"):
         scenario, _ = load(path, overrides=dict(args.overrides or []))
-        return scenario_trace(scenario, path.parent)
+        return scenario_trace(scenario, path.parent), scenario
     if args.overrides:
         raise BadInput(f"{target}: --set changes a scenario's fields; this is a trace file")
     if args.format in ("csv", "jsonl"):
@@ -403,14 +408,14 @@ def _load_trace_arg(target: str, args: argparse.Namespace):  # type: ignore[no-u
                        "prompt_len, output_len): give a scenario whose workload.columns names "
                        "them")
     workload = TraceWorkload(path=target, format=args.format, skip_invalid=args.skip_invalid)
-    return build_trace(workload, seed=0, max_model_len=args.max_model_len, base_dir=Path())
+    return build_trace(workload, seed=0, max_model_len=args.max_model_len, base_dir=Path()), None
 
 
 def cmd_trace_stats(args: argparse.Namespace) -> int:
     from sim.trace_stats import trace_stats
 
     for target in args.targets:
-        trace = _load_trace_arg(target, args)
+        trace, _ = _load_trace_arg(target, args)
         stats = trace_stats(trace, args.block_size)
         print(f"== {target}")
         for note in trace.notes:
@@ -426,8 +431,109 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _hit_curve_block_size(args: argparse.Namespace, scenario: Scenario | None) -> int:
+    """--block-size, else the scenario's first paged system's, else 16."""
+    if args.block_size is not None:
+        return int(args.block_size)
+    for system in scenario.systems if scenario is not None else ():
+        size = getattr(system.allocator, "block_size", None)
+        if size is not None and getattr(system.allocator, "prefix_caching", False):
+            return int(size)
+    return 16
+
+
+def _pool_marks(scenario: Scenario) -> dict[str, int]:
+    """Where a scenario's caches sit: a replica's GPU pool, and that with each host tier."""
+    from sim.engine import host_memory, scenario_pool_slots
+
+    pool = scenario_pool_slots(scenario)
+    marks = {"GPU KV pool" + (" (one replica's)" if scenario.engine.replicas > 1 else ""): pool}
+    for system in scenario.systems:
+        host_slots = host_memory(scenario, system)[0]
+        if host_slots and getattr(system.allocator, "prefix_caching", False):
+            gib = system.allocator.host_cache_gib  # type: ignore[union-attr]
+            marks[f"{system.name}: pool + {gib:g} GiB host tier"] = pool + host_slots
+    return marks
+
+
+def _print_hit_curve(curve: HitCurve, requests: int, rows: int, model: ModelSpec | None,
+                     marks: dict[str, int]) -> None:
+    """The curve as a table of doubling sizes, where it levels off, and the ``marks``."""
+    from sim.presets import GIB
+
+    bs = curve.block_size
+    print(f"prefix-cache hit rate against cache size: LRU over {bs}-token blocks, "
+          f"{requests:,} requests one at a time in trace order (the most a pool of that size "
+          "could find: running requests hold part of a real one)")
+
+    def gib(tokens: int) -> str:
+        return f"{tokens * model.kv_bytes_per_token / GIB:,.2f}" if model else ""
+
+    def size(tokens: int) -> str:
+        return f"{tokens:,} tokens" + (f" ({gib(tokens)} GiB)" if model else "")
+
+    if curve.max_hit_rate == 0:
+        print("  no prompt starts with a full block of an earlier request's: no cache size "
+              "finds anything")
+        return
+    print(f"  {'cache (tokens)':>16}" + (f"  {'GiB of ' + model.name + ' KV':>24}" if model
+                                         else "") + f"  {'hit rate':>9}")
+    # Doubling sizes, the last the first power of two that finds all an unlimited cache does.
+    top = 1 << max(curve.saturation_tokens - 1, bs).bit_length()
+    for tokens in sorted({max(top >> k, bs) for k in range(rows)}):
+        print(f"  {tokens:>16,}" + (f"  {gib(tokens):>24}" if model else "")
+              + f"  {curve.hit_rate(tokens):>9.1%}")
+    print(f"  unlimited: {curve.max_hit_rate:.1%} of {curve.prompt_tokens:,} prompt tokens, "
+          f"reached at {size(curve.saturation_tokens)}; the trace writes "
+          f"{size(curve.working_set_blocks * bs)} in full blocks")
+    print(f"  half of that rate at {size(curve.tokens_for(0.5))}, 90% of it at "
+          f"{size(curve.tokens_for(0.9))}")
+    for label, tokens in marks.items():
+        print(f"  {label}: {size(tokens)}: {curve.hit_rate(tokens):.1%}")
+
+
+def cmd_trace_hit_curve(args: argparse.Namespace) -> int:
+    from reports.hit_curve_figure import hit_curve_figure
+    from sim.hit_curve import hit_curve
+    from sim.presets import lookup_model
+
+    out = Path(args.plot) if args.plot else None
+    if out is not None:  # before the work, not after it
+        if out.suffix not in (".png", ".svg", ".pdf"):
+            raise BadInput(f"{out}: expected a .png, .svg or .pdf figure file")
+        if not out.parent.is_dir():
+            raise BadInput(f"{out}: no folder {out.parent} to write into")
+    try:
+        chosen = lookup_model(args.model) if args.model else None
+    except KeyError as exc:
+        raise BadInput(f"--model: {exc.args[0]}") from None
+    curves = {}
+    kv_bytes: set[int] = set()  # a token's KV under each target's model
+    marks: dict[str, int] = {}
+    for target in args.targets:
+        trace, scenario = _load_trace_arg(target, args)
+        model = chosen or (scenario.model_spec() if scenario is not None else None)
+        bar = None if args.quiet else _progress_bar(2 * len(trace), "hit curve", "req",
+                                                    leave=False)
+        curve = hit_curve(trace, _hit_curve_block_size(args, scenario), progress=bar)
+        curves[target] = curve
+        marks = _pool_marks(scenario) if scenario is not None else {}
+        print(f"== {target}")
+        for note in trace.notes:
+            print(f"note: {note}")
+        _print_hit_curve(curve, len(trace), args.rows, model, marks)
+        kv_bytes.add(model.kv_bytes_per_token if model is not None else 0)
+    if out is not None:
+        # A GiB axis only where every curve's tokens weigh the same; marks for one target.
+        per_token = kv_bytes.pop() if len(kv_bytes) == 1 else 0
+        fig = hit_curve_figure(curves, per_token or None, marks if len(curves) == 1 else None)
+        fig.savefig(out, dpi=120, metadata={"Date": None} if out.suffix == ".svg" else None)
+        print(f"wrote {out}")
+    return EXIT_OK
+
+
 def cmd_trace_export(args: argparse.Namespace) -> int:
-    trace = _load_trace_arg(args.target, args)
+    trace, _ = _load_trace_arg(args.target, args)
     frame = trace.to_frame()
     out = Path(args.output)
     if not out.parent.is_dir():
@@ -458,7 +564,7 @@ def cmd_trace_list(args: argparse.Namespace) -> int:
 def cmd_presets(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from sim.presets import GIB, GPU_PRESETS, MODEL_PRESETS, ModelSpec
+    from sim.presets import GIB, GPU_PRESETS, MODEL_PRESETS
 
     def attention(m: ModelSpec) -> str:
         if m.uses_mla:
@@ -664,6 +770,21 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("targets", nargs="+", metavar="FILE|SCENARIO")
     stats.add_argument("--block-size", type=_positive_int, default=16)
     stats.set_defaults(func=cmd_trace_stats)
+    curve = trace_sub.add_parser(
+        "hit-curve", parents=[common],
+        help="prefix-cache hit rate against cache size, every size from one pass")
+    curve.add_argument("targets", nargs="+", metavar="FILE|SCENARIO")
+    curve.add_argument("--block-size", type=_positive_int, default=None,
+                       help="tokens a block (default: a scenario's first paged system's "
+                       "with prefix caching, else 16)")
+    curve.add_argument("--model", help="a model preset, to give sizes in GiB of its KV "
+                       "(default: a scenario's model)")
+    curve.add_argument("--rows", type=_positive_int, default=12,
+                       help="cache sizes printed, doubling up to the one that finds all "
+                       "(default 12)")
+    curve.add_argument("--plot", metavar="FILE", help="also draw the curves (.png, .svg, .pdf)")
+    curve.add_argument("--quiet", action="store_true", help="no progress bar")
+    curve.set_defaults(func=cmd_trace_hit_curve)
     export = trace_sub.add_parser("export", parents=[common],
                                   help="write a scenario's trace to CSV or JSONL")
     export.add_argument("target", metavar="FILE|SCENARIO")
