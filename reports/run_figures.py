@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from reports.style import TAXONOMY_COLORS, TAXONOMY_LABELS, new_figure, system_color
+from sim.engine import slot_layers
 from sim.memory import TAXONOMY
 from sim.results import ScenarioResult
 from sim.scenario import scenario_from_dict
@@ -24,13 +25,17 @@ from sim.slo import latencies
 GIB = 1024**3
 
 
-def kv_bytes_per_slot(result: ScenarioResult) -> tuple[int, str]:
-    """Bytes of one pool slot on one GPU, and the axis label that says so: under tensor
-    parallelism every GPU holds every token's slot, with its share of the KV heads."""
+def kv_bytes_per_slot(result: ScenarioResult, system: str) -> tuple[float, str]:
+    """Bytes of one of ``system``'s pool slots on one GPU, and the axis label that says so:
+    under tensor parallelism every GPU holds every token's slot, with its share of the KV
+    heads; under the hybrid KV cache manager a slot is one token of one group's layers."""
     scenario = scenario_from_dict(result.scenario)
     tp = scenario.parallel.tensor_parallel_size
     label = "KV memory (GiB)" if tp == 1 else f"KV memory per GPU (GiB, 1 of {tp})"
-    return scenario.model_spec().kv_bytes_per_token_per_gpu(tp), label
+    model = scenario.model_spec()
+    config = next(s for s in scenario.systems if s.name == system)
+    share = slot_layers(model, config) / model.num_layers
+    return model.kv_bytes_per_token_per_gpu(tp) * share, label
 
 
 def _shown_replica(result: ScenarioResult, decoding: bool) -> tuple[int, str]:
@@ -82,11 +87,11 @@ def memory_over_time(result: ScenarioResult) -> Figure:
     """Stacked areas of the taxonomy per system (GiB on the left, % of the pool on the right)."""
     names = list(result.systems)
     fig, axes = new_figure(len(names), 1, height=2.8, sharex=True)
-    per_token, gib_label = kv_bytes_per_slot(result)
     replica, note = _shown_replica(result, decoding=True)
     data = {}
     for ax, name in zip(axes, names, strict=True):
         run = result.systems[name]
+        per_token, gib_label = kv_bytes_per_slot(result, name)
         memory = time_binned(_rows_of(run.memory, replica), list(TAXONOMY))
         capacity = run.summary["capacity_slots"]
         gib = memory[list(TAXONOMY)] * per_token / GIB
@@ -103,8 +108,8 @@ def memory_over_time(result: ScenarioResult) -> Figure:
         ax.set_title(f"{name}: KV pool over time{note}",
                      loc="left", fontsize=10)
         pct = ax.secondary_yaxis("right", functions=(
-            lambda g, c=capacity: g * GIB / per_token / c * 100,
-            lambda p, c=capacity: p / 100 * c * per_token / GIB))
+            lambda g, c=capacity, b=per_token: g * GIB / b / c * 100,
+            lambda p, c=capacity, b=per_token: p / 100 * c * b / GIB))
         pct.set_ylabel("% of pool")
     axes[-1].set_xlabel("simulated time (s)")
     # Below the axes: constrained layout does not keep an "outside upper" legend clear of

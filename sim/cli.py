@@ -568,8 +568,13 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
     def attention(m: ModelSpec) -> str:
         if m.uses_mla:
-            return f"MLA ({m.kv_latent_dim})"
-        return "MHA" if m.num_kv_heads == m.num_heads else f"GQA ({m.num_kv_heads} KV heads)"
+            kind = f"MLA ({m.kv_latent_dim})"
+        else:
+            kind = "MHA" if m.num_kv_heads == m.num_heads else f"GQA ({m.num_kv_heads} KV heads)"
+        if m.sliding_window:
+            kind += (f", window {m.sliding_window:,} in {m.num_sliding_layers} of "
+                     f"{m.num_layers} layers")
+        return kind
 
     models = pd.DataFrame([{
         "model": m.name, "attention": attention(m), "layers": m.num_layers,

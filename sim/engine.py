@@ -30,8 +30,14 @@ import pandas as pd
 import simpy
 
 from sim.length_predictor import predicted_output_lengths
-from sim.memory import TAXONOMY, ContiguousAllocator, KVAllocator, PagedAllocator
-from sim.presets import GIB, KV_CACHE_DTYPE_BYTES, SizingError, kv_pool_slots
+from sim.memory import (
+    TAXONOMY,
+    ContiguousAllocator,
+    HybridPagedAllocator,
+    KVAllocator,
+    PagedAllocator,
+)
+from sim.presets import GIB, KV_CACHE_DTYPE_BYTES, ModelSpec, SizingError, kv_pool_slots
 from sim.results import RunResult, ScenarioResult, summarize
 from sim.router import Router
 from sim.scenario import (
@@ -74,12 +80,43 @@ def allocation_unit(scenario: Scenario, system: SystemConfig) -> int:
     return cfg.block_size if isinstance(cfg, PagedConfig) else 1
 
 
+def uses_hybrid_kv_cache(model: ModelSpec, system: SystemConfig) -> bool:
+    """Whether the system keeps a sliding-window model's layers in groups of block tables
+    (vLLM v1's hybrid KV cache manager) rather than every layer's every token."""
+    cfg = system.allocator
+    return bool(model.sliding_window and isinstance(cfg, PagedConfig) and cfg.hybrid_kv_cache)
+
+
+def slot_layers(model: ModelSpec, system: SystemConfig) -> int:
+    """Layers one pool slot spans: all of them, or one group's under the hybrid manager."""
+    return model.kv_cache_groups()[0] if uses_hybrid_kv_cache(model, system) else (
+        model.num_layers)
+
+
 def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int,
-                    host_slots: int = 0, page_tokens: int = 0) -> KVAllocator:
+                    host_slots: int = 0, page_tokens: int = 0,
+                    model: ModelSpec | None = None) -> KVAllocator:
     """The allocator a system describes, over ``pool_slots`` token slots (and a host tier of
     ``host_slots`` if it has one); a virtual-memory system maps ``page_tokens`` at a time
-    (see :func:`allocation_unit`)."""
+    (see :func:`allocation_unit`). A ``model`` with sliding-window layers gets the hybrid
+    manager's groups where the system uses it."""
     cfg = system.allocator
+    if model is not None and uses_hybrid_kv_cache(model, system):
+        assert isinstance(cfg, PagedConfig)
+        group_layers, full_groups, sliding_groups = model.kv_cache_groups()
+        # A block holds block_size tokens of one group's layers.
+        num_blocks = pool_slots * model.num_layers // (group_layers * cfg.block_size)
+        if num_blocks < 1:
+            raise SizingError(f"systems[{system.name}]: the KV pool ({pool_slots} slots) is "
+                              f"smaller than one block of {group_layers} layers")
+        scheduler = system.scheduler
+        return HybridPagedAllocator(
+            num_blocks, cfg.block_size, full_groups=full_groups,
+            sliding_groups=sliding_groups, sliding_window=model.sliding_window,
+            prefill_chunk_tokens=(scheduler.max_num_batched_tokens
+                                  if scheduler.chunked_prefill else None),
+            enable_prefix_caching=cfg.prefix_caching, eviction=cfg.eviction,
+            watermark=cfg.watermark)
     if isinstance(cfg, ContiguousConfig):
         return ContiguousAllocator(pool_slots, max_model_len=max_model_len,
                                    reserve_policy=cfg.reserve_policy, placement=cfg.placement)
@@ -141,11 +178,20 @@ def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
                 f"{calibration.kv_cache_dtype}, but the scenario's memory.kv_cache_dtype is "
                 f"{kv_dtype}, whose attention reads a different number of bytes per token "
                 "(drop timing.calibration to use the roofline)")
-        return calibration.to_model(str(path), scenario.timing.step_overhead_s)
+        return with_sliding_window(
+            calibration.to_model(str(path), scenario.timing.step_overhead_s), model)
     base = roofline(model, scenario.gpu_spec(), scenario.timing.step_overhead_s,
                     tensor_parallel_size=scenario.parallel.tensor_parallel_size,
                     allreduce_latency_s=scenario.parallel.allreduce_latency_s)
-    return replace(base, paged_alpha=scenario.timing.paged_alpha)
+    return with_sliding_window(replace(base, paged_alpha=scenario.timing.paged_alpha), model)
+
+
+def with_sliding_window(timing: StepTimeModel, model: ModelSpec) -> StepTimeModel:
+    """The step-time model for ``model``'s sliding-window layers, which read at most a
+    window of each context (roofline or calibration alike: those layers do less)."""
+    if not model.sliding_window:
+        return timing
+    return replace(timing, sliding_share=model.num_sliding_layers / model.num_layers)
 
 
 class _RowBuffer:
@@ -238,7 +284,8 @@ class _Replica:
         self.allocator = allocator
         self.scheduler = Scheduler(
             allocator, sim.system.scheduler, sim.debug, sim.swap_slots, sim.predicted_output,
-            overflow_to_max=getattr(sim.system.allocator, "on_overflow", None) == "request_max")
+            overflow_to_max=getattr(sim.system.allocator, "on_overflow", None) == "request_max",
+            sliding_window=sim.sliding_window)
         # Only a block table costs attention its indirection: contiguous extents and
         # contiguous virtual memory are read directly.
         self.rho = sim.timing.rho(sim.unit_slots if sim.block_table else None)
@@ -352,7 +399,8 @@ class _Replica:
                         f"{len(sched.running)} requests run and {len(sched.waiting)} wait")
                 snap = snap_end = sched.snapshot().as_dict()
                 duration = timing.step_time(batch.decode_seqs, batch.context_tokens,
-                                            batch.prefill_tokens, batch.prefill_pairs, self.rho)
+                                            batch.prefill_tokens, batch.prefill_pairs, self.rho,
+                                            batch.skipped_context, batch.skipped_pairs)
                 if batch.loaded_tokens:  # host-cache hits, read up for the step
                     duration = with_transfer(duration, batch.loaded_tokens
                                              * sim.host_s_per_token, sim.pipelined_layers)
@@ -390,6 +438,7 @@ class _SystemRun:
         self.trace = trace
         self.timing = timing
         self.block_table = isinstance(system.allocator, PagedConfig)
+        self.sliding_window = scenario.model_spec().sliding_window  # 0: none
         self.unit_slots = unit_slots  # a block, a page, or 1 (see allocation_unit)
         self.jump = scenario.engine.mode == "jump"
         self.debug = scenario.engine.debug_invariants
@@ -469,7 +518,7 @@ class _SystemRun:
         self.replicas = []
         for r in range(replicas):
             allocator = build_allocator(system, pool_slots, scenario.model_spec().max_model_len,
-                                        host_slots, self.unit_slots)
+                                        host_slots, self.unit_slots, scenario.model_spec())
             role = ("both" if not self.handovers
                     else "prefill" if r < self.prefill_replicas else "decode")
             replica = _Replica(self.env, r, self, allocator, role)
@@ -720,10 +769,17 @@ def memory_summary(scenario: Scenario) -> str:
     each = "" if tp == 1 else " a GPU"
     source = (" (memory.kv_memory_gib)" if scenario.memory.kv_memory_gib is not None else
               f" ({scenario.memory.gpu_memory_utilization:.0%} of GPU memory less the weights)")
-    return (f"memory: {model.name} on {gpus}: weights {model.weight_bytes / tp / GIB:.1f} GiB"
+    text = (f"memory: {model.name} on {gpus}: weights {model.weight_bytes / tp / GIB:.1f} GiB"
             f"{each}, KV pool {slots * per_gpu / GIB:.1f} GiB{each}{source}; GPU KV cache size "
             f"{slots:,} tokens of {per_gpu / 1024:,.1f} KiB{each}; maximum concurrency for "
             f"{model.max_model_len:,} tokens per request: {slots / model.max_model_len:.2f}x")
+    if model.sliding_window:
+        layers, full, sliding = model.kv_cache_groups()
+        text += (f"; a {model.sliding_window:,}-token sliding window in "
+                 f"{model.num_sliding_layers} of {model.num_layers} layers: the hybrid KV cache "
+                 f"manager keeps {full} full-attention and {sliding} sliding-window group"
+                 f"{'s' if sliding > 1 else ''} of {layers} layers")
+    return text
 
 
 def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: StepTimeModel,
@@ -796,4 +852,4 @@ def run_scenario(scenario: Scenario, base_dir: Path = Path(),
 
 
 __all__ = ["SimulationError", "allocation_unit", "build_allocator", "build_timing", "run_scenario",
-           "run_system", "scenario_trace"]
+           "run_system", "scenario_trace", "slot_layers", "uses_hybrid_kv_cache"]

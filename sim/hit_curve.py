@@ -180,7 +180,8 @@ def hit_curve(trace: Trace, block_size: int = 16,
         ends = np.append(firsts[1:], len(ids))
         # (A run through the prompt and several samples' own blocks is held by this request
         # alone: all of it is used together, and only its prompt part is looked up.)
-        runs = [(int(a), int(ids[a]), int(b - a)) for a, b in zip(firsts, ends[:len(firsts)], strict=True)]
+        runs = [(int(a), int(ids[a]), int(b - a))
+                for a, b in zip(firsts, ends[:len(firsts)], strict=True)]
         request_runs.append(runs)
         total_runs += len(runs)
     fenwick = _Fenwick(total_runs)

@@ -53,6 +53,31 @@ class ModelSpec:
     # Bytes of one stored weight when the checkpoint is quantized (FP8: 1, 4-bit: 0.5);
     # None: dtype_bytes, the dtype activations and the KV cache keep.
     weight_dtype_bytes: float | None = None
+    # Sliding-window attention: ``num_sliding_layers`` of the layers see only the last
+    # ``sliding_window`` tokens (Mistral-7B-v0.1: all of them; Gemma-2: every other one;
+    # Gemma-3: five in six); the others see every token. 0: every layer sees every token.
+    sliding_window: int = 0
+    num_sliding_layers: int = 0
+
+    @property
+    def full_attention_layers(self) -> int:
+        """Layers that attend to every token."""
+        return self.num_layers - self.num_sliding_layers
+
+    def kv_cache_groups(self) -> tuple[int, int, int]:
+        """How vLLM v1's hybrid KV cache manager divides the layers: (layers a group,
+        full-attention groups, sliding-window groups). Each group keeps its own block
+        tables, over one pool of blocks of equal size, so every group has as many layers:
+        the fewest of either kind, the last group of the other kind padded (Gemma-3's 10
+        full and 52 sliding layers make 1 + 6 groups of 10). A model of one kind is one
+        group of all its layers."""
+        full, sliding = self.full_attention_layers, self.num_sliding_layers
+        if not sliding:
+            return self.num_layers, 1, 0
+        if not full:
+            return self.num_layers, 0, 1
+        size = min(full, sliding)
+        return size, -(-full // size), -(-sliding // size)
 
     @property
     def kv_element_bytes(self) -> int:
@@ -206,6 +231,16 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("deepseek-v3", 61, 128, 128, 192, 671e9, 163840, model_dim=7168,
                   kv_latent_dim=576, active_params=37e9, num_experts=256, experts_per_token=8,
                   weight_dtype_bytes=1),
+        # Sliding-window attention. Mistral-7B-v0.1: a 4,096-token window in every layer
+        # (later versions dropped it: the mistral-7b preset). Gemma-2-9B: a 4,096-token
+        # window in every other layer (21 of 42). Gemma-3-27B: a 1,024-token window in five
+        # layers of six (52 of 62); its parameters include the vision encoder vLLM loads.
+        ModelSpec("mistral-7b-v0.1", 32, 32, 8, 128, 7.24e9, 32768, sliding_window=4096,
+                  num_sliding_layers=32),
+        ModelSpec("gemma-2-9b", 42, 16, 8, 256, 9.24e9, 8192, model_dim=3584,
+                  sliding_window=4096, num_sliding_layers=21),
+        ModelSpec("gemma-3-27b", 62, 32, 16, 128, 27.4e9, 131072, model_dim=5376,
+                  sliding_window=1024, num_sliding_layers=52),
     ]
 }
 

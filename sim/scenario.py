@@ -74,9 +74,22 @@ class ModelConfig(ConfigModel):
         default=None, gt=0, le=4, description="bytes of a stored weight when the checkpoint "
         "is quantized (FP8: 1, 4-bit: 0.5, with its scales a little more); absent: "
         "dtype_bytes")
+    sliding_window: int | None = Field(
+        default=None, ge=2, description="sliding-window attention: the tokens a sliding "
+        "layer sees (Gemma-3: 1024); absent: every layer sees every token")
+    num_sliding_layers: PositiveInt | None = Field(
+        default=None, description="sliding-window attention: how many layers see only the "
+        "window (Gemma-3-27B: 52 of 62); absent: all of them")
 
     @model_validator(mode="after")
     def _consistent(self):  # type: ignore[no-untyped-def]
+        if self.num_sliding_layers is not None:
+            if self.sliding_window is None:
+                raise ValueError("num_sliding_layers needs sliding_window (the tokens those "
+                                 "layers see)")
+            if self.num_sliding_layers > self.num_layers:
+                raise ValueError(f"num_sliding_layers ({self.num_sliding_layers}) exceeds "
+                                 f"num_layers ({self.num_layers})")
         if self.active_params is not None and self.active_params > self.num_params:
             raise ValueError(f"active_params ({self.active_params:g}) exceeds num_params "
                              f"({self.num_params:g})")
@@ -190,6 +203,11 @@ class PagedConfig(ConfigModel):
     host_load: Literal["serial", "layerwise"] = Field(
         default="serial", description="serial: a step's host loads finish before it "
         "computes; layerwise: layer i+1 loads while layer i computes (LMCache, HiCache)")
+    hybrid_kv_cache: bool = Field(
+        default=True, description="for a model with sliding-window layers, vLLM v1's hybrid "
+        "KV cache manager: each kind of layer keeps its own block tables in the one pool, "
+        "and sliding-window layers give back the blocks their window has passed; false: "
+        "every layer keeps every token, as --disable-hybrid-kv-cache-manager")
 
     @model_validator(mode="after")
     def _host_cache_finds_by_content(self):  # type: ignore[no-untyped-def]
@@ -477,6 +495,29 @@ class Scenario(ConfigModel):
                              "prefill/decode split are not modelled")
         return self
 
+    @model_validator(mode="after")
+    def _hybrid_kv_cache_limits(self):  # type: ignore[no-untyped-def]
+        model = _model_spec(self.model)
+        if not model.sliding_window:
+            return self
+        unmodelled = {
+            "a host tier (allocator.host_cache_gib)": lambda s: s.allocator.host_cache_gib,
+            "preemption_mode: swap": lambda s: s.scheduler.preemption_mode == "swap",
+            "parallel samples (workload.sampling n or beam_width > 1)":
+                lambda s: self.workload.sampling.forks > 1,
+            "engine.disaggregation": lambda s: self.engine.disaggregation is not None,
+        }
+        for system in self.systems:
+            if isinstance(system.allocator, PagedConfig) and system.allocator.hybrid_kv_cache:
+                for what, used in unmodelled.items():
+                    if used(system):
+                        raise ValueError(
+                            f"system {system.name!r}: {what} is not modelled with the hybrid "
+                            f"KV cache manager that {model.name}'s sliding-window layers "
+                            "use; set allocator.hybrid_kv_cache: false (every layer keeps "
+                            "every token)")
+        return self
+
     @field_validator("systems")
     @classmethod
     def _unique_names(cls, systems: list[SystemConfig]) -> list[SystemConfig]:
@@ -528,6 +569,9 @@ def _model_spec(model: str | ModelConfig) -> ModelSpec:
     fields["model_dim"] = fields.pop("hidden_size")
     if fields["num_kv_heads"] is None:
         fields["num_kv_heads"] = model.num_heads
+    fields["sliding_window"] = model.sliding_window or 0
+    fields["num_sliding_layers"] = (
+        0 if model.sliding_window is None else model.num_sliding_layers or model.num_layers)
     return ModelSpec(**fields)
 
 

@@ -36,7 +36,9 @@ from sim.scenario import SchedulerConfig
 from workloads.trace import Trace, output_segment_id
 
 MAX_SAMPLES = 256  # sequences per request (n / beam width); seq id = request × 256 + sample
-GROW, FINISH = 0, 1  # event kinds; at one step, grows come before finishes
+# Event kinds; at one step, grows come before finishes. WINDOW: a sequence's context
+# outgrows a sliding window (its attention time, not its memory, changes).
+GROW, FINISH, WINDOW = 0, 1, 2
 
 
 class Request:
@@ -58,6 +60,7 @@ class Request:
         "n",
         "num_seqs",
         "output_len",
+        "past_window",
         "predicted_output",
         "preemptions",
         "prefill_target",
@@ -116,6 +119,7 @@ class Request:
         # (slots) they hold there until the request is seated again.
         self.swapped = 0
         self.swap_slots = 0
+        self.past_window = False  # decoding with context past a sliding window
         self.spec_cache: SeqSpec | None = None
         self.ticket = 0  # its place in the waiting line; a new one each time it joins
 
@@ -273,6 +277,8 @@ class Batch:
     context_tokens: int = 0
     prefill_tokens: int = 0
     prefill_pairs: int = 0
+    skipped_context: int = 0  # context tokens past a sliding window (its layers skip them)
+    skipped_pairs: int = 0  # prefill token pairs past a sliding window
     preempted: int = 0
     loaded_tokens: int = 0  # prefix-hit tokens read from host memory at admission
     swapped_slots: int = 0  # KV slots copied to host memory (swap out) or back (swap in)
@@ -294,7 +300,7 @@ class Scheduler:
 
     def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,
                  swap_slots: int = 0, predicted_output: list[int] | None = None,
-                 overflow_to_max: bool = False) -> None:
+                 overflow_to_max: bool = False, sliding_window: int = 0) -> None:
         self.allocator = allocator
         self.predicted_output = predicted_output
         # A request that outgrew its predicted reservation is seated again with its
@@ -330,11 +336,18 @@ class Scheduler:
         # Per event kind, step -> [(admit_seq, version, request)]; an entry is stale once
         # the request's version moved on. Buckets, not a heap: every step is visited in
         # order, so a dict lookup finds its events in O(1).
-        self._events: tuple[dict[int, list], dict[int, list]] = ({}, {})
+        self._events: tuple[dict[int, list], dict[int, list], dict[int, list]] = ({}, {}, {})
         # Lazy decode sums over decoding requests (each weighted by its sequences).
         self.decode_seqs = 0
         self._tok_sync_sum = 0
         self._g_sync_sum = 0
+        # Sliding-window layers (a model's; 0: none) read at most the last sliding_window
+        # tokens. A decoding sequence's context past the window is k + steps, where
+        # k = tok_sync - g_sync + 1 - window never changes while it decodes (syncing moves
+        # both), so over the sequences past it the sum is _skip_base + _past_window × steps.
+        self.sliding_window = sliding_window
+        self._past_window = 0
+        self._skip_base = 0
         self.head_blocked = False  # the last admission attempt failed; nothing freed since
         self.prefilling = 0
         self._append = allocator.append
@@ -342,6 +355,8 @@ class Scheduler:
         # ceil(t / bs) blocks. Contiguous extents never grow (cap stays the reservation),
         # and only a predicted reservation may end before the request does.
         self._block_size: int | None = getattr(allocator, "block_size", None)
+        # Blocks one sequence's block crossing may take: one a group of block tables.
+        self._crossing_blocks: int = getattr(allocator, "groups", 1)
         self._predicts = getattr(allocator, "reserve_policy", None) == "predicted"
         if (self._predicts or self.waiting.by_length) and predicted_output is None:
             raise ValueError("a predicted reservation, or a line by predicted length, needs "
@@ -465,12 +480,42 @@ class Scheduler:
         self._g_sync_sum += seqs * request.g_sync
         request.version += 1
         self._push_events(request, start=True)
+        if self.sliding_window:
+            past = self._past_window_offset(request)
+            if past + self.steps > 0:
+                self._leave_window(request)
+            elif 1 - past < request.g_sync + request.output_len - request.gen_sync:
+                # The step whose context first holds a token past the window, before it ends.
+                entry = (request.admit_seq, request.version, request)
+                self._events[WINDOW].setdefault(1 - past, []).append(entry)
+
+    def _past_window_offset(self, request: Request) -> int:
+        """k: a decoding request's context holds k + steps tokens past the sliding window."""
+        return request.tok_sync - request.g_sync + 1 - self.sliding_window
+
+    def _leave_window(self, request: Request) -> None:
+        """From now on the request's context grows past the window, a token a step."""
+        request.past_window = True
+        self._past_window += request.num_seqs
+        self._skip_base += request.num_seqs * self._past_window_offset(request)
+
+    def _windows_due(self) -> None:
+        for request in self._due(WINDOW, self.steps):
+            self._leave_window(request)
+
+    def skipped_context(self) -> int:
+        """Context tokens of this step past the sliding window, over every sequence."""
+        return self._skip_base + self._past_window * self.steps if self._past_window else 0
 
     def _stop_decoding(self, request: Request) -> None:
         seqs = request.num_seqs
         self.decode_seqs -= seqs
         self._tok_sync_sum -= seqs * request.tok_sync
         self._g_sync_sum -= seqs * request.g_sync
+        if request.past_window:
+            request.past_window = False
+            self._past_window -= seqs
+            self._skip_base -= seqs * self._past_window_offset(request)
         request.decoding = False
         request.version += 1
 
@@ -627,11 +672,13 @@ class Scheduler:
     def fast_step(self) -> bool:
         """Claim memory for a pure-decode step's block crossings, if there is enough without
         preempting (else change nothing and return False)."""
+        if self.sliding_window:
+            self._windows_due()
         due = self._due(GROW, self.steps)
         if not due:
             return True
         # A contiguous extent's end is always an overflow: schedule() preempts for it.
-        if self._block_size is None or sum(r.num_seqs for r in due) > (
+        if self._block_size is None or sum(r.num_seqs for r in due) * self._crossing_blocks > (
                 self.allocator.num_free_blocks):  # type: ignore[attr-defined]
             # Put them back for schedule() to handle with preemption.
             self._events[GROW][self.steps] = [(r.admit_seq, r.version, r) for r in due]
@@ -647,6 +694,8 @@ class Scheduler:
         self.notice_time(now_s)
         batch = Batch()
         budget = self.config.max_num_batched_tokens
+        if self.sliding_window:
+            self._windows_due()
         for request in self._due(GROW, self.steps):
             if request.decoding:  # not preempted meanwhile
                 self._grow_now(request, batch)
@@ -727,6 +776,10 @@ class Scheduler:
         batch.prefill = [p for p in batch.prefill if p[0].num_seqs]
         batch.prefill_tokens = sum(chunk for _, chunk, _ in batch.prefill)
         batch.prefill_pairs = sum(chunk * (history + chunk) for _, chunk, history in batch.prefill)
+        window = self.sliding_window
+        if window:  # a sliding layer's new tokens each meet at most a window of keys
+            batch.skipped_pairs = sum(chunk * max(0, history + chunk - window)
+                                      for _, chunk, history in batch.prefill)
         self.fill_decode(batch)
         return batch
 
@@ -734,6 +787,7 @@ class Scheduler:
         """Decode shape of the step about to run: sequences and context tokens read."""
         batch.decode_seqs = self.decode_seqs
         batch.context_tokens = self._tok_sync_sum + self._pending() + self.decode_seqs
+        batch.skipped_context = self.skipped_context()
 
     def _prefill(self, request: Request, chunk: int, batch: Batch) -> bool:
         """Write ``chunk`` prompt tokens; on the last chunk, fork samples and write the first
@@ -797,7 +851,7 @@ class Scheduler:
                 self.swap_slots), "swap space held by no parked request"
         return finished
 
-    def decode_quietly(self, step_time: Callable[[int], float], clock_s: float,
+    def decode_quietly(self, step_time: Callable[[int, int], float], clock_s: float,
                        stop_at_s: float) -> tuple[int, float, list[Request]]:
         """Run pure-decode steps (the first one's block crossings already claimed by
         :meth:`fast_step`) until a step ends with a finish, the clock reaches ``stop_at_s``,
@@ -809,13 +863,17 @@ class Scheduler:
         """
         seqs = self.decode_seqs
         context = self._tok_sync_sum + self._pending() + seqs
-        grows, finishes = self._events
+        grows, finishes, windows = self._events
+        past, base = self._past_window, self._skip_base  # (skipped_context, inlined)
         steps = 0
         while True:
-            clock_s += step_time(context)
+            clock_s += step_time(context, base + past * self.steps)
             steps += 1
             self.steps += 1
             context += seqs
+            if windows and self.steps in windows:
+                self._windows_due()
+                past, base = self._past_window, self._skip_base
             if self.steps in finishes or self.debug:
                 finished = self._finish_due(clock_s)
                 if finished:

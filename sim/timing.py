@@ -9,6 +9,9 @@ token prefilled (``d``) and for the prefill attention's quadratic part (``e`` pe
 
 B = decoding sequences, C = context tokens their attention reads, P = prefill tokens,
 S = Σ p·(h + p) over prefill chunks (p new tokens on h already cached; p² for a fresh prompt).
+A model's sliding-window layers read at most a window of each context: a share ``w`` of the
+layers skips the context past it, so C becomes C − w·X and S becomes S − w·Y, where X and Y
+are the context tokens and token pairs past the window (the scheduler counts them).
 
 Defaults are a roofline of the model on the GPU preset; a calibration YAML written by
 ``gpu_validate`` (format in :class:`Calibration`) replaces them with measured values.
@@ -54,6 +57,9 @@ class StepTimeModel:
     # k/E of them each token goes to. A step reads only the experts its tokens choose.
     expert_s: float = 0.0
     expert_share: float = 0.0
+    # The share of the layers that attend to a sliding window only (their reads past it are
+    # skipped); 0: every layer attends to every token.
+    sliding_share: float = 0.0
 
     def fixed_s(self, tokens: int) -> float:
         """``a`` for a step that passes ``tokens`` tokens through the model: all of it, but
@@ -86,18 +92,28 @@ class StepTimeModel:
         raise AssertionError("unreachable")
 
     def step_time(self, decode_seqs: int, context_tokens: int, prefill_tokens: int,
-                  prefill_pairs: int, rho: float) -> float:
-        """Seconds for one step of the given shape (ρ already chosen for the allocator)."""
+                  prefill_pairs: int, rho: float, skipped_context: int = 0,
+                  skipped_pairs: int = 0) -> float:
+        """Seconds for one step of the given shape (ρ already chosen for the allocator);
+        ``skipped_context`` and ``skipped_pairs`` lie past a sliding window."""
+        if self.sliding_share:
+            context_tokens -= self.sliding_share * skipped_context  # type: ignore[assignment]
+            prefill_pairs -= self.sliding_share * skipped_pairs  # type: ignore[assignment]
         return (self.fixed_s(decode_seqs + prefill_tokens) + self.b * decode_seqs
                 + rho * self.c * context_tokens + self.d * prefill_tokens
                 + self.e * prefill_pairs)
 
-    def decode_step_time(self, decode_seqs: int, rho: float) -> Callable[[int], float]:
-        """``step_time`` of a pure-decode step as a function of context tokens alone, with
-        bit-identical results (adding the zero prefill terms changes no float)."""
+    def decode_step_time(self, decode_seqs: int, rho: float) -> Callable[[int, int], float]:
+        """``step_time`` of a pure-decode step as a function of its context tokens and
+        those past a sliding window, with bit-identical results (adding the zero prefill
+        terms changes no float)."""
         fixed = self.fixed_s(decode_seqs) + self.b * decode_seqs
         per_context = rho * self.c
-        return lambda context_tokens: fixed + per_context * context_tokens
+        share = self.sliding_share
+        if not share:
+            return lambda context_tokens, skipped: fixed + per_context * context_tokens
+        return lambda context_tokens, skipped: fixed + per_context * (
+            context_tokens - share * skipped)
 
 
 def with_transfer(compute_s: float, transfer_s: float, pipelined_layers: int) -> float:

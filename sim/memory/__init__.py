@@ -1,8 +1,10 @@
-"""KV-cache allocators: contiguous reservation and paged blocks, one interface, one taxonomy."""
+"""KV-cache allocators: contiguous reservation and paged blocks (with the hybrid manager's
+groups for sliding-window models), one interface, one taxonomy."""
 
 from sim.memory.base import TAXONOMY, AllocatorError, KVAllocator, MemorySnapshot, SeqSpec
 from sim.memory.block_pool import EVICTION_POLICIES
 from sim.memory.contiguous import PLACEMENTS, RESERVE_POLICIES, ContiguousAllocator
+from sim.memory.hybrid import HybridPagedAllocator
 from sim.memory.paged import PagedAllocator
 
 __all__ = [
@@ -12,6 +14,7 @@ __all__ = [
     "TAXONOMY",
     "AllocatorError",
     "ContiguousAllocator",
+    "HybridPagedAllocator",
     "KVAllocator",
     "MemorySnapshot",
     "PagedAllocator",

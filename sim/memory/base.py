@@ -22,6 +22,13 @@ class AllocatorError(RuntimeError):
     """A caller broke the allocator's contract (unknown sequence, write past the end, …)."""
 
 
+def write_past_end(seq_id: int, end: int, final_len: int) -> AllocatorError:
+    """The error for a write that would take sequence ``seq_id`` to ``end`` tokens, past its
+    final length."""
+    return AllocatorError(f"sequence {seq_id}: writing to {end} tokens, past its final length "
+                          f"{final_len}")
+
+
 @dataclass(frozen=True, slots=True)
 class SeqSpec:
     """What the allocator is told about a sequence when it is admitted.

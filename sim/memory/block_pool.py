@@ -14,6 +14,8 @@ import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 
+from sim.memory.base import MemorySnapshot
+from sim.memory.content import DuplicateCounter
 from sim.memory.host_cache import HostCache
 
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "sharing_aware")
@@ -293,3 +295,34 @@ class BlockPool:
 
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self.cached.get(block_hash)
+
+    def taxonomy(self, block_size: int, token_slots: int, internal: int,
+                 duplicate_blocks: int) -> MemorySnapshot:
+        """Every slot of the pool by category, given the slots written in blocks in use and
+        those of them never to be written (``internal``): the rest of the blocks in use is
+        ``reserved``, evictable blocks are ``cached``."""
+        live = len(self.blocks) - self.num_free
+        cached = self.num_cached_free * block_size
+        return MemorySnapshot(
+            token=token_slots,
+            reserved=live * block_size - token_slots - internal,
+            internal=internal,
+            external=0,
+            cached=cached,
+            free=(len(self.blocks) - live) * block_size - cached,
+            duplicate=duplicate_blocks * block_size,
+        )
+
+
+def drop_reference(pool: BlockPool, block: KVBlock, duplicates: DuplicateCounter) -> int:
+    """Give back one block table's reference to ``block``; return the written slots that
+    leave use (the block's, when the reference was its last), which ``duplicates`` stops
+    counting too."""
+    freed = 0
+    if block.ref_cnt == 1:
+        freed = block.num_filled
+        if block.counted:
+            duplicates.remove(block.block_hash)  # type: ignore[arg-type]
+            block.counted = False
+    pool.release(block)
+    return freed

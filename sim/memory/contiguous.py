@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import bisect
 
-from sim.memory.base import AllocatorError, KVAllocator, MemorySnapshot, SeqSpec
+from sim.memory.base import (
+    AllocatorError,
+    KVAllocator,
+    MemorySnapshot,
+    SeqSpec,
+    write_past_end,
+)
 from sim.memory.content import BlockHasher, DuplicateCounter
 
 RESERVE_POLICIES = ("max_model_len", "request_max", "pow2", "oracle", "predicted")
@@ -195,10 +201,7 @@ class ContiguousAllocator(KVAllocator):
             return num_tokens == 0
         end = ext.num_tokens + num_tokens
         if end > ext.spec.final_len:
-            raise AllocatorError(
-                f"sequence {seq_id}: writing to {end} tokens, past its final length "
-                f"{ext.spec.final_len}"
-            )
+            raise write_past_end(seq_id, end, ext.spec.final_len)
         if end > ext.size:
             return False  # outgrew a predicted reservation: an extent cannot grow in place
         self._write(ext, end)

@@ -24,8 +24,14 @@ from __future__ import annotations
 
 from collections import Counter
 
-from sim.memory.base import AllocatorError, KVAllocator, MemorySnapshot, SeqSpec
-from sim.memory.block_pool import BlockPool, KVBlock
+from sim.memory.base import (
+    AllocatorError,
+    KVAllocator,
+    MemorySnapshot,
+    SeqSpec,
+    write_past_end,
+)
+from sim.memory.block_pool import BlockPool, KVBlock, drop_reference
 from sim.memory.content import BlockHasher, DuplicateCounter
 from sim.memory.host_cache import HostCache
 
@@ -214,10 +220,7 @@ class PagedAllocator(KVAllocator):
         start = seq.num_tokens
         end = start + num_tokens
         if end > seq.final_len:
-            raise AllocatorError(
-                f"sequence {seq_id}: writing to {end} tokens, past its final length "
-                f"{seq.final_len}"
-            )
+            raise write_past_end(seq_id, end, seq.final_len)
         blocks = seq.blocks
         pool = self.pool
         first = start // bs
@@ -287,12 +290,7 @@ class PagedAllocator(KVAllocator):
         else:
             self._internal_exclusive -= seq.internal
         for block in reversed(seq.blocks):  # deepest first: the tail is evicted first
-            if block.ref_cnt == 1:
-                self._token_slots -= block.num_filled
-                if block.counted:
-                    self._duplicates.remove(block.block_hash)  # type: ignore[arg-type]
-                    block.counted = False
-            self.pool.release(block)
+            self._token_slots -= drop_reference(self.pool, block, self._duplicates)
 
     def fork(self, parent_id: int, child: SeqSpec) -> bool:
         parent = self._seq(parent_id)
@@ -373,22 +371,11 @@ class PagedAllocator(KVAllocator):
         return internal
 
     def snapshot(self, waiting: SeqSpec | None = None) -> MemorySnapshot:
-        bs = self.block_size
-        live_blocks = self.num_blocks - self.pool.num_free
-        unwritten = live_blocks * bs - self._token_slots
         internal = self._internal_exclusive
         if self._shared_tail:
             internal += self._shared_tail_split()
-        cached = self.pool.num_cached_free * bs
-        return MemorySnapshot(
-            token=self._token_slots,
-            reserved=unwritten - internal,
-            internal=internal,
-            external=0,
-            cached=cached,
-            free=self.capacity_slots - live_blocks * bs - cached,
-            duplicate=self._duplicates.duplicate_units * bs,
-        )
+        return self.pool.taxonomy(self.block_size, self._token_slots, internal,
+                                  self._duplicates.duplicate_units)
 
     def check_invariants(self) -> None:
         bs = self.block_size

@@ -1,0 +1,482 @@
+"""Paged KV allocation for models with sliding-window layers: vLLM v1's hybrid KV cache
+manager.
+
+A cloakroom where some guests keep every coat they are handed all evening (the layers that
+attend to every token) and others keep only their last few (the sliding-window layers,
+which see only the last ``W`` tokens): what a window has passed goes back to the rail. vLLM
+splits the layers of each kind into *groups* of equally many layers (see
+:meth:`~sim.memory.presets.ModelSpec.kv_cache_groups`); every group keeps its own block table
+per sequence, and all tables draw from one pool of blocks, each holding ``block_size``
+tokens of one group's layers. A pool slot here is one token in one group.
+
+A sliding-window group gives a block back as soon as no token still to be computed can see
+it (vLLM's ``remove_skipped_blocks``, before each allocation): with its hash, so it stays
+cached until evicted, as a finished request's blocks do.
+
+Prefix caching follows vLLM v1's hybrid coordinator. The full-attention groups find the
+longest run of cached blocks from block 0; the sliding-window groups then look, at or
+below that length, for the last ``cdiv(W - 1, block_size)`` blocks before a position (all
+that a token there can see) cached, or for a run from block 0; the shorter is the hit. Each
+group caches its blocks under its own key, as vLLM keys them by (hash, group).
+
+Admission claims the full-attention groups' blocks for the prompt and the first generated
+token, as :class:`~sim.memory.paged.PagedAllocator` does. A sliding-window group holds at
+most a window and a prefill chunk at once, so it is *promised* that many blocks instead:
+they stay in the pool, but nobody else may take them until the prefill is over, so that no
+chunk waits for memory.
+
+Not modelled: forks (parallel samples), a host tier, swapping out.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from sim.memory.base import (
+    AllocatorError,
+    KVAllocator,
+    MemorySnapshot,
+    SeqSpec,
+    write_past_end,
+)
+from sim.memory.block_pool import BlockPool, KVBlock, drop_reference
+from sim.memory.content import BlockHasher, DuplicateCounter
+
+
+class _HybridSeq:
+    """One sequence: a block table per group (full-attention groups first), how far it has
+    written, and the sliding-window blocks it has given back or is promised."""
+
+    __slots__ = ("final_len", "hasher", "internal", "num_tokens", "promised", "released",
+                 "shared_blocks", "spec", "tables")
+
+    def __init__(self, spec: SeqSpec, tables: list[list[KVBlock | None]], hasher: BlockHasher,
+                 block_size: int) -> None:
+        self.spec = spec
+        self.final_len = spec.final_len
+        self.tables = tables  # None where a sliding-window group gave the block back
+        self.hasher = hasher
+        self.shared_blocks = spec.prompt_len // block_size  # (see _PagedSeq)
+        self.num_tokens = 0
+        self.released = 0  # leading blocks every sliding-window table has given back
+        self.promised = 0  # pool blocks kept for this sequence's prefill
+        self.internal = 0  # slots of its tables past its final length
+
+
+class HybridPagedAllocator(KVAllocator):
+    """Block tables per group of layers over one :class:`BlockPool`: ``full_groups`` groups
+    whose tables keep every block, then ``sliding_groups`` whose tables keep the blocks the
+    last ``sliding_window`` tokens lie in. ``prefill_chunk_tokens`` is the most prompt tokens
+    one step writes for a sequence (the scheduler's token budget under chunked prefill; None:
+    a whole prompt)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        full_groups: int,
+        sliding_groups: int,
+        sliding_window: int,
+        prefill_chunk_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        eviction: str = "lru",
+        watermark: float = 0.0,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if num_blocks < 1:
+            raise ValueError(f"the pool must hold at least one block, got {num_blocks}")
+        if full_groups < 0 or sliding_groups < 1:
+            raise ValueError(f"need at least one sliding-window group, got {sliding_groups} "
+                             f"(and {full_groups} full-attention groups)")
+        if sliding_window < 2:
+            raise ValueError(f"sliding_window must be at least 2 tokens, got {sliding_window}")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.capacity_slots = num_blocks * block_size
+        self.full_groups = full_groups
+        self.sliding_groups = sliding_groups
+        self.groups = full_groups + sliding_groups
+        self.sliding_window = sliding_window
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        # Blocks before a position that a token there can see (vLLM's
+        # sliding_window_contiguous_blocks): what a prefix hit must find cached.
+        self.window_blocks = -(-(sliding_window - 1) // block_size)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.pool = BlockPool(num_blocks, eviction, enable_prefix_caching)
+        self._seqs: dict[int, _HybridSeq] = {}
+        self._token_slots = 0  # written slots in blocks with ref_cnt > 0
+        self._internal = 0  # Σ seq.internal
+        self._promised = 0  # Σ seq.promised
+        self._duplicates = DuplicateCounter()
+        self.num_hit_blocks = 0
+        self.last_loaded_tokens = 0  # no host tier: always 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def live_seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks anyone may take now: the pool's free ones less those promised."""
+        return self.pool.num_free - self._promised
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self._seq(seq_id).num_tokens
+
+    def allocated_slots(self, seq_id: int) -> int:
+        seq = self._seq(seq_id)
+        return sum(len(t) for t in seq.tables) * self.block_size - (
+            self.sliding_groups * seq.released * self.block_size)
+
+    def block_tables(self, seq_id: int) -> list[list[int | None]]:
+        """Each group's physical block ids, logical block 0 first (None: given back)."""
+        return [[None if b is None else b.block_id for b in table]
+                for table in self._seq(seq_id).tables]
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _release_point(self, first_computed: int) -> int:
+        """Leading blocks that no token from ``first_computed`` on can see (it sees the
+        ``sliding_window`` tokens up to itself)."""
+        return max(0, first_computed - self.sliding_window + 1) // self.block_size
+
+    def _prefill_peak(self, spec: SeqSpec, start: int) -> int:
+        """The most blocks a sliding-window table holds while the prompt from ``start`` and
+        the first generated token are written: after a chunk [s, e) it holds blocks
+        release_point(s) .. ceil(e / bs), at most a window and a chunk."""
+        end = min(spec.prompt_len + 1, spec.final_len)
+        chunk = self.prefill_chunk_tokens or end
+        bound = self.blocks_for(self.sliding_window - 1 + chunk) + 1
+        return min(bound, self.blocks_for(end) - self._release_point(start))
+
+    def _decode_peak(self) -> int:
+        """The most blocks a sliding-window table holds once decoding: the window's, and the
+        block being written."""
+        return self.blocks_for(self.sliding_window) + 1
+
+    def can_admit_ever(self, spec: SeqSpec) -> bool:
+        """Whether an empty pool holds the sequence at its largest (an upper bound)."""
+        final = self.blocks_for(spec.final_len)
+        sliding = min(final, max(self._prefill_peak(spec, 0), self._decode_peak()))
+        return self.full_groups * final + self.sliding_groups * sliding <= self.num_blocks
+
+    def _seq(self, seq_id: int) -> _HybridSeq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise AllocatorError(f"unknown sequence {seq_id}") from None
+
+    def _key(self, block_hash: int, group: int) -> int:
+        """The cache key of a block of ``group`` with content ``block_hash``."""
+        return block_hash if group == 0 else hash((block_hash, group))
+
+    # ------------------------------------------------------------------ prefix hits
+    def _cached(self, block_hash: int, groups: range) -> list[KVBlock] | None:
+        """Every group's cached block of that content, or None if any group lacks it."""
+        found = []
+        for group in groups:
+            block = self.pool.lookup(self._key(block_hash, group))
+            if block is None:
+                return None
+            found.append(block)
+        return found
+
+    def _hit_length(self, spec: SeqSpec, hasher: BlockHasher) -> int:
+        """Prefix-hit blocks, by vLLM v1's hybrid rule (module docstring)."""
+        if not self.enable_prefix_caching:
+            return 0
+        limit = (spec.prompt_len - 1) // self.block_size
+        hashes = hasher.hash_upto(limit)
+        full = range(self.full_groups)
+        length = 0
+        if self.full_groups:
+            while length < limit and self._cached(hashes[length], full) is not None:
+                length += 1
+        else:
+            length = limit
+        sliding = range(self.full_groups, self.groups)
+        run = 0
+        for idx in range(length - 1, -1, -1):  # the last window of cached blocks
+            if self._cached(hashes[idx], sliding) is None:
+                run = 0
+                continue
+            run += 1
+            if run >= self.window_blocks:
+                return idx + run
+        return run  # a run from block 0, shorter than a window
+
+    def lookup(self, spec: SeqSpec) -> int:
+        """Prefix-hit tokens ``spec`` would get now (no state changes)."""
+        return self._hit_length(spec, BlockHasher(spec.segments, self.block_size)) * (
+            self.block_size)
+
+    # ------------------------------------------------------------------ lifecycle
+    def admit(self, spec: SeqSpec) -> int | None:
+        if spec.seq_id in self._seqs:
+            raise AllocatorError(f"sequence {spec.seq_id} is already admitted")
+        bs = self.block_size
+        hasher = BlockHasher(spec.segments, bs)
+        length = self._hit_length(spec, hasher)
+        hashes = hasher.hashes
+        released = self._release_point(length * bs)  # what the first new token cannot see
+        hits: list[list[KVBlock]] = []
+        for group in range(self.groups):
+            start = 0 if group < self.full_groups else released
+            hits.append([self.pool.lookup(self._key(hashes[i], group))  # type: ignore[misc]
+                         for i in range(start, length)])
+        revived = sum(1 for table in hits for b in table if b.ref_cnt == 0)
+        need = self.full_groups * (self.blocks_for(min(spec.prompt_len + 1, spec.final_len))
+                                   - length)
+        # Revived sliding-window hits will be this sequence's alone.
+        alone = sum(1 for table in hits[self.full_groups:] for b in table if b.ref_cnt == 0)
+        promised = max(0, self.sliding_groups * self._prefill_peak(spec, length * bs) - alone)
+        # A hit on a sliding-window block another prefill holds alone means that giving it
+        # back will free nothing: that prefill's promise grows.
+        taken = {b.block_id for table in hits[self.full_groups:] for b in table
+                 if b.ref_cnt == 1}
+        repromised = {seq: self._promise(seq, seq.num_tokens, taken)
+                      for seq in self._seqs.values()
+                      if seq.num_tokens <= seq.spec.prompt_len} if taken else {}
+        grown = sum(p - seq.promised for seq, p in repromised.items())
+        reserve = self.watermark_blocks if self._seqs else 0
+        if need + promised + grown > self.pool.num_free - self._promised - revived - reserve:
+            return None
+        for seq, p in repromised.items():
+            self._promised += p - seq.promised
+            seq.promised = p
+        duplicates = self._duplicates
+        # Every hit first: a block taken afterwards may evict any cached block left at ref 0.
+        for found in hits:
+            for block in found:
+                if block.ref_cnt == 0:
+                    self._token_slots += block.num_filled
+                    duplicates.add(block.block_hash)  # type: ignore[arg-type]
+                    block.counted = True
+                self.pool.touch(block)
+        tables: list[list[KVBlock | None]] = []
+        for group, found in enumerate(hits):
+            table: list[KVBlock | None] = [None] * (length - len(found))
+            table += found
+            if group < self.full_groups:
+                table += [self.pool.take() for _ in range(need // self.full_groups)]
+            tables.append(table)
+        seq = _HybridSeq(spec, tables, hasher, bs)
+        seq.num_tokens = length * bs
+        seq.released = released
+        seq.promised = promised
+        self._promised += promised
+        self._seqs[spec.seq_id] = seq
+        self._set_internal(seq)
+        self.num_hit_blocks += length
+        return seq.num_tokens
+
+    def _set_internal(self, seq: _HybridSeq) -> None:
+        self._internal -= seq.internal
+        final = seq.final_len
+        seq.internal = sum(max(0, len(t) * self.block_size - final) for t in seq.tables)
+        self._internal += seq.internal
+
+    def _drop(self, block: KVBlock) -> None:
+        """Give back one table's reference to ``block``."""
+        self._token_slots -= drop_reference(self.pool, block, self._duplicates)
+
+    def _release(self, seq: _HybridSeq, point: int) -> None:
+        """Give back every sliding-window block before ``point``."""
+        if point <= seq.released:
+            return
+        for table in seq.tables[self.full_groups:]:
+            for idx in range(seq.released, point):
+                block = table[idx]
+                if block is not None:
+                    table[idx] = None
+                    self._drop(block)
+        seq.released = point
+
+    def _freed_by_release(self, seq: _HybridSeq, point: int) -> int:
+        """Blocks ``_release(seq, point)`` would return to the pool."""
+        freed = 0
+        for table in seq.tables[self.full_groups:]:
+            for idx in range(seq.released, min(point, len(table))):
+                block = table[idx]
+                if block is not None and block.ref_cnt == 1:
+                    freed += 1
+        return freed
+
+    @staticmethod
+    def _last_step_start(seq: _HybridSeq, end: int) -> int:
+        """The first token the last step of an append from ``seq.num_tokens`` to ``end``
+        computes: a prompt chunk is computed in one step, generated tokens one a step."""
+        return seq.num_tokens if end <= seq.spec.prompt_len else end - 1
+
+    def _exclusive(self, seq: _HybridSeq, taken: set[int] | frozenset[int] = frozenset()
+                   ) -> int:
+        """Sliding-window blocks only this sequence holds (giving them back frees them),
+        ``taken`` ones apart (about to be shared)."""
+        return sum(1 for table in seq.tables[self.full_groups:]
+                   for block in table[seq.released:]
+                   if block is not None and block.ref_cnt == 1
+                   and block.block_id not in taken)
+
+    def _promise(self, seq: _HybridSeq, start: int,
+                 taken: set[int] | frozenset[int] = frozenset()) -> int:
+        """Blocks to keep for the rest of the prefill from ``start``: the peak of every
+        sliding-window table, less the blocks they hold alone (a shared block given back
+        frees nothing, so it cannot count towards the peak). Only a sequence holding a
+        block alone can make it shared, by a prefix hit: admission then grows the promise."""
+        if start > seq.spec.prompt_len:
+            return 0
+        peak = self.sliding_groups * self._prefill_peak(seq.spec, start)
+        return max(0, peak - self._exclusive(seq, taken))
+
+    def append(self, seq_id: int, num_tokens: int) -> bool:
+        seq = self._seq(seq_id)
+        if num_tokens <= 0:
+            return num_tokens == 0
+        bs = self.block_size
+        start = seq.num_tokens
+        end = start + num_tokens
+        if end > seq.final_len:
+            raise write_past_end(seq_id, end, seq.final_len)
+        last_step_start = self._last_step_start(seq, end)
+        # As each step does: give back what its first token cannot see, then take blocks for
+        # what it writes.
+        first = min(self._release_point(start), self.blocks_for(start))
+        target = self.blocks_for(end)
+        grow = sum(max(0, target - len(t)) for t in seq.tables)
+        if grow:
+            available = (self.pool.num_free - (self._promised - seq.promised)
+                         + self._freed_by_release(seq, first))
+            if grow > available:
+                return False
+        self._release(seq, first)
+        if grow:
+            for table in seq.tables:
+                while len(table) < target:
+                    table.append(self.pool.take())
+            self._set_internal(seq)
+        # Write: fill blocks start // bs .. (end - 1) // bs of every group; hash full ones.
+        hashes = seq.hasher.hashes
+        for group, table in enumerate(seq.tables):
+            idx = start // bs
+            room = bs - (start - idx * bs)
+            remaining = num_tokens
+            while remaining:
+                block = table[idx]
+                assert block is not None  # a token being written is inside its own window
+                take = room if room < remaining else remaining
+                block.num_filled += take
+                remaining -= take
+                if block.num_filled == bs:
+                    block_hash = hashes[idx] if idx < len(hashes) else seq.hasher.advance()
+                    key = self._key(block_hash, group)
+                    self.pool.register(block, key)
+                    if idx < seq.shared_blocks:
+                        self._duplicates.add(key)
+                        block.counted = True
+                idx += 1
+                room = bs
+        self._token_slots += num_tokens * self.groups
+        seq.num_tokens = end
+        # Decode tokens were computed one a step: the last step gave back more.
+        self._release(seq, min(self._release_point(last_step_start), target))
+        self._promised -= seq.promised
+        seq.promised = self._promise(seq, end)
+        self._promised += seq.promised
+        return True
+
+    def free(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise AllocatorError(f"unknown sequence {seq_id}")
+        self._internal -= seq.internal
+        self._promised -= seq.promised
+        # Group by group, each deepest first (vLLM frees each group's table in reverse).
+        for table in seq.tables:
+            for block in reversed(table):
+                if block is not None:
+                    self._drop(block)
+
+    def fork(self, parent_id: int, child: SeqSpec) -> bool:
+        raise AllocatorError("parallel samples are not modelled with the hybrid KV cache "
+                             "manager (a model with sliding-window layers)")
+
+    def max_uniform_append(self, seq_ids: list[int], limit: int) -> int:
+        """Largest k ≤ limit such that appending k tokens to each sequence, one after
+        another, succeeds (blocks two of them share count as freed by neither: a lower
+        bound where they do)."""
+        seqs = [self._seq(s) for s in seq_ids]
+        for k in range(limit, 0, -1):
+            available = self.pool.num_free - self._promised
+            for seq in seqs:
+                end = seq.num_tokens + k
+                target = self.blocks_for(end)
+                grow = sum(max(0, target - len(t)) for t in seq.tables)
+                freed = self._freed_by_release(seq, min(
+                    self._release_point(self._last_step_start(seq, end)), target))
+                if grow > available + seq.promised + freed:
+                    break
+                available += freed - grow
+            else:
+                return k
+        return 0
+
+    # ------------------------------------------------------------------ accounting
+    def snapshot(self, waiting: SeqSpec | None = None) -> MemorySnapshot:
+        return self.pool.taxonomy(self.block_size, self._token_slots, self._internal,
+                                  self._duplicates.duplicate_units)
+
+    def check_invariants(self) -> None:
+        bs = self.block_size
+        refs: Counter[int] = Counter()
+        for seq in self._seqs.values():
+            written = max(seq.spec.prompt_len, seq.num_tokens)
+            for group, table in enumerate(seq.tables):
+                if group < self.full_groups:
+                    assert (self.blocks_for(written) <= len(table) <= self.blocks_for(
+                        max(seq.spec.prompt_len + 1, seq.num_tokens))), (
+                        "full-attention table length does not match the tokens written")
+                    assert None not in table, "a full-attention table gave a block back"
+                else:
+                    assert len(table) == self.blocks_for(seq.num_tokens), (
+                        "sliding-window table length does not match the tokens written")
+                    assert all(b is None for b in table[:seq.released]), "released block kept"
+                    assert None not in table[seq.released:], "block in the window given back"
+                    if seq.num_tokens:
+                        last = self._release_point(max(0, seq.num_tokens - 1))
+                        assert seq.released <= min(last + 1, len(table)), "window given back"
+                for idx, block in enumerate(table):
+                    if block is None:
+                        continue
+                    refs[block.block_id] += 1
+                    if idx < seq.num_tokens // bs:
+                        assert block.num_filled == bs
+                        assert block.block_hash == self._key(seq.hasher.hashes[idx], group)
+            if seq.spec.prompt_len < seq.num_tokens:
+                assert seq.promised == 0, "a decoding sequence keeps a promise"
+        assert self._promised == sum(s.promised for s in self._seqs.values())
+        assert 0 <= self._promised <= self.pool.num_free, "promised more than the pool has"
+        token_slots = 0
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (
+                f"{block}: ref_cnt != {refs[block.block_id]} tables holding it")
+            if block.ref_cnt:
+                assert block not in self.pool.evictable, f"{block} is referenced and evictable"
+                token_slots += block.num_filled
+        assert token_slots == self._token_slots, "token slot counter drifted"
+        live_hashes = Counter(
+            b.block_hash for b in self.pool.blocks if b.ref_cnt and b.block_hash is not None)
+        assert (sum(n - 1 for n in live_hashes.values())
+                == self._duplicates.duplicate_units), "duplicate counter drifted"
+        assert self._internal == sum(
+            max(0, len(t) * bs - s.final_len) for s in self._seqs.values() for t in s.tables), (
+            "internal counter drifted")
+        snap = self.snapshot()
+        assert snap.total == self.capacity_slots, "taxonomy does not sum to the pool"
+        assert min(snap.as_dict().values()) >= 0, f"negative category in {snap}"

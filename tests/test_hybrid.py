@@ -1,0 +1,431 @@
+"""Sliding-window models under vLLM v1's hybrid KV cache manager: groups of block tables
+over one pool, windows given back, prefix hits that need only a window, prefills that never
+wait; hand-worked cases, a hypothesis state machine, and the engine."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule
+from test_memory_properties import PREFIXES, PagedMachine
+
+from sim.api import load, run
+from sim.engine import (
+    build_allocator,
+    build_timing,
+    run_system,
+    scenario_pool_slots,
+    scenario_trace,
+)
+from sim.memory import AllocatorError, HybridPagedAllocator, SeqSpec
+from sim.memory.content import BlockHasher
+from sim.presets import MODEL_PRESETS
+from sim.scenario import ScenarioError
+from sim.timing import StepTimeModel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spec(seq_id: int, prompt: int, out: int, segment: int | None = None,
+         shared: tuple[tuple[int, int], ...] = ()) -> SeqSpec:
+    shared_len = sum(n for _, n in shared)
+    own = segment if segment is not None else 100 + seq_id
+    return SeqSpec(seq_id, (*shared, (own, prompt - shared_len + out)), prompt, prompt + out,
+                   prompt + out)
+
+
+def test_layers_group_as_vllm_groups_them():
+    groups = {name: MODEL_PRESETS[name].kv_cache_groups()
+              for name in ("gemma-3-27b", "gemma-2-9b", "mistral-7b-v0.1", "llama-3-8b")}
+    # Gemma-3: 10 full and 52 sliding layers; groups of 10, the last sliding one padded.
+    assert groups == {"gemma-3-27b": (10, 1, 6), "gemma-2-9b": (21, 1, 1),
+                      "mistral-7b-v0.1": (32, 0, 1), "llama-3-8b": (32, 1, 0)}
+
+
+def test_a_sliding_window_table_keeps_only_what_its_window_sees():
+    # One sliding group, a 32-token window, 16-token blocks, no prefix cache.
+    alloc = HybridPagedAllocator(100, 16, full_groups=0, sliding_groups=1, sliding_window=32,
+                                 enable_prefix_caching=False)
+    alloc.admit(spec(0, 100, 20))
+    # An unchunked prefill may hold the whole prompt and the first token: 7 blocks promised.
+    assert alloc.num_free_blocks == 93
+    assert alloc.append(0, 100)
+    assert alloc.block_tables(0) == [[0, 1, 2, 3, 4, 5, 6]]
+    assert alloc.num_free_blocks == 93  # promise used up, none left over
+    # The first generated token (position 100) sees positions 69..100: blocks 4, 5, 6.
+    assert alloc.append(0, 1)
+    assert alloc.block_tables(0)[0][:4] == [None] * 4
+    assert alloc.num_free_blocks == 97
+    # Nineteen decode steps at once: token 119 sees 88..119, blocks 5, 6 and a new 7.
+    assert alloc.append(0, 19)
+    assert alloc.block_tables(0)[0][:6] == [None] * 5 + [5]
+    snap = alloc.snapshot()
+    assert snap.token == 120 - 5 * 16  # blocks 5, 6 full and 8 tokens in block 7
+    assert snap.internal == 8 * 16 - 120
+    assert snap.reserved == 0 and snap.free == (100 - 3) * 16
+    alloc.check_invariants()
+    alloc.free(0)
+    assert alloc.num_free_blocks == 100
+
+
+def hybrid(num_blocks: int) -> HybridPagedAllocator:
+    """One full-attention group, one sliding (32 tokens), 16-token blocks and chunks."""
+    return HybridPagedAllocator(num_blocks, 16, full_groups=1, sliding_groups=1,
+                                sliding_window=32, prefill_chunk_tokens=16)
+
+
+def run_through(alloc: HybridPagedAllocator, s: SeqSpec) -> None:
+    """Admit ``s``, prefill it chunk by chunk, decode it a token a step, free it."""
+    hit = alloc.admit(s)
+    assert hit is not None
+    chunk = alloc.prefill_chunk_tokens or s.prompt_len
+    for start in range(hit, s.prompt_len, chunk):
+        assert alloc.append(s.seq_id, min(chunk, s.prompt_len - start))
+    for _ in range(s.final_len - s.prompt_len):
+        assert alloc.append(s.seq_id, 1)
+    alloc.check_invariants()
+    alloc.free(s.seq_id)
+
+
+def spec_hashes(s: SeqSpec) -> list[int]:
+    return BlockHasher(s.segments, 16).hash_upto(s.prompt_len // 16)
+
+
+def evict_oldest(alloc: HybridPagedAllocator, blocks: int) -> None:
+    """Evict the ``blocks`` least recently used cached blocks: admit (then free) a prompt
+    that takes every unhashed block and that many more."""
+    unhashed = alloc.pool.num_free - alloc.pool.num_cached_free
+    filler = spec(99, 16 * (unhashed + blocks) - 1, 1)
+    assert alloc.admit(filler) == 0
+    alloc.free(99)
+
+
+SHARED = ((1, 100),)
+
+
+def test_a_prefix_hit_needs_only_the_sliding_window_before_it():
+    # Request A (100 shared tokens + 10) runs and leaves its blocks cached. The least
+    # recently used are the sliding group's first four, given back while A ran.
+    alloc = hybrid(40)
+    run_through(alloc, spec(0, 100, 10, shared=SHARED))
+    hashes = spec_hashes(spec(9, 100, 0, shared=SHARED))
+    evict_oldest(alloc, 4)
+    cached = [[alloc.pool.lookup(alloc._key(h, group)) is not None for h in hashes]
+              for group in (0, 1)]
+    assert cached == [[True] * 6, [False] * 4 + [True] * 2]
+    # B shares A's 100 tokens: the lookup covers 6 blocks (99 // 16), and the sliding group
+    # needs only the cdiv(32 - 1, 16) = 2 blocks before the hit, 4 and 5: cached.
+    b = spec(2, 100, 5, shared=SHARED)
+    assert alloc.lookup(b) == 96
+    assert alloc.admit(b) == 96
+    assert alloc.block_tables(2)[1] == [None] * 4 + [
+        alloc.pool.lookup(alloc._key(hashes[i], 1)).block_id for i in (4, 5)]
+    alloc.check_invariants()
+
+
+def test_no_hit_where_the_window_before_the_full_groups_hit_is_gone():
+    alloc = hybrid(40)
+    run_through(alloc, spec(0, 100, 10, shared=SHARED))
+    # Sliding blocks 0-3, then the full group's 5, 4, 3, 2 (a table is freed deepest first).
+    evict_oldest(alloc, 8)
+    hashes = spec_hashes(spec(9, 100, 0, shared=SHARED))
+    assert [alloc.pool.lookup(h) is not None for h in hashes] == [True] * 2 + [False] * 4
+    # The full group finds blocks 0 and 1; the sliding group lacks both: nothing.
+    assert alloc.lookup(spec(2, 100, 5, shared=SHARED)) == 0
+
+
+def test_a_short_run_from_block_zero_is_a_hit_shorter_than_a_window():
+    # A window of 64 tokens needs 4 blocks before a hit; a prompt sharing 2 blocks from
+    # block 0 still hits them (vLLM keeps a run from the start, however short).
+    alloc = HybridPagedAllocator(60, 16, full_groups=1, sliding_groups=2, sliding_window=64)
+    shared = ((1, 32),)
+    run_through(alloc, spec(0, 40, 4, shared=shared))
+    assert alloc.admit(spec(1, 50, 4, shared=shared)) == 32
+    alloc.check_invariants()
+
+
+def test_a_chunked_prefill_never_waits_for_what_others_take():
+    # 128-token chunks, a 32-token window: a sliding group holds at most
+    # cdiv(31 + 128, 16) + 1 = 11 blocks during a prefill, so admission promises 2 × 11.
+    alloc = HybridPagedAllocator(60, 16, full_groups=1, sliding_groups=2, sliding_window=32,
+                                 prefill_chunk_tokens=128, enable_prefix_caching=False)
+    long = spec(0, 500, 10)
+    assert alloc.admit(long) == 0
+    assert alloc.num_free_blocks == 60 - 32 - 22  # full group: 501 tokens; 22 promised
+    # Another sequence grows into everything not promised, and no further.
+    other = spec(1, 15, 200)
+    assert alloc.admit(other) == 0
+    grown = 0
+    while alloc.append(1, 1):
+        grown += 1
+    assert 15 < grown < 200  # past its prompt, then stopped: memory is short
+    # Every chunk of the long prompt still gets its blocks, and the first token too.
+    for _ in range(3):
+        assert alloc.append(0, 128)
+        alloc.check_invariants()
+    assert alloc.append(0, 500 - 384)
+    assert alloc.append(0, 1)
+    assert alloc.num_free_blocks > 0  # its prompt's old blocks are back in the pool
+    alloc.check_invariants()
+    # Too much memory for both at once is refused whole: nothing changes.
+    assert alloc.admit(spec(2, 400, 1)) is None
+
+
+def test_forks_are_refused():
+    alloc = hybrid(20)
+    alloc.admit(spec(0, 20, 5))
+    alloc.append(0, 20)
+    with pytest.raises(AllocatorError, match="parallel samples are not modelled"):
+        alloc.fork(0, spec(1, 20, 5))
+
+
+class HybridMachine(PagedMachine):
+    """Random admissions, prefills, decode steps, frees and re-admissions, driven as the
+    scheduler drives them (prompt chunks, then a token a step, or several at once as lazy
+    decode syncs them), against a reference of tokens and the blocks each window needs."""
+
+    block_size = 4
+    full_groups = 1
+    sliding_groups = 2
+    window = 10
+    chunk: int | None = 12
+    num_blocks = 70
+    caching = True
+
+    def build(self):
+        # First token of each sequence's last step (freed ones stay: ids are never reused).
+        self.last_start: dict[int, int] = {}
+        return HybridPagedAllocator(self.num_blocks, self.block_size,
+                                    full_groups=self.full_groups,
+                                    sliding_groups=self.sliding_groups,
+                                    sliding_window=self.window, prefill_chunk_tokens=self.chunk,
+                                    enable_prefix_caching=self.caching)
+
+    def _admitted(self, spec: SeqSpec, hit: int | None) -> None:
+        if hit is not None:
+            assert 0 <= hit < spec.prompt_len and hit % self.block_size == 0
+            self.specs[spec.seq_id] = spec
+            self.tokens[spec.seq_id] = hit
+            self.last_start[spec.seq_id] = hit
+
+    @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60),
+          extra=st.integers(0, 30), out=st.integers(1, 60))
+    def admit(self, prefix_idx, prompt, extra, out):
+        s = self.new_spec(prefix_idx, prompt, extra, out)
+        self._admitted(s, self.allocator.admit(s))
+
+    @precondition(lambda self: self._readmittable())
+    @rule(data=st.data())
+    def readmit(self, data):
+        old = data.draw(st.sampled_from(self._readmittable()))
+        s = SeqSpec(self.next_id, old.segments, old.prompt_len, old.final_len, old.max_len)
+        self.next_id += 1
+        self._admitted(s, self.allocator.admit(s))
+
+    @precondition(lambda self: self.specs)
+    @rule(data=st.data(), steps=st.integers(1, 6))
+    def append(self, data, steps):
+        seq_id = data.draw(st.sampled_from(sorted(self.specs)))
+        s, n = self.specs[seq_id], self.tokens[seq_id]
+        if n < s.prompt_len:  # a prefill chunk: it must never fail
+            chunk = min(s.prompt_len - n, self.chunk or s.prompt_len,
+                        data.draw(st.integers(1, s.prompt_len - n)))
+            assert self.allocator.append(seq_id, chunk)
+            self.tokens[seq_id] += chunk
+            self.last_start[seq_id] = n
+        elif n == s.prompt_len:  # the first generated token: promised too
+            assert self.allocator.append(seq_id, 1)
+            self.tokens[seq_id] += 1
+            self.last_start[seq_id] = n
+        else:
+            k = min(steps, s.final_len - n)
+            if k and self.allocator.append(seq_id, k):
+                self.tokens[seq_id] += k
+                self.last_start[seq_id] = n + k - 1
+
+    def append_to_several(self, data, limit):  # (parallel samples only; refused here)
+        pass
+
+    @precondition(lambda self: self.specs)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.specs)))
+        with pytest.raises(AllocatorError):
+            self.allocator.fork(parent, spec(self.next_id, 10, 1))
+
+    @invariant()
+    def consistent(self):
+        alloc = self.allocator
+        alloc.check_invariants()
+        assert sorted(alloc.live_seq_ids) == sorted(self.specs)
+        bs, window = self.block_size, self.window
+        held_tokens = 0
+        for seq_id, n in self.tokens.items():
+            assert alloc.num_tokens(seq_id) == n
+            tables = alloc.block_tables(seq_id)
+            s = self.specs[seq_id]
+            # Every block a token from its last step's first on can see, and no other.
+            released = max(0, self.last_start[seq_id] - window + 1) // bs
+            for table in tables[self.full_groups:]:
+                assert len(table) == -(-n // bs)
+                assert table[:released] == [None] * released
+                assert None not in table[released:]
+            for table in tables[:self.full_groups]:
+                assert len(table) == -(-max(n, s.prompt_len + 1) // bs)
+            held_tokens += self.full_groups * n + self.sliding_groups * (n - released * bs)
+        snap = alloc.snapshot()
+        assert snap.total == alloc.capacity_slots
+        if not self.caching:  # nothing shared: the token slots are the reference's
+            assert snap.token == held_tokens
+            assert snap.cached == 0
+        else:
+            assert snap.token <= held_tokens
+        assert alloc.num_free_blocks >= 0
+
+    def paged_accounting(self):  # (PagedMachine's arithmetic is per-sequence paging)
+        pass
+
+    def lookup(self, prefix_idx, prompt):  # re-declared below with the hybrid's bound
+        pass
+
+    @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60))
+    def lookup_changes_nothing(self, prefix_idx, prompt):
+        s = self.new_spec(prefix_idx, prompt, 0, 1)
+        before = self.allocator.snapshot()
+        hit = self.allocator.lookup(s)
+        assert hit % self.block_size == 0 and 0 <= hit < s.prompt_len
+        assert self.allocator.snapshot() == before
+
+
+class HybridPureSlidingUnchunked(HybridMachine):
+    full_groups = 0
+    sliding_groups = 1
+    window = 7
+    chunk = None
+    num_blocks = 50
+
+
+class HybridNoCache(HybridMachine):
+    caching = False
+    window = 16
+    block_size = 16
+    num_blocks = 30
+
+
+_SETTINGS = settings(max_examples=int(os.environ.get("KVSIM_HYPOTHESIS_EXAMPLES", "60")),
+                     stateful_step_count=40, deadline=None,
+                     derandomize="KVSIM_HYPOTHESIS_EXAMPLES" not in os.environ)
+for _machine in (HybridMachine, HybridPureSlidingUnchunked, HybridNoCache):
+    _machine.TestCase.settings = _SETTINGS
+    globals()[f"Test{_machine.__name__}"] = _machine.TestCase
+
+
+GEMMA = {
+    "name": "gemma", "model": "gemma-3-27b", "gpu": "h100-80g",
+    "memory": {"kv_memory_gib": 4},
+    "workload": {"arrival": {"process": "poisson", "rate": 20},
+                 "prompt_len": {"dist": "lognormal", "mean": 1500, "p99": 4000, "max": 6000},
+                 "output_len": {"dist": "lognormal", "mean": 400, "p99": 1500, "max": 2000}},
+    "systems": [
+        {"name": "hybrid", "allocator": {"kind": "paged", "block_size": 16},
+         "scheduler": {"chunked_prefill": True}},
+        {"name": "all-layers", "allocator": {"kind": "paged", "block_size": 16,
+                                             "hybrid_kv_cache": False},
+         "scheduler": {"chunked_prefill": True}}],
+    "stop": {"num_requests": 150},
+}
+
+
+def test_a_pool_of_group_blocks_sized_from_the_same_bytes():
+    scenario, _ = load(GEMMA)
+    slots = scenario_pool_slots(scenario)  # tokens of all 62 layers
+    hybrid_system, flat_system = scenario.systems
+    alloc = build_allocator(hybrid_system, slots, 131072, model=scenario.model_spec())
+    assert isinstance(alloc, HybridPagedAllocator)
+    # A block holds 16 tokens of 10 layers: 6.2 times as many blocks as of all 62 layers.
+    assert alloc.num_blocks == slots * 62 // (10 * 16)
+    assert (alloc.full_groups, alloc.sliding_groups, alloc.sliding_window) == (1, 6, 1024)
+    assert alloc.prefill_chunk_tokens == 8192
+    flat = build_allocator(flat_system, slots, 131072, model=scenario.model_spec())
+    assert not isinstance(flat, HybridPagedAllocator)
+    assert flat.capacity_slots == slots // 16 * 16
+
+
+def test_windows_given_back_seat_more_requests():
+    result = run(GEMMA)
+    hybrid_run, flat_run = result.systems["hybrid"].summary, result.systems["all-layers"].summary
+    # Requests average 1,900 tokens, two windows: the sliding groups hold about half of
+    # what every layer's every token would, so more requests decode at once.
+    assert hybrid_run["mean_batch"] > 1.2 * flat_run["mean_batch"]
+    assert hybrid_run["throughput_tok_s"] > 1.15 * flat_run["throughput_tok_s"]
+    for summary in (hybrid_run, flat_run):
+        assert summary["completed"] == 150
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"systems[hybrid].allocator.host_cache_gib": 1},
+     "system 'hybrid': a host tier (allocator.host_cache_gib) is not modelled with the hybrid "
+     "KV cache manager that gemma-3-27b's sliding-window layers use; set "
+     "allocator.hybrid_kv_cache: false (every layer keeps every token)"),
+    ({"systems[hybrid].scheduler.preemption_mode": "swap"}, "preemption_mode: swap is not"),
+    ({"workload.sampling": {"n": 2}}, "parallel samples (workload.sampling n or beam_width > 1)"),
+    ({"model": {"name": "m", "num_layers": 4, "num_heads": 4, "head_dim": 64,
+                "num_params": 1e8, "max_model_len": 4096, "num_sliding_layers": 2}},
+     "num_sliding_layers needs sliding_window"),
+    ({"model": {"name": "m", "num_layers": 4, "num_heads": 4, "head_dim": 64,
+                "num_params": 1e8, "max_model_len": 4096, "sliding_window": 64,
+                "num_sliding_layers": 5}}, "num_sliding_layers (5) exceeds num_layers (4)"),
+])
+def test_what_the_hybrid_manager_does_not_model_is_refused_in_one_line(change, message):
+    with pytest.raises(ScenarioError, match=None) as caught:
+        load(GEMMA, overrides=change)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+class _RecordingTiming(StepTimeModel):
+    """The roofline, noting the shape of every step it times (step mode times each)."""
+
+    def step_time(self, decode_seqs, context_tokens, prefill_tokens, prefill_pairs, rho,
+                  skipped_context=0, skipped_pairs=0):
+        SHAPES.append((decode_seqs, context_tokens, prefill_tokens, prefill_pairs,
+                       skipped_context, skipped_pairs))
+        return super().step_time(decode_seqs, context_tokens, prefill_tokens, prefill_pairs,
+                                 rho, skipped_context, skipped_pairs)
+
+
+SHAPES: list[tuple[int, ...]] = []
+
+
+@pytest.mark.parametrize("users", [1, 3])
+def test_sliding_layers_skip_the_context_past_their_window(users):
+    # Closed-loop users with equal prompts: every decoding sequence of a step has the same
+    # context when they start together, so the context past the window is exact arithmetic.
+    window = 40
+    scenario, _ = load({
+        "name": "window", "model": {"name": "swa", "num_layers": 8, "num_heads": 8,
+                                    "head_dim": 64, "num_params": 1e9, "max_model_len": 4096,
+                                    "sliding_window": window, "num_sliding_layers": 6},
+        "memory": {"kv_memory_gib": 1},
+        "workload": {"arrival": {"process": "closed_loop", "users": users,
+                                 "think_time_s": 0},
+                     "prompt_len": {"dist": "constant", "value": 30},
+                     "output_len": {"dist": "constant", "value": 25}},
+        "systems": [{"name": "s", "allocator": {"kind": "paged", "block_size": 16}}],
+        "stop": {"num_requests": 2 * users}, "engine": {"mode": "step"}})
+    base = build_timing(scenario, ROOT)
+    assert base.sliding_share == 6 / 8
+    timing = _RecordingTiming(**{f.name: getattr(base, f.name) for f in fields(base)})
+    SHAPES.clear()
+    run_system(scenario, scenario.systems[0], scenario_trace(scenario, ROOT), timing)
+    decode_only = [s for s in SHAPES if s[2] == 0 and s[0] == users]
+    assert len(decode_only) >= 20
+    for seqs, context, _, _, skipped, _ in decode_only:
+        assert skipped == seqs * max(0, context // seqs - window)
+    assert any(s[4] for s in decode_only)  # contexts do pass the window (30 + 25 > 40)
+    for _, _, prefill, pairs, _, skipped_pairs in SHAPES:  # fresh 30-token prompts
+        assert skipped_pairs == 0 and pairs == prefill * 30
