@@ -490,6 +490,9 @@ def _print_hit_curve(curve: HitCurve, requests: int, rows: int, model: ModelSpec
           f"{size(curve.tokens_for(0.9))}")
     for label, tokens in marks.items():
         print(f"  {label}: {size(tokens)}: {curve.hit_rate(tokens):.1%}")
+    if model is not None and model.sliding_window:
+        print(f"  note: the curve keeps every layer's blocks; {model.name}'s sliding-window "
+              "layers need only a window's before a hit under the hybrid KV cache manager")
 
 
 def cmd_trace_hit_curve(args: argparse.Namespace) -> int:
