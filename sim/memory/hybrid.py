@@ -5,7 +5,7 @@ A cloakroom where some guests keep every coat they are handed all evening (the l
 attend to every token) and others keep only their last few (the sliding-window layers,
 which see only the last ``W`` tokens): what a window has passed goes back to the rail. vLLM
 splits the layers of each kind into *groups* of equally many layers (see
-:meth:`~sim.memory.presets.ModelSpec.kv_cache_groups`); every group keeps its own block table
+:meth:`~sim.presets.ModelSpec.kv_cache_groups`); every group keeps its own block table
 per sequence, and all tables draw from one pool of blocks, each holding ``block_size``
 tokens of one group's layers. A pool slot here is one token in one group.
 
