@@ -288,11 +288,12 @@ class HybridPagedAllocator(KVAllocator):
         self._token_slots -= drop_reference(self.pool, block, self._duplicates)
 
     def _release(self, seq: _HybridSeq, point: int) -> None:
-        """Give back every sliding-window block before ``point``."""
+        """Give back every sliding-window block before ``point``, the last first (as vLLM's
+        remove_skipped_blocks does: the earlier blocks become the more recently used)."""
         if point <= seq.released:
             return
         for table in seq.tables[self.full_groups:]:
-            for idx in range(seq.released, point):
+            for idx in range(point - 1, seq.released - 1, -1):
                 block = table[idx]
                 if block is not None:
                     table[idx] = None
