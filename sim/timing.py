@@ -96,12 +96,13 @@ class StepTimeModel:
                   skipped_pairs: int = 0) -> float:
         """Seconds for one step of the given shape (ρ already chosen for the allocator);
         ``skipped_context`` and ``skipped_pairs`` lie past a sliding window."""
+        read: float = context_tokens
+        pairs: float = prefill_pairs
         if self.sliding_share:
-            context_tokens -= self.sliding_share * skipped_context  # type: ignore[assignment]
-            prefill_pairs -= self.sliding_share * skipped_pairs  # type: ignore[assignment]
+            read -= self.sliding_share * skipped_context
+            pairs -= self.sliding_share * skipped_pairs
         return (self.fixed_s(decode_seqs + prefill_tokens) + self.b * decode_seqs
-                + rho * self.c * context_tokens + self.d * prefill_tokens
-                + self.e * prefill_pairs)
+                + rho * self.c * read + self.d * prefill_tokens + self.e * pairs)
 
     def decode_step_time(self, decode_seqs: int, rho: float) -> Callable[[int, int], float]:
         """``step_time`` of a pure-decode step as a function of its context tokens and

@@ -178,15 +178,10 @@ class HybridPagedAllocator(KVAllocator):
         return block_hash if group == 0 else hash((block_hash, group))
 
     # ------------------------------------------------------------------ prefix hits
-    def _cached(self, block_hash: int, groups: range) -> list[KVBlock] | None:
-        """Every group's cached block of that content, or None if any group lacks it."""
-        found = []
-        for group in groups:
-            block = self.pool.lookup(self._key(block_hash, group))
-            if block is None:
-                return None
-            found.append(block)
-        return found
+    def _cached(self, block_hash: int, groups: range) -> bool:
+        """Whether every group of ``groups`` has a cached block of that content."""
+        return all(self.pool.lookup(self._key(block_hash, group)) is not None
+                   for group in groups)
 
     def _hit_length(self, spec: SeqSpec, hasher: BlockHasher) -> int:
         """Prefix-hit blocks, by vLLM v1's hybrid rule (module docstring)."""
@@ -197,14 +192,14 @@ class HybridPagedAllocator(KVAllocator):
         full = range(self.full_groups)
         length = 0
         if self.full_groups:
-            while length < limit and self._cached(hashes[length], full) is not None:
+            while length < limit and self._cached(hashes[length], full):
                 length += 1
         else:
             length = limit
         sliding = range(self.full_groups, self.groups)
         run = 0
         for idx in range(length - 1, -1, -1):  # the last window of cached blocks
-            if self._cached(hashes[idx], sliding) is None:
+            if not self._cached(hashes[idx], sliding):
                 run = 0
                 continue
             run += 1
