@@ -240,6 +240,12 @@ class SchedulerConfig(ConfigModel):
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt = 8192
     chunked_prefill: bool = False
+    prefill_allocation: Literal["whole_prompt", "per_chunk"] = Field(
+        default="whole_prompt", description="under chunked_prefill: claim memory for the whole "
+        "prompt when a request is seated, so that its prefill never waits (vLLM v0), or only "
+        "for the chunk each step computes (vLLM v1): more requests start, and a chunk that "
+        "finds memory short preempts as a decode step does. Without chunked prefill a prompt "
+        "is one chunk, and the two are the same")
     policy: Literal["fcfs", "priority", "shortest_predicted"] = Field(
         default="fcfs", description="as vLLM's --scheduling-policy: first come, first served, "
         "or by each request's priority (lower first, then arrival): the waiting request with "

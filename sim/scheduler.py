@@ -12,7 +12,10 @@ first, the worst-ranked seated one is the first asked to leave; others seat firs
 diner expected to order least (``policy: shortest_predicted``). A house that lays each
 table for the courses it expects a diner to order (contiguous memory reserved for a
 predicted output length) sends a diner who orders more back to the queue, to be seated
-again at a larger table: laid for twice as many, or for all the diner may order.
+again at a larger table: laid for twice as many, or for all the diner may order. A diner
+with a long order is seated when the table for all of it is free (``prefill_allocation:
+whole_prompt``), or as soon as the first course fits, each later course claiming its space
+as it comes (``per_chunk``, vLLM v1), at the risk of being asked to leave halfway.
 
 Decoding is accounted lazily, like interest on a bank account: a decoding request's token
 count is ``tok_sync + (steps - g_sync)``, and the allocator is only told ("synced") when the
@@ -32,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim.memory import ContiguousAllocator, KVAllocator, MemorySnapshot, SeqSpec
+from sim.memory.block_pool import BlockPool
 from sim.scenario import SchedulerConfig
 from workloads.trace import Trace, output_segment_id
 
@@ -49,6 +53,7 @@ class Request:
         "admitted_s",
         "arrival_s",
         "computed",
+        "computed_tokens",
         "decoding",
         "finished_s",
         "first_token_s",
@@ -112,6 +117,9 @@ class Request:
         self.rejected = False
         self.resumed = False  # re-admitted after a preemption that discarded computed KV
         self.computed = False  # some step has computed KV for it
+        # Leading tokens of the prompt it is seated with next whose KV some step computed
+        # (a preemption in the middle of a prefill leaves the rest never computed).
+        self.computed_tokens = 0
         # Prompt tokens whose KV another replica computed and sent (disaggregated prefill):
         # admission writes them without computing them, once.
         self.transferred = 0
@@ -351,6 +359,9 @@ class Scheduler:
         self.head_blocked = False  # the last admission attempt failed; nothing freed since
         self.prefilling = 0
         self._append = allocator.append
+        # Prompt memory taken chunk by chunk as it is written (vLLM v1), not at admission.
+        self._per_chunk = config.chunked_prefill and config.prefill_allocation == "per_chunk"
+        self._pool: BlockPool | None = getattr(allocator, "pool", None)
         # Paged tables grow a block at a time: a decoding sequence holding t tokens holds
         # ceil(t / bs) blocks. Contiguous extents never grow (cap stays the reservation),
         # and only a predicted reservation may end before the request does.
@@ -582,6 +593,8 @@ class Scheduler:
         if request.g_sync > self.steps:
             request.gen_sync -= request.g_sync - self.steps  # this step's token never happens
             request.g_sync = self.steps
+        if decoding:
+            request.computed_tokens = request.prompt_len + request.gen_sync
         if decoding and request.n == 1 and self.swap_slots:
             self._swap_out(request, batch)
         for seq_id in request.seq_ids():
@@ -677,9 +690,15 @@ class Scheduler:
         due = self._due(GROW, self.steps)
         if not due:
             return True
-        # A contiguous extent's end is always an overflow: schedule() preempts for it.
-        if self._block_size is None or sum(r.num_seqs for r in due) * self._crossing_blocks > (
-                self.allocator.num_free_blocks):  # type: ignore[attr-defined]
+        need = sum(r.num_seqs for r in due) * self._crossing_blocks
+        # A contiguous extent's end is always an overflow: schedule() preempts for it. Per
+        # chunk, a blocked head's claim grows with its prefix hits, so evicting one of them
+        # may let it in: schedule() then tries, as stepping would (taking only blocks that
+        # hold nothing cached evicts nothing).
+        if self._block_size is None or need > (
+                self.allocator.num_free_blocks) or (  # type: ignore[attr-defined]
+                self._per_chunk and self.waiting and self._pool is not None
+                and need > self._pool.num_free - self._pool.num_cached_free):
             # Put them back for schedule() to handle with preemption.
             self._events[GROW][self.steps] = [(r.admit_seq, r.version, r) for r in due]
             return False
@@ -707,9 +726,13 @@ class Scheduler:
                     chunk = min(request.prefill_target - request.prefilled, budget)
                     if self._prefill(request, chunk, batch):
                         budget -= chunk
-        # New admissions, in the line's order with head-of-line blocking.
+        # New admissions, in the line's order with head-of-line blocking. vLLM v1 (per chunk)
+        # seats no one in a step that preempted while others run: memory is short, and a
+        # newcomer would only be preempted in turn (with nobody left, its empty step would
+        # take no time: seat at once).
         self.head_blocked = False
-        while self.waiting:
+        seating = not (self._per_chunk and batch.preempted and self.running)
+        while seating and self.waiting:
             if len(self.running) >= self.config.max_num_seqs or budget <= 0:
                 if budget > 0 and self._make_room(self.waiting.head(), batch):
                     continue  # a seat freed for a better priority
@@ -727,7 +750,10 @@ class Scheduler:
                             request.swapped)
                 if spec.prompt_len - ready > budget:
                     break  # not blocked for good: a step without other prefills admits it
-            hits = self.allocator.admit(spec)
+            # Per chunk (vLLM v1), a prompt computed here claims only its first chunk's memory
+            # (a swapped or transferred one arrives whole).
+            hits = self.allocator.admit(spec, budget if self._per_chunk and not (
+                request.swapped or request.transferred) else None)
             if hits is None:
                 if self._make_room(request, batch):
                     continue  # memory freed for a better priority: try again
@@ -764,7 +790,8 @@ class Scheduler:
                     self.lookup_tokens += spec.prompt_len
                     self.first_loaded_tokens += loaded
             if request.resumed:
-                request.recomputed_tokens += spec.prompt_len - request.prefilled
+                request.recomputed_tokens += max(
+                    0, min(spec.prompt_len, request.computed_tokens) - request.prefilled)
             self.running[request.admit_seq] = request
             self.prefilling += 1
             remaining = spec.prompt_len - request.prefilled
@@ -794,9 +821,15 @@ class Scheduler:
         generated token. False if the request was preempted instead."""
         history = request.prefilled
         completes = history + chunk == request.prefill_target
-        if chunk:
-            written = self.allocator.append(request.index * MAX_SAMPLES, chunk)
-            assert written  # admission claimed the prompt's blocks
+        # Admission claimed the prompt's memory, or (per chunk) its first chunk's: a later
+        # chunk preempts for its blocks as a decode step does.
+        while chunk and not self._append(request.index * MAX_SAMPLES, chunk):
+            assert self._per_chunk, "admission claimed the prompt's memory"
+            victim = self._victim()
+            self._preempt(victim, batch)
+            batch.preempted += 1
+            if victim is request:
+                return False
         request.prefilled += chunk
         if completes:
             self.prefilling -= 1
@@ -820,8 +853,10 @@ class Scheduler:
         """Complete the step that ends at ``end_s``; return the requests that finished."""
         self.steps += 1
         finished = []
-        for request, _chunk, _history in batch.prefill if batch else ():
+        for request, chunk, history in batch.prefill if batch else ():
             request.computed = True
+            if history + chunk > request.computed_tokens:
+                request.computed_tokens = history + chunk
             if request.in_prefill:
                 continue
             # _grow_now counted the first generated token in gen_sync already.

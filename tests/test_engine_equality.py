@@ -110,6 +110,8 @@ def random_scenario(seed: int) -> dict:
                  "num_params": 6.74e9, "max_model_len": 4096,
                  "sliding_window": rng.choice([8, 40, 100]),
                  "num_sliding_layers": rng.choice([32, 24, 16])}
+    if scheduler["chunked_prefill"] and rng.random() < 0.5:  # drawn last, as the above
+        scheduler["prefill_allocation"] = "per_chunk"
     return {
         "name": f"random-{seed}",
         "model": model,

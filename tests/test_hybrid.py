@@ -23,6 +23,7 @@ from sim.engine import (
     scenario_trace,
 )
 from sim.memory import AllocatorError, HybridPagedAllocator, SeqSpec
+from sim.memory.base import claim_end
 from sim.memory.content import BlockHasher
 from sim.presets import MODEL_PRESETS
 from sim.scenario import ScenarioError
@@ -214,34 +215,48 @@ class HybridMachine(PagedMachine):
             self.last_start[spec.seq_id] = hit
 
     @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60),
-          extra=st.integers(0, 30), out=st.integers(1, 60))
-    def admit(self, prefix_idx, prompt, extra, out):
-        s = self.new_spec(prefix_idx, prompt, extra, out)
-        self._admitted(s, self.allocator.admit(s))
+          extra=st.integers(0, 30), out=st.integers(1, 60), first_chunk=st.integers(1, 60))
+    def admit(self, prefix_idx, prompt, extra, out, first_chunk):
+        self._admit(self.new_spec(prefix_idx, prompt, extra, out), first_chunk)
 
     @precondition(lambda self: self._readmittable())
-    @rule(data=st.data())
-    def readmit(self, data):
+    @rule(data=st.data(), first_chunk=st.integers(1, 60))
+    def readmit(self, data, first_chunk):
         old = data.draw(st.sampled_from(self._readmittable()))
         s = SeqSpec(self.next_id, old.segments, old.prompt_len, old.final_len, old.max_len)
         self.next_id += 1
-        self._admitted(s, self.allocator.admit(s))
+        self._admit(s, first_chunk)
+
+    def _admit(self, s: SeqSpec, first_chunk: int) -> None:
+        # Per chunk, as the scheduler claims: within its token budget.
+        max_new = min(first_chunk, self.chunk or first_chunk) if self.per_chunk else None
+        hit = self.allocator.admit(s, max_new)
+        self._admitted(s, hit)
+        if hit is not None:
+            self.claims[s.seq_id] = claim_end(s, hit, max_new)
 
     @precondition(lambda self: self.specs)
     @rule(data=st.data(), steps=st.integers(1, 6))
     def append(self, data, steps):
         seq_id = data.draw(st.sampled_from(sorted(self.specs)))
         s, n = self.specs[seq_id], self.tokens[seq_id]
-        if n < s.prompt_len:  # a prefill chunk: it must never fail
+        claim = self.claims[seq_id]  # admission claimed (or promised) memory up to here
+        if n < s.prompt_len:  # a prefill chunk: it never fails unless claimed per chunk
             chunk = min(s.prompt_len - n, self.chunk or s.prompt_len,
                         data.draw(st.integers(1, s.prompt_len - n)))
-            assert self.allocator.append(seq_id, chunk)
-            self.tokens[seq_id] += chunk
-            self.last_start[seq_id] = n
-        elif n == s.prompt_len:  # the first generated token: promised too
-            assert self.allocator.append(seq_id, 1)
-            self.tokens[seq_id] += 1
-            self.last_start[seq_id] = n
+            if self.per_chunk and n < claim:  # the first chunk, as admission claimed it
+                chunk = min(claim, s.prompt_len) - n
+            if self.allocator.append(seq_id, chunk):
+                self.tokens[seq_id] += chunk
+                self.last_start[seq_id] = n
+            else:
+                assert n + chunk > claim, "a claimed prefill chunk found memory short"
+        elif n == s.prompt_len:  # the first generated token: promised too, if claimed
+            if self.allocator.append(seq_id, 1):
+                self.tokens[seq_id] += 1
+                self.last_start[seq_id] = n
+            else:
+                assert n + 1 > claim, "a claimed first token found memory short"
         else:
             k = min(steps, s.final_len - n)
             if k and self.allocator.append(seq_id, k):
@@ -268,7 +283,6 @@ class HybridMachine(PagedMachine):
         for seq_id, n in self.tokens.items():
             assert alloc.num_tokens(seq_id) == n
             tables = alloc.block_tables(seq_id)
-            s = self.specs[seq_id]
             # Every block a token from its last step's first on can see, and no other.
             released = max(0, self.last_start[seq_id] - window + 1) // bs
             for table in tables[self.full_groups:]:
@@ -276,7 +290,7 @@ class HybridMachine(PagedMachine):
                 assert table[:released] == [None] * released
                 assert None not in table[released:]
             for table in tables[:self.full_groups]:
-                assert len(table) == -(-max(n, s.prompt_len + 1) // bs)
+                assert len(table) == -(-max(n, self.claims[seq_id]) // bs)
             held_tokens += self.full_groups * n + self.sliding_groups * (n - released * bs)
         snap = alloc.snapshot()
         assert snap.total == alloc.capacity_slots
@@ -302,6 +316,14 @@ class HybridMachine(PagedMachine):
         assert self.allocator.snapshot() == before
 
 
+class HybridPerChunk(HybridMachine):
+    """vLLM v1's own way: admission claims a first chunk; later chunks may find memory
+    short (a small pool, so they do)."""
+
+    per_chunk = True
+    num_blocks = 40
+
+
 class HybridPureSlidingUnchunked(HybridMachine):
     full_groups = 0
     sliding_groups = 1
@@ -320,7 +342,7 @@ class HybridNoCache(HybridMachine):
 _SETTINGS = settings(max_examples=int(os.environ.get("KVSIM_HYPOTHESIS_EXAMPLES", "60")),
                      stateful_step_count=40, deadline=None,
                      derandomize="KVSIM_HYPOTHESIS_EXAMPLES" not in os.environ)
-for _machine in (HybridMachine, HybridPureSlidingUnchunked, HybridNoCache):
+for _machine in (HybridMachine, HybridPerChunk, HybridPureSlidingUnchunked, HybridNoCache):
     _machine.TestCase.settings = _SETTINGS
     globals()[f"Test{_machine.__name__}"] = _machine.TestCase
 

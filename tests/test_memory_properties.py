@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from sim.memory import ContiguousAllocator, PagedAllocator, SeqSpec
+from sim.memory.base import claim_end
 from sim.memory.contiguous import reservation_slots
 
 PREFIXES = [(), ((1, 16),), ((1, 16), (2, 40)), ((3, 7),)]
@@ -22,6 +23,9 @@ PREFIXES = [(), ((1, 16),), ((1, 16), (2, 40)), ((3, 7),)]
 
 class _AllocatorMachine(RuleBasedStateMachine):
     """Shared rules; subclasses build the allocator and add family-specific checks."""
+
+    per_chunk = False  # admissions claim a first prompt chunk only (vLLM v1's allocation)
+    claims_hold = True  # appends within an admission's claim never fail
 
     def __init__(self) -> None:
         super().__init__()
@@ -32,6 +36,7 @@ class _AllocatorMachine(RuleBasedStateMachine):
         self.forked = False
         self.freed: list[SeqSpec] = []
         self.forked_at: dict[int, int] = {}  # child -> tokens copied from its parent
+        self.claims: dict[int, int] = {}  # admitted sequence -> tokens its memory covers
 
     def build(self):
         raise NotImplementedError
@@ -51,14 +56,18 @@ class _AllocatorMachine(RuleBasedStateMachine):
         return self.predict(spec)
 
     @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60),
-          extra=st.integers(0, 30), out=st.integers(0, 60))
-    def admit(self, prefix_idx, prompt, extra, out):
-        spec = self.new_spec(prefix_idx, prompt, extra, out)
-        hit = self.allocator.admit(spec)
+          extra=st.integers(0, 30), out=st.integers(0, 60), first_chunk=st.integers(1, 60))
+    def admit(self, prefix_idx, prompt, extra, out, first_chunk):
+        self._admit(self.new_spec(prefix_idx, prompt, extra, out), first_chunk)
+
+    def _admit(self, spec: SeqSpec, first_chunk: int) -> None:
+        max_new = first_chunk if self.per_chunk else None
+        hit = self.allocator.admit(spec, max_new)
         if hit is not None:
             assert 0 <= hit < spec.prompt_len
             self.specs[spec.seq_id] = spec
             self.tokens[spec.seq_id] = hit
+            self.claims[spec.seq_id] = claim_end(spec, hit, max_new)
 
     @precondition(lambda self: self.specs)
     @rule(data=st.data(), frac=st.floats(0, 1))
@@ -66,7 +75,11 @@ class _AllocatorMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.specs)))
         room = self.specs[seq_id].final_len - self.tokens[seq_id]
         n = int(room * frac)
-        if self.allocator.append(seq_id, n):
+        written = self.allocator.append(seq_id, n)
+        if (self.claims_hold and not self.forked
+                and n <= self.claims.get(seq_id, 0) - self.tokens[seq_id]):
+            assert written, "admission claimed the memory of these tokens"
+        if written:
             self.tokens[seq_id] += n
 
     @precondition(lambda self: self.specs)
@@ -149,10 +162,10 @@ class PagedMachine(_AllocatorMachine):
                               eviction=self.eviction, host_cache_blocks=self.host_blocks)
 
     @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60),
-          extra=st.integers(0, 30), out=st.integers(0, 60))
-    def admit(self, prefix_idx, prompt, extra, out):
+          extra=st.integers(0, 30), out=st.integers(0, 60), first_chunk=st.integers(1, 60))
+    def admit(self, prefix_idx, prompt, extra, out, first_chunk):
         before = self.allocator.pool.num_evictions
-        super().admit(prefix_idx, prompt, extra, out)
+        super().admit(prefix_idx, prompt, extra, out, first_chunk)
         loaded = self.allocator.last_loaded_tokens
         if self.allocator.host is None:
             assert loaded == 0
@@ -172,18 +185,14 @@ class PagedMachine(_AllocatorMachine):
                 if not any(seg in live for seg, _ in spec.segments)]
 
     @precondition(lambda self: self._readmittable())
-    @rule(data=st.data())
-    def readmit(self, data):
+    @rule(data=st.data(), first_chunk=st.integers(1, 60))
+    def readmit(self, data, first_chunk):
         """A freed sequence's content again (a preempted request, a retried prompt): its
         blocks may be cached on the GPU, in host memory, or gone."""
         old = data.draw(st.sampled_from(self._readmittable()))
         spec = SeqSpec(self.next_id, old.segments, old.prompt_len, old.final_len, old.max_len)
         self.next_id += 1
-        hit = self.allocator.admit(spec)
-        if hit is not None:
-            assert 0 <= hit < spec.prompt_len
-            self.specs[spec.seq_id] = spec
-            self.tokens[spec.seq_id] = hit
+        self._admit(spec, first_chunk)
 
     @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60))
     def lookup(self, prefix_idx, prompt):
@@ -200,9 +209,7 @@ class PagedMachine(_AllocatorMachine):
         if not self.caching and not self.forked:
             # Without sharing, the taxonomy is exactly per-sequence arithmetic.
             assert snap.token == sum(self.tokens.values())
-            caps = {s: -(-max(min(self.specs[s].prompt_len + 1, self.specs[s].final_len), n)
-                           // bs) * bs
-                    for s, n in self.tokens.items()}
+            caps = {s: -(-max(self.claims[s], n) // bs) * bs for s, n in self.tokens.items()}
             assert snap.internal == sum(max(0, caps[s] - self.specs[s].final_len) for s in caps)
             assert snap.reserved == sum(min(caps[s], self.specs[s].final_len) - n
                                         for s, n in self.tokens.items())
@@ -248,9 +255,21 @@ class PagedBs16HostSharingAware(PagedMachine):
     host_blocks = 40
 
 
+class PagedBs4PerChunk(PagedMachine):
+    """Admissions claim their first chunk only; later appends may find memory short."""
+
+    block_size = 4
+    per_chunk = True
+
+
+class PagedBs4HostPerChunk(PagedBs4Host):
+    per_chunk = True
+
+
 class ContiguousMachine(_AllocatorMachine):
     policy = "request_max"
     placement = "first_fit"
+    claims_hold = False  # a predicted extent may end before the first generated token
 
     def build(self):
         return ContiguousAllocator(400, max_model_len=200, reserve_policy=self.policy,
@@ -297,7 +316,8 @@ _SETTINGS = settings(max_examples=int(os.environ.get("KVSIM_HYPOTHESIS_EXAMPLES"
                      stateful_step_count=40, deadline=None,
                      derandomize="KVSIM_HYPOTHESIS_EXAMPLES" not in os.environ)
 for _machine in (PagedMachine, PagedBs1, PagedBs7NoCache, PagedBs32Lfu, PagedBs4SharingAware,
-                 PagedBs16Fifo, PagedBs4Host, PagedBs16HostSharingAware, ContiguousMachine,
+                 PagedBs16Fifo, PagedBs4Host, PagedBs16HostSharingAware, PagedBs4PerChunk,
+                 PagedBs4HostPerChunk, ContiguousMachine,
                  ContiguousBestFitPow2, ContiguousMaxLen, ContiguousPredicted):
     _machine.TestCase.settings = _SETTINGS
     globals()[f"Test{_machine.__name__}"] = _machine.TestCase

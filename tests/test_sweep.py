@@ -207,7 +207,7 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
                                   "disaggregation_chat", "preemption_mode",
                                   "priority_classes", "length_prediction",
                                   "virtual_memory", "shortest_first", "attention_kinds",
-                                  "sliding_window"])
+                                  "sliding_window", "prefill_allocation"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)

@@ -57,6 +57,17 @@ class SeqSpec:
             )
 
 
+def claim_end(spec: SeqSpec, ready: int, max_new_tokens: int | None) -> int:
+    """Tokens an admission claims memory for: the prompt and the first generated token, so
+    that finishing the prefill never fails for want of memory; with ``max_new_tokens``
+    (per-chunk allocation), only the ``ready`` tokens (prefix hits) and that many more,
+    unless they reach the prompt's end."""
+    whole = min(spec.prompt_len + 1, spec.final_len)
+    if max_new_tokens is None or ready + max_new_tokens >= spec.prompt_len:
+        return whole
+    return ready + max_new_tokens
+
+
 class MemorySnapshot(NamedTuple):
     """Every slot of the pool in exactly one category, plus ``duplicate`` token slots.
 
@@ -90,9 +101,14 @@ class KVAllocator(ABC):
     last_loaded_tokens: int  # of the last admission's hits, tokens read from a host tier
 
     @abstractmethod
-    def admit(self, spec: SeqSpec) -> int | None:
+    def admit(self, spec: SeqSpec, max_new_tokens: int | None = None) -> int | None:
         """Give ``spec`` memory for its prompt; return prefix-hit tokens, or None if it cannot
-        be placed now (nothing changes then)."""
+        be placed now (nothing changes then).
+
+        ``max_new_tokens`` (vLLM v1's per-chunk allocation) limits the claim to the prefix
+        hits and the first ``max_new_tokens`` prompt tokens after them (and the first
+        generated token if that reaches the prompt's end); the rest is appended chunk by
+        chunk, and an append may then find memory short. None claims the whole prompt."""
 
     @abstractmethod
     def append(self, seq_id: int, num_tokens: int) -> bool:

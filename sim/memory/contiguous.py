@@ -190,7 +190,8 @@ class ContiguousAllocator(KVAllocator):
         return ext
 
     # ------------------------------------------------------------------ lifecycle
-    def admit(self, spec: SeqSpec) -> int | None:
+    def admit(self, spec: SeqSpec, max_new_tokens: int | None = None) -> int | None:
+        # An extent is reserved whole at admission, however the prompt is then written.
         if spec.seq_id in self._seqs:
             raise AllocatorError(f"sequence {spec.seq_id} is already admitted")
         return None if self._place(spec) is None else 0

@@ -23,7 +23,8 @@ Admission claims the full-attention groups' blocks for the prompt and the first 
 token, as :class:`~sim.memory.paged.PagedAllocator` does. A sliding-window group holds at
 most a window and a prefill chunk at once, so it is *promised* that many blocks instead:
 they stay in the pool, but nobody else may take them until the prefill is over, so that no
-chunk waits for memory.
+chunk waits for memory. Under per-chunk allocation (``max_new_tokens``, vLLM v1's own way)
+both claims cover the first chunk only, and later chunks take their blocks as they come.
 
 Not modelled: forks (parallel samples), a host tier, swapping out.
 """
@@ -37,6 +38,7 @@ from sim.memory.base import (
     KVAllocator,
     MemorySnapshot,
     SeqSpec,
+    claim_end,
     write_past_end,
 )
 from sim.memory.block_pool import BlockPool, KVBlock, drop_reference
@@ -47,8 +49,8 @@ class _HybridSeq:
     """One sequence: a block table per group (full-attention groups first), how far it has
     written, and the sliding-window blocks it has given back or is promised."""
 
-    __slots__ = ("final_len", "hasher", "internal", "num_tokens", "promised", "released",
-                 "shared_blocks", "spec", "tables")
+    __slots__ = ("claim_end", "final_len", "hasher", "internal", "num_tokens", "per_chunk",
+                 "promised", "released", "shared_blocks", "spec", "tables")
 
     def __init__(self, spec: SeqSpec, tables: list[list[KVBlock | None]], hasher: BlockHasher,
                  block_size: int) -> None:
@@ -61,6 +63,10 @@ class _HybridSeq:
         self.released = 0  # leading blocks every sliding-window table has given back
         self.promised = 0  # pool blocks kept for this sequence's prefill
         self.internal = 0  # slots of its tables past its final length
+        # Admission claimed memory up to this token (see sim.memory.base.claim_end); with
+        # per_chunk, the rest of the prompt takes its blocks chunk by chunk.
+        self.claim_end = min(spec.prompt_len + 1, spec.final_len)
+        self.per_chunk = False
 
 
 class HybridPagedAllocator(KVAllocator):
@@ -147,11 +153,13 @@ class HybridPagedAllocator(KVAllocator):
         ``sliding_window`` tokens up to itself)."""
         return max(0, first_computed - self.sliding_window + 1) // self.block_size
 
-    def _prefill_peak(self, spec: SeqSpec, start: int) -> int:
-        """The most blocks a sliding-window table holds while the prompt from ``start`` and
-        the first generated token are written: after a chunk [s, e) it holds blocks
-        release_point(s) .. ceil(e / bs), at most a window and a chunk."""
-        end = min(spec.prompt_len + 1, spec.final_len)
+    def _prefill_peak(self, spec: SeqSpec, start: int, end: int | None = None) -> int:
+        """The most blocks a sliding-window table holds while the tokens from ``start`` to
+        ``end`` (the prompt and the first generated token) are written: after a chunk
+        [s, e) it holds blocks release_point(s) .. ceil(e / bs), at most a window and a
+        chunk."""
+        if end is None:
+            end = min(spec.prompt_len + 1, spec.final_len)
         chunk = self.prefill_chunk_tokens or end
         bound = self.blocks_for(self.sliding_window - 1 + chunk) + 1
         return min(bound, self.blocks_for(end) - self._release_point(start))
@@ -213,13 +221,14 @@ class HybridPagedAllocator(KVAllocator):
             self.block_size)
 
     # ------------------------------------------------------------------ lifecycle
-    def admit(self, spec: SeqSpec) -> int | None:
+    def admit(self, spec: SeqSpec, max_new_tokens: int | None = None) -> int | None:
         if spec.seq_id in self._seqs:
             raise AllocatorError(f"sequence {spec.seq_id} is already admitted")
         bs = self.block_size
         hasher = BlockHasher(spec.segments, bs)
         length = self._hit_length(spec, hasher)
         hashes = hasher.hashes
+        claim = claim_end(spec, length * bs, max_new_tokens)
         released = self._release_point(length * bs)  # what the first new token cannot see
         hits: list[list[KVBlock]] = []
         for group in range(self.groups):
@@ -227,11 +236,11 @@ class HybridPagedAllocator(KVAllocator):
             hits.append([self.pool.lookup(self._key(hashes[i], group))  # type: ignore[misc]
                          for i in range(start, length)])
         revived = sum(1 for table in hits for b in table if b.ref_cnt == 0)
-        need = self.full_groups * (self.blocks_for(min(spec.prompt_len + 1, spec.final_len))
-                                   - length)
+        need = self.full_groups * (self.blocks_for(claim) - length)
         # Revived sliding-window hits will be this sequence's alone.
         alone = sum(1 for table in hits[self.full_groups:] for b in table if b.ref_cnt == 0)
-        promised = max(0, self.sliding_groups * self._prefill_peak(spec, length * bs) - alone)
+        promised = max(0, self.sliding_groups * self._prefill_peak(spec, length * bs, claim)
+                       - alone)
         # A hit on a sliding-window block another prefill holds alone means that giving it
         # back will free nothing: that prefill's promise grows.
         taken = {b.block_id for table in hits[self.full_groups:] for b in table
@@ -266,6 +275,8 @@ class HybridPagedAllocator(KVAllocator):
         seq.num_tokens = length * bs
         seq.released = released
         seq.promised = promised
+        seq.claim_end = claim
+        seq.per_chunk = max_new_tokens is not None
         self._promised += promised
         self._seqs[spec.seq_id] = seq
         self._set_internal(seq)
@@ -325,10 +336,11 @@ class HybridPagedAllocator(KVAllocator):
         """Blocks to keep for the rest of the prefill from ``start``: the peak of every
         sliding-window table, less the blocks they hold alone (a shared block given back
         frees nothing, so it cannot count towards the peak). Only a sequence holding a
-        block alone can make it shared, by a prefix hit: admission then grows the promise."""
-        if start > seq.spec.prompt_len:
+        block alone can make it shared, by a prefix hit: admission then grows the promise.
+        Under per-chunk allocation only what admission claimed is promised."""
+        if start > seq.spec.prompt_len or (seq.per_chunk and start >= seq.claim_end):
             return 0
-        peak = self.sliding_groups * self._prefill_peak(seq.spec, start)
+        peak = self.sliding_groups * self._prefill_peak(seq.spec, start, seq.claim_end)
         return max(0, peak - self._exclusive(seq, taken))
 
     def append(self, seq_id: int, num_tokens: int) -> bool:
@@ -432,7 +444,8 @@ class HybridPagedAllocator(KVAllocator):
         bs = self.block_size
         refs: Counter[int] = Counter()
         for seq in self._seqs.values():
-            written = max(seq.spec.prompt_len, seq.num_tokens)
+            written = seq.num_tokens if seq.per_chunk else max(seq.spec.prompt_len,
+                                                                seq.num_tokens)
             for group, table in enumerate(seq.tables):
                 if group < self.full_groups:
                     assert (self.blocks_for(written) <= len(table) <= self.blocks_for(

@@ -29,6 +29,7 @@ from sim.memory.base import (
     KVAllocator,
     MemorySnapshot,
     SeqSpec,
+    claim_end,
     write_past_end,
 )
 from sim.memory.block_pool import BlockPool, KVBlock, drop_reference
@@ -39,8 +40,8 @@ from sim.memory.host_cache import HostCache
 class _PagedSeq:
     """One sequence's view: its block table and how far it has written."""
 
-    __slots__ = ("blocks", "final_len", "hasher", "internal", "num_tokens", "shared_blocks",
-                 "spec")
+    __slots__ = ("blocks", "final_len", "hasher", "internal", "num_tokens", "per_chunk",
+                 "shared_blocks", "spec")
 
     def __init__(self, spec: SeqSpec, blocks: list[KVBlock], hasher: BlockHasher,
                  block_size: int) -> None:
@@ -54,13 +55,16 @@ class _PagedSeq:
         self.hasher = hasher
         self.num_tokens = 0
         self.internal = 0  # this sequence's share of `internal` slots while its tail is its own
+        self.per_chunk = False  # admitted with blocks for its first prompt chunk only
 
 
 class PagedAllocator(KVAllocator):
     """Block tables over a shared :class:`BlockPool`, with optional prefix caching.
 
     Admission allocates blocks for the whole prompt and its first output token (prefix hits
-    excepted); decode grows the table one block at a time as tokens cross block boundaries.
+    excepted), or for its first prompt chunk only (``max_new_tokens``: later chunks take
+    theirs as they are written); decode grows the table one block at a time as tokens cross
+    block boundaries.
     """
 
     def __init__(
@@ -126,12 +130,6 @@ class PagedAllocator(KVAllocator):
         admitted but never finish)."""
         return self.blocks_for(spec.final_len) <= self.num_blocks
 
-    @staticmethod
-    def _admit_len(spec: SeqSpec) -> int:
-        """Slots claimed at admission: the prompt and the first generated token, so that
-        finishing the prefill never fails for want of a block."""
-        return min(spec.prompt_len + 1, spec.final_len)
-
     def _seq(self, seq_id: int) -> _PagedSeq:
         try:
             return self._seqs[seq_id]
@@ -171,14 +169,16 @@ class PagedAllocator(KVAllocator):
             found += 1
         return found
 
-    def admit(self, spec: SeqSpec) -> int | None:
+    def admit(self, spec: SeqSpec, max_new_tokens: int | None = None) -> int | None:
         if spec.seq_id in self._seqs:
             raise AllocatorError(f"sequence {spec.seq_id} is already admitted")
         hasher = BlockHasher(spec.segments, self.block_size)
         hits = self._hit_blocks(spec, hasher)
         loaded = self._host_hits(spec, hasher, len(hits))
         revived = sum(1 for b in hits if b.ref_cnt == 0)  # hits that leave the free set
-        need = self.blocks_for(self._admit_len(spec)) - len(hits)  # loaded blocks among them
+        ready = (len(hits) + loaded) * self.block_size
+        # Loaded blocks are among those needed.
+        need = self.blocks_for(claim_end(spec, ready, max_new_tokens)) - len(hits)
         reserve = self.watermark_blocks if self._seqs else 0
         if need > self.pool.num_free - revived - reserve:
             return None
@@ -203,7 +203,8 @@ class PagedAllocator(KVAllocator):
             block.counted = True
         self._token_slots += loaded * bs
         seq = _PagedSeq(spec, blocks, hasher, bs)
-        seq.num_tokens = (len(hits) + loaded) * bs
+        seq.num_tokens = ready
+        seq.per_chunk = max_new_tokens is not None
         self._seqs[spec.seq_id] = seq
         self._set_internal(seq)
         self.num_hit_blocks += len(hits) + loaded
@@ -381,8 +382,10 @@ class PagedAllocator(KVAllocator):
         bs = self.block_size
         refs: Counter[int] = Counter()
         for seq in self._seqs.values():
-            # Admission claims prompt + 1 slots; a fork inherits only its parent's table.
-            written = max(seq.spec.prompt_len, seq.num_tokens)
+            # Admission claims prompt + 1 slots (or a first chunk's); a fork inherits only its
+            # parent's table.
+            written = seq.num_tokens if seq.per_chunk else max(seq.spec.prompt_len,
+                                                                seq.num_tokens)
             assert (self.blocks_for(written) <= len(seq.blocks)
                     <= self.blocks_for(max(seq.spec.prompt_len + 1, seq.num_tokens))), (
                 "block table length does not match the tokens written")

@@ -1,0 +1,160 @@
+"""Prompt memory claimed whole at admission (vLLM v0) or chunk by chunk (vLLM v1).
+
+Hand-worked cases on small pools, where every block can be counted, then the engine on a
+long-prompt load.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sim.api import run
+from sim.memory import HybridPagedAllocator, PagedAllocator, SeqSpec
+from sim.scenario import ScenarioError, SchedulerConfig, scenario_from_dict
+from sim.scheduler import Request, Scheduler
+from workloads.trace import Trace
+
+
+def prompt(seq_id: int, prompt_len: int, output_len: int, shared: int = 0) -> SeqSpec:
+    """A sequence whose first ``shared`` prompt tokens are common to all that share them."""
+    own = ((1000 + seq_id, prompt_len - shared + output_len),)
+    segments = ((7, shared), *own) if shared else own
+    return SeqSpec(seq_id, segments, prompt_len, prompt_len + output_len,
+                   prompt_len + output_len)
+
+
+def test_admission_per_chunk_claims_the_hits_and_the_first_chunk():
+    alloc = PagedAllocator(30, 16, enable_prefix_caching=True)
+    # Whole: 201 slots (the prompt and the first token) are 13 blocks.
+    assert alloc.admit(prompt(0, 200, 10, shared=100)) == 0
+    assert alloc.allocated_slots(0) == 13 * 16
+    assert alloc.append(0, 200) and alloc.append(0, 10)
+    alloc.free(0)
+    # Per chunk: the 96 tokens of 6 cached blocks, and 64 more: 10 blocks, 4 of them new.
+    free = alloc.num_free_blocks
+    assert alloc.admit(prompt(1, 200, 10, shared=100), max_new_tokens=64) == 96
+    assert alloc.allocated_slots(1) == 10 * 16
+    assert alloc.num_free_blocks == free - 10  # the hits left the free queue too
+    # The chunk fills what it claimed; the last one takes its own blocks as it is written.
+    assert alloc.append(1, 64) and alloc.allocated_slots(1) == 10 * 16
+    assert alloc.append(1, 40) and alloc.allocated_slots(1) == 13 * 16
+    alloc.check_invariants()
+    # A first chunk that reaches the prompt's end claims the first token too, as whole does.
+    assert alloc.admit(prompt(2, 40, 5), max_new_tokens=64) == 0
+    assert alloc.allocated_slots(2) == 3 * 16
+
+
+def test_the_hybrid_manager_per_chunk_claims_and_promises_the_first_chunk_only():
+    # One full-attention and two sliding groups (window 32), 16-token blocks, 64-token chunks.
+    def hybrid() -> HybridPagedAllocator:
+        return HybridPagedAllocator(100, 16, full_groups=1, sliding_groups=2, sliding_window=32,
+                                    prefill_chunk_tokens=64, enable_prefix_caching=False)
+
+    whole, per_chunk = hybrid(), hybrid()
+    assert whole.admit(prompt(0, 300, 10)) == 0
+    assert per_chunk.admit(prompt(0, 300, 10), max_new_tokens=64) == 0
+    # Whole: the full group's 301 tokens (19 blocks), and a promise of a window and a chunk,
+    # cdiv(31 + 64, 16) + 1 = 7 blocks, for each sliding group.
+    assert whole.num_free_blocks == 100 - 19 - 2 * 7
+    # Per chunk: the full group's 64 tokens (4 blocks), and 4 promised to each sliding group.
+    assert per_chunk.num_free_blocks == 100 - 4 - 2 * 4
+    assert per_chunk.append(0, 64)
+    per_chunk.check_invariants()
+    assert per_chunk.num_free_blocks == 100 - 3 * 4  # the promise is kept: nothing more
+    # Later chunks take their blocks as they come; the sliding groups first give back what
+    # the chunk's first token cannot see (token 64 sees from 33 on: blocks 0 and 1 go).
+    assert per_chunk.append(0, 64)
+    assert per_chunk.num_free_blocks == 100 - 8 - 2 * (8 - 2)
+    per_chunk.check_invariants()
+
+
+def two_requests(prompt_lens: list[int], output_lens: list[int]) -> Trace:
+    count = len(prompt_lens)
+    return Trace.from_columns(arrival_s=np.zeros(count), prompt_len=np.array(prompt_lens),
+                              output_len=np.array(output_lens))
+
+
+def serve(trace: Trace, allocation: str, num_blocks: int) -> tuple[list[Request], Scheduler]:
+    """Step a scheduler (a step a second) until every request finished."""
+    allocator = PagedAllocator(num_blocks, 16, enable_prefix_caching=True, watermark=0.0)
+    config = SchedulerConfig(chunked_prefill=True, max_num_batched_tokens=64,
+                             prefill_allocation=allocation)
+    sched = Scheduler(allocator, config, debug=True)
+    requests = [Request(trace, i, 0.0) for i in range(len(trace))]
+    for request in requests:
+        assert sched.add(request)
+    clock = 0.0
+    while (sched.running or sched.waiting) and clock < 1000:
+        batch = sched.schedule(clock)
+        clock += 1.0
+        sched.finish_step(batch, clock)
+    assert all(r.finished_s > 0 for r in requests)
+    return requests, sched
+
+
+def test_a_long_prompt_starts_at_once_per_chunk_and_waits_for_its_whole_prompt_else():
+    # 12 blocks of 16. B: a 16-token prompt, 3 tokens out (2 blocks). A: a 160-token prompt,
+    # 2 out. Whole, A needs 11 blocks for prompt + first token: with B's 2, 13 > 12, so A
+    # waits until B has finished (3 steps), then reads its prompt in 64, 64, 32.
+    trace = two_requests([16, 160], [3, 2])
+    (b, a), sched = serve(trace, "whole_prompt", 12)
+    assert a.admitted_s == 3.0 and a.first_token_s == 6.0
+    assert a.preemptions == b.preemptions == 0
+    # Per chunk, A starts beside B: 48 tokens (3 blocks), then 63 (7 blocks), then the last
+    # 49 fill the pool (10 + 2), and its first token finds no block: A, the last admitted,
+    # is preempted. Its first 111 tokens were computed and are cached: seated again when B
+    # has finished, it finds 144 (9 full blocks, a whole-block hit; the rest were written
+    # in the step it left) and recomputes nothing it had computed.
+    (b, a), sched = serve(trace, "per_chunk", 12)
+    assert a.admitted_s == 0.0 and a.preemptions == 1 and b.preemptions == 0
+    assert a.recomputed_tokens == 0
+    assert sched.preempted_hit_tokens == 144
+    assert a.first_token_s == 4.0  # two steps before it would have waited for its prompt
+
+
+def test_a_preempted_partial_prefill_recomputes_only_what_it_had_computed():
+    # As above, but B generates 120 tokens: growing to 9 blocks, it evicts 7 of A's 10
+    # cached blocks, deepest first. A is seated again once B has finished, with 3 blocks
+    # (48 tokens) found: it recomputes 111 - 48 = 63 tokens it had computed, and computes
+    # the other 49 for the first time.
+    trace = two_requests([16, 160], [120, 2])
+    (_, a), sched = serve(trace, "per_chunk", 12)
+    assert a.preemptions == 1 and a.admitted_s == 0.0
+    assert sched.preempted_hit_tokens == 48
+    assert a.recomputed_tokens == 111 - 48
+
+
+LONG_PROMPTS = {
+    "name": "long_prompts", "model": "llama-2-7b", "memory": {"kv_memory_gib": 3},
+    "workload": {"arrival": {"process": "poisson", "rate": 2},
+                 "prompt_len": {"dist": "lognormal", "mean": 1500, "p99": 3500, "max": 3800},
+                 "output_len": {"dist": "lognormal", "mean": 150, "p99": 280, "max": 290}},
+    "systems": [
+        {"name": "whole", "allocator": {"kind": "paged"},
+         "scheduler": {"chunked_prefill": True, "max_num_batched_tokens": 512}},
+        {"name": "per-chunk", "allocator": {"kind": "paged"},
+         "scheduler": {"chunked_prefill": True, "max_num_batched_tokens": 512,
+                       "prefill_allocation": "per_chunk"}}],
+    "stop": {"num_requests": 150}, "seed": 3,
+}
+
+
+def test_per_chunk_seats_more_prefills_and_preempts_more_on_a_long_prompt_load():
+    result = run(scenario_from_dict(LONG_PROMPTS))
+    whole, per_chunk = (result.systems[n] for n in ("whole", "per-chunk"))
+    for system in (whole, per_chunk):
+        assert system.requests["finished_s"].notna().all()
+    # Seated sooner: the median wait for a seat shrinks.
+    wait = {name: (s.requests["admitted_s"] - s.requests["arrival_s"]).median()
+            for name, s in (("whole", whole), ("per_chunk", per_chunk))}
+    assert wait["per_chunk"] < wait["whole"]
+    # And partial prefills are preempted when the pool runs dry.
+    assert per_chunk.summary["preemptions"] > whole.summary["preemptions"]
+
+
+def test_prefill_allocation_is_checked():
+    data = dict(LONG_PROMPTS, systems=[{"name": "s", "allocator": {"kind": "paged"},
+                                        "scheduler": {"prefill_allocation": "lazy"}}])
+    with pytest.raises(ScenarioError, match=r"prefill_allocation.*whole_prompt.*per_chunk"):
+        scenario_from_dict(data)
