@@ -4,11 +4,13 @@ prefill/decode disaggregation (a decode replica must see every handover when ste
 would, and least-loaded decode placement must see the same finishes), with preemption
 by swap, with scheduling by priority or by predicted length (an arrival may then jump a
 blocked queue), with contiguous reservations sized by a length predictor (a request may
-outgrow its extent), with virtual memory mapped a page at a time, and with a mixture of
-experts, whose step cost depends on the tokens a step carries."""
+outgrow its extent), with virtual memory mapped a page at a time, with a mixture of
+experts, whose step cost depends on the tokens a step carries, and with prompts claimed
+chunk by chunk (an eviction may then let a blocked head in)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pandas as pd
@@ -181,3 +183,34 @@ def test_an_admission_under_the_hybrid_manager_never_evicts_its_own_hits():
     result = run_scenario(scenario_from_dict(data)).systems["s"]
     assert result.summary["prefix_hit_rate"] > 0
     assert (result.requests["finished_s"].notna() | result.requests["rejected"]).all()
+
+
+def test_a_blocked_head_is_tried_again_when_decode_growth_evicts_its_hits(tmp_path):
+    # Per chunk, a head's claim grows with its prefix hits: H (1,024 tokens, its first 512
+    # P's) needs 4 + 4 blocks of 128 with P's 4 cached blocks as hits, and 7 are free (P's
+    # and Q's cached ones). When D's growth evicts P's first block (FIFO), H has no hits
+    # left and needs only 4: seated at once, although nothing was freed. A run of decode
+    # steps took that growth without trying the head again, as stepping does (found by a
+    # stress run of the random scenarios).
+    rows = [{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]},
+            {"timestamp": 0, "input_length": 384, "output_length": 1, "hash_ids": [50]},
+            {"timestamp": 0, "input_length": 1024, "output_length": 500,
+             "hash_ids": [100, 101]},
+            {"timestamp": 500, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]}]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {"name": "evicted-hits", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1.0},
+            "workload": {"kind": "trace", "path": str(tmp_path / "t.jsonl"),
+                         "arrival": {"process": "trace"}},
+            "systems": [{"name": "s", "allocator": {"kind": "paged", "block_size": 128,
+                                                     "eviction": "fifo"},
+                         "scheduler": {"chunked_prefill": True, "max_num_batched_tokens": 512,
+                                       "prefill_allocation": "per_chunk"}}],
+            "stop": {"num_requests": 4}}
+    tables = {}
+    for mode in ("jump", "step"):
+        data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
+        tables[mode] = run_scenario(scenario_from_dict(data)).systems["s"].requests
+    pd.testing.assert_frame_equal(tables["jump"], tables["step"])
+    d, h = tables["jump"].iloc[2], tables["jump"].iloc[3]
+    assert h["admitted_s"] > h["arrival_s"] and h["prefix_hit_tokens"] == 0
+    assert h["admitted_s"] < d["finished_s"] / 2  # seated at the eviction, not once D is done

@@ -125,6 +125,30 @@ def test_a_preempted_partial_prefill_recomputes_only_what_it_had_computed():
     assert a.recomputed_tokens == 111 - 48
 
 
+def test_a_step_that_preempted_seats_no_one_while_others_run():
+    # 14 blocks of 16, no prefix cache. B (16 + 60 tokens) decodes; A (200 + 2) is read in
+    # chunks of 48, 63, 63: 11 blocks. Its last 26 tokens need 2 more: 15 > 14, so A, the
+    # last admitted, is preempted. Its first chunk (4 blocks) would fit at once in the
+    # memory it left, but as in vLLM v1, that step seats no one: A is seated the step after.
+    trace = two_requests([16, 200], [60, 2])
+    allocator = PagedAllocator(14, 16, enable_prefix_caching=False, watermark=0.0)
+    config = SchedulerConfig(chunked_prefill=True, max_num_batched_tokens=64,
+                             prefill_allocation="per_chunk")
+    sched = Scheduler(allocator, config, debug=True)
+    b, a = (Request(trace, i, 0.0) for i in range(2))
+    assert sched.add(b) and sched.add(a)
+    for step in range(3):
+        sched.finish_step(sched.schedule(float(step)), step + 1.0)
+    assert allocator.allocated_slots(a.seq_ids()[0]) == 11 * 16
+    batch = sched.schedule(3.0)
+    assert batch.preempted == 1 and a.preemptions == 1
+    assert list(sched.running.values()) == [b] and sched.waiting.head() is a
+    assert allocator.num_free_blocks >= 4  # room for its first chunk
+    sched.finish_step(batch, 4.0)
+    batch = sched.schedule(4.0)
+    assert [r for r, _, _ in batch.prefill] == [a] and a.prefilled == 63
+
+
 LONG_PROMPTS = {
     "name": "long_prompts", "model": "llama-2-7b", "memory": {"kv_memory_gib": 3},
     "workload": {"arrival": {"process": "poisson", "rate": 2},
