@@ -621,6 +621,8 @@ def _format_error(error: ErrorDetails, data: Any) -> str:
     value = error.get("input")
     if kind != "value_error" and not isinstance(value, dict | list):
         return f"{where}: {message} (got {value!r})"
+    if not loc:  # a check across sections: its message names the fields it is about
+        return message
     return f"{where}: {message}"
 
 

@@ -98,6 +98,11 @@ BAD = [
      "not valid YAML"),
     ("duplicate systems", GOOD.replace("name: paged", "name: contiguous"),
      "systems: system names must be unique"),
+    # A check across sections names its fields itself (no "(top level)" before it).
+    ("across sections", GOOD.replace("name: tiny", "name: tiny\nmodel: gemma-3-27b\n"
+                                     "gpu: h100-80g").replace("block_size: 16",
+                                                              "block_size: 16, host_cache_gib: 1"),
+     "bad.yaml: system 'paged': a host tier (allocator.host_cache_gib) is not modelled"),
 ]
 
 
