@@ -53,6 +53,14 @@ class ModelSpec:
     # Bytes of one stored weight when the checkpoint is quantized (FP8: 1, 4-bit: 0.5);
     # None: dtype_bytes, the dtype activations and the KV cache keep.
     weight_dtype_bytes: float | None = None
+    # MoE: bytes of one routed-expert weight where the experts are stored narrower than the
+    # rest (GPT-OSS: MXFP4, 4.25 bits with its scales); None: weight_dtype_bytes.
+    expert_weight_dtype_bytes: float | None = None
+    # Vocabulary (config.json's vocab_size), where a MoE model's active_params leave out the
+    # input embedding, which is looked up, not multiplied (GPT-OSS's model card: the
+    # unembedding counts, the embedding does not); None: active_params count every dense
+    # parameter.
+    vocab_size: int | None = None
     # Sliding-window attention: ``num_sliding_layers`` of the layers see only the last
     # ``sliding_window`` tokens (Mistral-7B-v0.1: all of them; Gemma-2: every other one;
     # Gemma-3: five in six); the others see every token. 0: every layer sees every token.
@@ -109,17 +117,30 @@ class ModelSpec:
 
     @property
     def weight_bytes(self) -> float:
-        """All the weights, experts included, as stored (``weight_dtype_bytes``)."""
-        return self.num_params * (self.weight_dtype_bytes or self.dtype_bytes)
+        """All the weights, experts included, as stored (``weight_dtype_bytes``, and
+        ``expert_weight_dtype_bytes`` for the routed experts)."""
+        dense_bytes = self.weight_dtype_bytes or self.dtype_bytes
+        routed = self.routed_expert_params
+        return (self.num_params - routed) * dense_bytes + routed * self.expert_bytes
+
+    @property
+    def expert_bytes(self) -> float:
+        """Bytes of one stored routed-expert weight."""
+        return self.expert_weight_dtype_bytes or self.weight_dtype_bytes or self.dtype_bytes
+
+    @property
+    def routed_expert_params(self) -> float:
+        """Parameters of the routed experts: what the active parameters leave out (less an
+        input embedding they do not count) is the unchosen (E − k)/E of them."""
+        if not (self.active_params and self.expert_share):
+            return 0.0
+        embedding = (self.vocab_size or 0) * self.hidden_size
+        return (self.num_params - self.active_params - embedding) / (1 - self.expert_share)
 
     @property
     def routed_expert_bytes(self) -> float:
-        """Weights of the routed experts, which a step reads only where its tokens go: what
-        the active parameters leave out is the unchosen (E − k)/E of them."""
-        if not (self.active_params and self.expert_share):
-            return 0.0
-        routed = (self.num_params - self.active_params) / (1 - self.expert_share)
-        return routed * (self.weight_dtype_bytes or self.dtype_bytes)
+        """Weights of the routed experts, which a step reads only where its tokens go."""
+        return self.routed_expert_params * self.expert_bytes
 
     @property
     def flops_params(self) -> float:
@@ -241,6 +262,18 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                   sliding_window=4096, num_sliding_layers=21),
         ModelSpec("gemma-3-27b", 62, 32, 16, 128, 27.4e9, 131072, model_dim=5376,
                   sliding_window=1024, num_sliding_layers=52),
+        # GPT-OSS: a 128-token window in every other layer, 4 of 32 (20b) or 128 (120b)
+        # experts a token, the experts in MXFP4 and the rest in bf16. Parameters from
+        # OpenAI's model card (total, active; the active ones count the unembedding, not
+        # the embedding): the checkpoints come to its 12.8 and 60.8 GiB.
+        ModelSpec("gpt-oss-20b", 24, 64, 8, 64, 20.91e9, 131072, model_dim=2880,
+                  active_params=3.61e9, num_experts=32, experts_per_token=4,
+                  expert_weight_dtype_bytes=4.25 / 8, vocab_size=201088,
+                  sliding_window=128, num_sliding_layers=12),
+        ModelSpec("gpt-oss-120b", 36, 64, 8, 64, 116.83e9, 131072, model_dim=2880,
+                  active_params=5.13e9, num_experts=128, experts_per_token=4,
+                  expert_weight_dtype_bytes=4.25 / 8, vocab_size=201088,
+                  sliding_window=128, num_sliding_layers=18),
     ]
 }
 

@@ -74,6 +74,15 @@ class ModelConfig(ConfigModel):
         default=None, gt=0, le=4, description="bytes of a stored weight when the checkpoint "
         "is quantized (FP8: 1, 4-bit: 0.5, with its scales a little more); absent: "
         "dtype_bytes")
+    expert_weight_dtype_bytes: float | None = Field(
+        default=None, gt=0, le=4, description="mixture of experts: bytes of a stored "
+        "routed-expert weight where the experts are quantized apart from the rest (GPT-OSS's "
+        "MXFP4: 0.53125, 4.25 bits with the scales); absent: weight_dtype_bytes")
+    vocab_size: PositiveInt | None = Field(
+        default=None, description="mixture of experts: the vocabulary, where active_params "
+        "leave out the input embedding (vocab_size × hidden_size, looked up rather than "
+        "multiplied), as GPT-OSS's model card counts them; absent: active_params count "
+        "every parameter outside the routed experts")
     sliding_window: int | None = Field(
         default=None, ge=2, description="sliding-window attention: the tokens a sliding "
         "layer sees (Gemma-3: 1024); absent: every layer sees every token")
@@ -96,10 +105,20 @@ class ModelConfig(ConfigModel):
         routing = (self.num_experts, self.experts_per_token)
         if routing.count(None) == 1:
             raise ValueError("num_experts and experts_per_token go together")
+        for moe_only in ("expert_weight_dtype_bytes", "vocab_size"):
+            if getattr(self, moe_only) is not None and self.num_experts is None:
+                raise ValueError(f"{moe_only} applies to a mixture of experts (num_experts, "
+                                 "experts_per_token, active_params)")
         if self.num_experts is not None:
             if self.active_params is None:
                 raise ValueError("num_experts needs active_params (the parameters each token "
                                  "passes through)")
+            embedding = (self.vocab_size or 0) * (self.hidden_size
+                                                  or self.num_heads * self.head_dim)
+            if self.active_params + embedding >= self.num_params:
+                raise ValueError(f"num_params ({self.num_params:g}) leaves no routed experts "
+                                 f"beside active_params ({self.active_params:g}) and the "
+                                 f"input embedding (vocab_size × hidden_size, {embedding:g})")
             if self.experts_per_token >= self.num_experts:  # type: ignore[operator]
                 raise ValueError(f"experts_per_token ({self.experts_per_token}) must be fewer "
                                  f"than num_experts ({self.num_experts})")

@@ -8,6 +8,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -451,3 +452,21 @@ def test_sliding_layers_skip_the_context_past_their_window(users):
     assert any(s[4] for s in decode_only)  # contexts do pass the window (30 + 25 > 40)
     for _, _, prefill, pairs, _, skipped_pairs in SHAPES:  # fresh 30-token prompts
         assert skipped_pairs == 0 and pairs == prefill * 30
+
+
+def test_gpt_oss_a_mixture_of_experts_with_a_128_token_window_runs_as_stepping():
+    # GPT-OSS-20B: every other layer sees 128 tokens, 4 of 32 experts a token. Its sliding
+    # group holds at most a window and a chunk of every request, so the hybrid manager seats
+    # more at once; and runs of decode steps (experts read, windows passed) equal stepping.
+    data = dict(GEMMA, name="gpt-oss", model="gpt-oss-20b", memory={"kv_memory_gib": 1})
+    data["stop"] = {"num_requests": 60}
+    runs = {}
+    for mode in ("jump", "step"):
+        data["engine"] = {"mode": mode}
+        runs[mode] = run(data)
+    for name in ("hybrid", "all-layers"):
+        pd.testing.assert_frame_equal(runs["jump"].systems[name].requests,
+                                      runs["step"].systems[name].requests)
+    hybrid, flat = (runs["jump"].systems[n].summary for n in ("hybrid", "all-layers"))
+    assert hybrid["mean_batch"] > 1.3 * flat["mean_batch"]
+    assert hybrid["completed"] == flat["completed"] == 60

@@ -25,6 +25,8 @@ H100 = GPU_PRESETS["h100-80g"]
     ("deepseek-v3", 61 * (512 + 64) * 2),
     ("qwen3-30b-a3b", 2 * 48 * 4 * 128 * 2),
     ("llama-3-8b", 2 * 32 * 8 * 128 * 2),
+    ("gpt-oss-20b", 2 * 24 * 8 * 64 * 2),
+    ("gpt-oss-120b", 2 * 36 * 8 * 64 * 2),
 ])
 def test_bytes_a_token_caches(name, kv_bytes):
     assert MODEL_PRESETS[name].kv_bytes_per_token == kv_bytes
@@ -54,6 +56,38 @@ def test_fp8_weights_leave_the_pool_what_they_save():
     # In 16-bit its weights do not fit eight H200s at all.
     with pytest.raises(ValueError, match="do not fit"):
         kv_pool_slots(bf16, h200, tensor_parallel_size=8)
+
+
+@pytest.mark.parametrize("name, mlp_params, checkpoint_gib", [
+    # OpenAI's model card: MLP (routed experts) parameters, and the checkpoint's size.
+    ("gpt-oss-20b", 19.12e9, 12.8),
+    ("gpt-oss-120b", 114.71e9, 60.8),
+])
+def test_gpt_oss_experts_in_mxfp4_and_the_rest_in_bf16_make_its_checkpoint(
+        name, mlp_params, checkpoint_gib):
+    model = MODEL_PRESETS[name]
+    # Total less active less the input embedding (201,088 × 2,880) is the unchosen 28/32
+    # (or 124/128) of the experts.
+    assert model.routed_expert_params == pytest.approx(mlp_params, rel=2e-3)
+    assert model.routed_expert_bytes == pytest.approx(mlp_params * 4.25 / 8, rel=2e-3)
+    assert model.weight_bytes / GIB == pytest.approx(checkpoint_gib, rel=5e-3)
+    # Every other layer sees 128 tokens: one group of each kind.
+    assert model.kv_cache_groups() == (model.num_layers // 2, 1, 1)
+    # Counting the embedding as active would take it for 4-bit experts: a lighter model.
+    counted = dataclasses.replace(model, vocab_size=None)
+    assert counted.routed_expert_params > model.routed_expert_params
+    assert counted.weight_bytes < model.weight_bytes
+
+
+def test_gpt_oss_in_its_config_json_terms_is_the_preset():
+    shape = {"name": "gpt-oss-20b", "num_layers": 24, "num_heads": 64, "num_kv_heads": 8,
+             "head_dim": 64, "hidden_size": 2880, "num_params": 20.91e9,
+             "max_model_len": 131072, "active_params": 3.61e9, "num_experts": 32,
+             "experts_per_token": 4, "expert_weight_dtype_bytes": 0.53125,
+             "vocab_size": 201088, "sliding_window": 128, "num_sliding_layers": 12}
+    data = explicit()
+    data["model"] = shape
+    assert scenario_from_dict(data).model_spec() == MODEL_PRESETS["gpt-oss-20b"]
 
 
 def test_a_mixture_of_experts_multiplies_by_the_active_weights_and_reads_the_chosen_ones():
@@ -146,6 +180,10 @@ def test_an_explicit_model_in_its_config_json_terms():
     ({"num_experts": 8, "experts_per_token": 2}, "num_experts needs active_params"),
     ({"num_experts": 8, "experts_per_token": 8, "active_params": 1e9},
      "experts_per_token (8) must be fewer than num_experts (8)"),
+    ({"vocab_size": 32000}, "vocab_size applies to a mixture of experts"),
+    ({"expert_weight_dtype_bytes": 0.5}, "expert_weight_dtype_bytes applies to a mixture"),
+    ({"num_experts": 8, "experts_per_token": 2, "active_params": 5e9, "vocab_size": 4_000_000},
+     "num_params (1.57e+10) leaves no routed experts beside active_params (5e+09)"),
 ])
 def test_inconsistent_shapes_are_one_line_errors(model, message):
     with pytest.raises(ScenarioError, match=message.replace("(", r"\(").replace(
