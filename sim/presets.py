@@ -120,6 +120,8 @@ class ModelSpec:
         """All the weights, experts included, as stored (``weight_dtype_bytes``, and
         ``expert_weight_dtype_bytes`` for the routed experts)."""
         dense_bytes = self.weight_dtype_bytes or self.dtype_bytes
+        if self.expert_weight_dtype_bytes is None:
+            return self.num_params * dense_bytes
         routed = self.routed_expert_params
         return (self.num_params - routed) * dense_bytes + routed * self.expert_bytes
 
