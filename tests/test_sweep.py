@@ -103,6 +103,26 @@ def test_keys_ignore_optional_fields_left_unset():
     assert config_key(newer) != point.key
 
 
+def test_keys_ignore_later_fields_at_the_value_that_does_as_before():
+    # Fields added with a default other than null (prompt memory claimed whole, the hybrid
+    # manager where a model has no window) must key the runs made before them as before.
+    import copy
+
+    from sim.sweep import config_key
+
+    point = expand(dict(BASE, sweep={"grid": {"workload.arrival.rate": [1]}}), "x.yaml")[0]
+    scheduler = point.scenario["systems"][1]["scheduler"]
+    assert scheduler["prefill_allocation"] == "whole_prompt"
+    older = copy.deepcopy(point.scenario)
+    for system in older["systems"]:
+        del system["scheduler"]["prefill_allocation"]
+        system["allocator"].pop("hybrid_kv_cache", None)
+    assert config_key(older) == point.key
+    per_chunk = copy.deepcopy(point.scenario)
+    per_chunk["systems"][1]["scheduler"]["prefill_allocation"] = "per_chunk"
+    assert config_key(per_chunk) != point.key
+
+
 @pytest.mark.parametrize(("sweep", "message"), [
     ({"grid": {"systems[paged].allocator.block_size": [16, 0]}},
      "systems[1].allocator.block_size: Input should be greater than or equal to 1"),
