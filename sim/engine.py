@@ -438,7 +438,8 @@ class _SystemRun:
         self.trace = trace
         self.timing = timing
         self.block_table = isinstance(system.allocator, PagedConfig)
-        self.sliding_window = scenario.model_spec().sliding_window  # 0: none
+        model = scenario.model_spec()
+        self.sliding_window = model.sliding_window  # 0: none
         self.unit_slots = unit_slots  # a block, a page, or 1 (see allocation_unit)
         self.jump = scenario.engine.mode == "jump"
         self.debug = scenario.engine.debug_invariants
@@ -462,16 +463,16 @@ class _SystemRun:
         if split is not None:
             tp = scenario.parallel.tensor_parallel_size
             # Each GPU sends its share of the KV heads over its own link, side by side.
-            self.transfer_s_per_token = (scenario.model_spec().kv_bytes_per_token_per_gpu(tp)
+            self.transfer_s_per_token = (model.kv_bytes_per_token_per_gpu(tp)
                                          / (split.kv_transfer_gbps * 1e9))
             self.transfer_latency_s = split.kv_transfer_latency_s
-            self.transfer_layers = (scenario.model_spec().num_layers
+            self.transfer_layers = (model.num_layers
                                     if split.kv_transfer == "layerwise" else 0)
         host_slots, self.swap_slots, self.host_s_per_token = host_memory(scenario, system)
         self.predicted_output = (
             predicted_output_lengths(trace, system.length_predictor, scenario.seed)
             if system.uses_predictor else None)
-        self.pipelined_layers = (scenario.model_spec().num_layers if getattr(
+        self.pipelined_layers = (model.num_layers if getattr(
             system.allocator, "host_load", "serial") == "layerwise" else 0)
         self.arrival_s = trace.arrival_s.tolist()
         self.output_lens = trace.column_lists()["output_len"]  # a prefill replica's is 1
@@ -517,8 +518,8 @@ class _SystemRun:
         self.env = simpy.Environment()
         self.replicas = []
         for r in range(replicas):
-            allocator = build_allocator(system, pool_slots, scenario.model_spec().max_model_len,
-                                        host_slots, self.unit_slots, scenario.model_spec())
+            allocator = build_allocator(system, pool_slots, model.max_model_len, host_slots,
+                                        self.unit_slots, model)
             role = ("both" if not self.handovers
                     else "prefill" if r < self.prefill_replicas else "decode")
             replica = _Replica(self.env, r, self, allocator, role)

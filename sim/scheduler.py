@@ -580,10 +580,17 @@ class Scheduler:
         if victim.priority <= request.priority:
             return False
         self._preempt(victim, batch)
-        batch.preempted += 1
         return True
 
+    def _preempt_victim(self, request: Request, batch: Batch) -> bool:
+        """Preempt the running request that gives way first (:meth:`_victim`) to make room
+        for ``request``; False if that was ``request`` itself."""
+        victim = self._victim()
+        self._preempt(victim, batch)
+        return victim is not request
+
     def _preempt(self, request: Request, batch: Batch) -> None:
+        batch.preempted += 1
         decoding = request.decoding
         if decoding:
             self._sync(request, include_current=False)  # cache what it computed
@@ -653,10 +660,7 @@ class Scheduler:
             if self._block_size is None:
                 self._overflow(request, batch)
                 return False
-            victim = self._victim()
-            self._preempt(victim, batch)
-            batch.preempted += 1
-            if victim is request:
+            if not self._preempt_victim(request, batch):
                 return False
         if request.decoding:
             self._push_events(request)
@@ -673,7 +677,6 @@ class Scheduler:
         request.spec_cache = None
         self.reservation_overflows += 1
         self._preempt(request, batch)
-        batch.preempted += 1
 
     # ------------------------------------------------------------------ one step
     def fast_step_ready(self) -> bool:
@@ -825,10 +828,7 @@ class Scheduler:
         # chunk preempts for its blocks as a decode step does.
         while chunk and not self._append(request.index * MAX_SAMPLES, chunk):
             assert self._per_chunk, "admission claimed the prompt's memory"
-            victim = self._victim()
-            self._preempt(victim, batch)
-            batch.preempted += 1
-            if victim is request:
+            if not self._preempt_victim(request, batch):
                 return False
         request.prefilled += chunk
         if completes:
@@ -839,7 +839,6 @@ class Scheduler:
                                                request.spec(sample)):
                         # Contiguous memory cannot hold the samples now: retry later.
                         self._preempt(request, batch)
-                        batch.preempted += 1
                         return False
                     request.num_seqs += 1
             request.g_sync = self.steps  # the first generated token is written this step

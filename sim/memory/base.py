@@ -68,6 +68,14 @@ def claim_end(spec: SeqSpec, ready: int, max_new_tokens: int | None) -> int:
     return ready + max_new_tokens
 
 
+def table_token_bounds(spec: SeqSpec, num_tokens: int, per_chunk: bool) -> tuple[int, int]:
+    """The tokens a sequence's (full-attention) block table must cover and may cover at
+    most, ``num_tokens`` written: admission claims the prompt and first token, or per chunk
+    only what it writes; a fork inherits its parent's table."""
+    least = num_tokens if per_chunk else max(spec.prompt_len, num_tokens)
+    return least, max(spec.prompt_len + 1, num_tokens)
+
+
 class MemorySnapshot(NamedTuple):
     """Every slot of the pool in exactly one category, plus ``duplicate`` token slots.
 

@@ -39,6 +39,7 @@ from sim.memory.base import (
     MemorySnapshot,
     SeqSpec,
     claim_end,
+    table_token_bounds,
     write_past_end,
 )
 from sim.memory.block_pool import BlockPool, KVBlock, drop_reference
@@ -444,12 +445,10 @@ class HybridPagedAllocator(KVAllocator):
         bs = self.block_size
         refs: Counter[int] = Counter()
         for seq in self._seqs.values():
-            written = seq.num_tokens if seq.per_chunk else max(seq.spec.prompt_len,
-                                                                seq.num_tokens)
+            least, most = table_token_bounds(seq.spec, seq.num_tokens, seq.per_chunk)
             for group, table in enumerate(seq.tables):
                 if group < self.full_groups:
-                    assert (self.blocks_for(written) <= len(table) <= self.blocks_for(
-                        max(seq.spec.prompt_len + 1, seq.num_tokens))), (
+                    assert self.blocks_for(least) <= len(table) <= self.blocks_for(most), (
                         "full-attention table length does not match the tokens written")
                     assert None not in table, "a full-attention table gave a block back"
                 else:

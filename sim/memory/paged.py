@@ -30,6 +30,7 @@ from sim.memory.base import (
     MemorySnapshot,
     SeqSpec,
     claim_end,
+    table_token_bounds,
     write_past_end,
 )
 from sim.memory.block_pool import BlockPool, KVBlock, drop_reference
@@ -382,12 +383,8 @@ class PagedAllocator(KVAllocator):
         bs = self.block_size
         refs: Counter[int] = Counter()
         for seq in self._seqs.values():
-            # Admission claims prompt + 1 slots (or a first chunk's); a fork inherits only its
-            # parent's table.
-            written = seq.num_tokens if seq.per_chunk else max(seq.spec.prompt_len,
-                                                                seq.num_tokens)
-            assert (self.blocks_for(written) <= len(seq.blocks)
-                    <= self.blocks_for(max(seq.spec.prompt_len + 1, seq.num_tokens))), (
+            least, most = table_token_bounds(seq.spec, seq.num_tokens, seq.per_chunk)
+            assert self.blocks_for(least) <= len(seq.blocks) <= self.blocks_for(most), (
                 "block table length does not match the tokens written")
             for block in seq.blocks:
                 refs[block.block_id] += 1
