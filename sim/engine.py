@@ -252,7 +252,8 @@ class _Recorder:
                sched: Scheduler, snap: dict[str, int], snap_end: dict[str, int]) -> None:
         running, waiting = len(sched.running), len(sched.waiting)
         self.steps.append((replica, start_s, duration_s, steps, batch.decode_seqs,
-                           batch.context_tokens, batch.prefill_tokens, len(batch.prefill),
+                           batch.context_tokens, batch.prefill_tokens,
+                           len(batch.prefill) + len(batch.preempted_prefill),
                            batch.loaded_tokens, batch.swapped_slots, batch.preempted, running,
                            waiting))
         for key in MEMORY_COLUMNS:

@@ -281,6 +281,10 @@ class Batch:
     """What one engine step computes."""
 
     prefill: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, new, history)
+    # (new, history) of a prompt's last chunk whose request then gave up its seat in this
+    # step, for its first token's memory: the chunk is computed all the same (vLLM claims
+    # that token's slot only the next step), so the step pays for it.
+    preempted_prefill: list[tuple[int, int]] = field(default_factory=list)
     decode_seqs: int = 0
     context_tokens: int = 0
     prefill_tokens: int = 0
@@ -293,7 +297,7 @@ class Batch:
 
     @property
     def empty(self) -> bool:
-        return not self.prefill and not self.decode_seqs
+        return not self.prefill and not self.decode_seqs and not self.preempted_prefill
 
 
 class Scheduler:
@@ -804,12 +808,14 @@ class Scheduler:
             budget -= chunk
         # Preemptions late in the step may have removed requests scheduled earlier.
         batch.prefill = [p for p in batch.prefill if p[0].num_seqs]
-        batch.prefill_tokens = sum(chunk for _, chunk, _ in batch.prefill)
-        batch.prefill_pairs = sum(chunk * (history + chunk) for _, chunk, history in batch.prefill)
+        computed = [(chunk, history) for _, chunk, history in batch.prefill]
+        computed += batch.preempted_prefill
+        batch.prefill_tokens = sum(chunk for chunk, _ in computed)
+        batch.prefill_pairs = sum(chunk * (history + chunk) for chunk, history in computed)
         window = self.sliding_window
         if window:  # a sliding layer's new tokens each meet at most a window of keys
             batch.skipped_pairs = sum(chunk * max(0, history + chunk - window)
-                                      for _, chunk, history in batch.prefill)
+                                      for chunk, history in computed)
         self.fill_decode(batch)
         return batch
 
@@ -843,9 +849,21 @@ class Scheduler:
                     request.num_seqs += 1
             request.g_sync = self.steps  # the first generated token is written this step
             if not self._grow_now(request, batch):
+                self._computed_anyway(request, chunk, history, batch)
                 return False
         batch.prefill.append((request, chunk, history))
         return True
+
+    def _computed_anyway(self, request: Request, chunk: int, history: int,
+                         batch: Batch) -> None:
+        """``request`` wrote its prompt's last ``chunk`` this step, then was preempted for
+        the memory of its first generated token (a block of its own, or a copy-on-write of
+        its samples' shared last block): the chunk is computed all the same, as vLLM
+        computes it and claims that token's slot only the next step. The step pays for it,
+        and computing it again after the preemption counts as a recompute."""
+        batch.preempted_prefill.append((chunk, history))
+        request.computed = request.resumed = True
+        request.computed_tokens = max(request.computed_tokens, history + chunk)
 
     # ------------------------------------------------------------------ after a step
     def finish_step(self, batch: Batch | None, end_s: float) -> list[Request]:

@@ -103,26 +103,47 @@ def test_a_long_prompt_starts_at_once_per_chunk_and_waits_for_its_whole_prompt_e
     assert a.preemptions == b.preemptions == 0
     # Per chunk, A starts beside B: 48 tokens (3 blocks), then 63 (7 blocks), then the last
     # 49 fill the pool (10 + 2), and its first token finds no block: A, the last admitted,
-    # is preempted. Its first 111 tokens were computed and are cached: seated again when B
-    # has finished, it finds 144 (9 full blocks, a whole-block hit; the rest were written
-    # in the step it left) and recomputes nothing it had computed.
+    # is preempted. Its 160 prompt tokens were computed and are cached: seated again when B
+    # has finished, it finds 144 (9 full blocks, a whole-block hit) and recomputes 16.
     (b, a), sched = serve(trace, "per_chunk", 12)
     assert a.admitted_s == 0.0 and a.preemptions == 1 and b.preemptions == 0
-    assert a.recomputed_tokens == 0
+    assert a.recomputed_tokens == 160 - 144
     assert sched.preempted_hit_tokens == 144
     assert a.first_token_s == 4.0  # two steps before it would have waited for its prompt
+
+
+def test_the_last_chunk_of_a_request_preempted_for_its_first_token_is_paid_for():
+    # The case above, step by step: in step 2, A's last 49 tokens are written, then A is
+    # preempted for its first token's block. vLLM computes the chunk all the same (it
+    # claims that token's slot only the next step): the step pays for 49 prompt tokens,
+    # though it carries no prefill of a running request.
+    trace = two_requests([16, 160], [3, 2])
+    allocator = PagedAllocator(12, 16, enable_prefix_caching=True, watermark=0.0)
+    config = SchedulerConfig(chunked_prefill=True, max_num_batched_tokens=64,
+                             prefill_allocation="per_chunk")
+    sched = Scheduler(allocator, config, debug=True)
+    b, a = (Request(trace, i, 0.0) for i in range(2))
+    assert sched.add(b) and sched.add(a)
+    for step in range(2):
+        sched.finish_step(sched.schedule(float(step)), step + 1.0)
+    assert a.prefilled == 48 + 63
+    batch = sched.schedule(2.0)
+    assert batch.preempted == 1 and a.preemptions == 1 and sched.waiting.head() is a
+    assert batch.prefill == [] and batch.decode_seqs == 1 and not batch.empty
+    assert batch.prefill_tokens == 49
+    assert batch.prefill_pairs == 49 * 160  # each new token meets the whole prompt so far
+    assert a.computed_tokens == 160
 
 
 def test_a_preempted_partial_prefill_recomputes_only_what_it_had_computed():
     # As above, but B generates 120 tokens: growing to 9 blocks, it evicts 7 of A's 10
     # cached blocks, deepest first. A is seated again once B has finished, with 3 blocks
-    # (48 tokens) found: it recomputes 111 - 48 = 63 tokens it had computed, and computes
-    # the other 49 for the first time.
+    # (48 tokens) found: it recomputes the other 160 - 48 = 112 tokens it had computed.
     trace = two_requests([16, 160], [120, 2])
     (_, a), sched = serve(trace, "per_chunk", 12)
     assert a.preemptions == 1 and a.admitted_s == 0.0
     assert sched.preempted_hit_tokens == 48
-    assert a.recomputed_tokens == 111 - 48
+    assert a.recomputed_tokens == 160 - 48
 
 
 def test_a_step_that_preempted_seats_no_one_while_others_run():
