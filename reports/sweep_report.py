@@ -78,12 +78,24 @@ def _other_swept(table: pd.DataFrame, *fields_shown: str) -> list[str]:
     with a shown one (one value per value of it) is no other dimension."""
     shown = [c for c in fields_shown if c in table]
     return [c for c in table.columns if c.startswith("param:") and c not in shown
-            and table[c].nunique() > 1 and not any(_follows(table, c, s) for s in shown)]
+            and _varies(table[c]) and not any(_follows(table, c, s) for s in shown)]
+
+
+def _varies(column: pd.Series) -> bool:
+    """Whether a swept column takes more than one value, null (a setting left out) being
+    one of them."""
+    return column.nunique(dropna=False) > 1
 
 
 def _follows(table: pd.DataFrame, column: str, leader: str) -> bool:
     """Whether ``column`` takes one value for each value of ``leader`` (zipped with it)."""
-    return bool((table.groupby(leader, sort=False)[column].nunique() <= 1).all())
+    return bool((table.groupby(leader, sort=False, dropna=False)[column].nunique(
+        dropna=False) <= 1).all())
+
+
+def _named(column: str, value: Any) -> list[str]:
+    """``field=value`` for a legend or a tick, or nothing for a setting left out."""
+    return [] if pd.isna(value) else [f"{_short(column)}={value}"]
 
 
 def _short(column: str) -> str:
@@ -102,14 +114,13 @@ def _series(table: pd.DataFrame, by: str, others: list[str]
     colours = {v: i for i, v in enumerate(pd.unique(table[by]))}
     combos: dict[tuple, int] = {}
     lines = []
-    for key, part in table.groupby([by, *others], sort=False):
+    for key, part in table.groupby([by, *others], sort=False, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
         name, rest = key[0], key[1:]
-        style_index = combos.setdefault(rest, len(combos))
         # Fields zipped together under one name (each system's sigma) are named once.
-        parts = dict.fromkeys([str(name)] + [f"{_short(c)}={v}"
-                                             for c, v in zip(others, rest, strict=True)])
-        label = ", ".join(parts)
+        named = [n for c, v in zip(others, rest, strict=True) for n in _named(c, v)]
+        style_index = combos.setdefault(tuple(named), len(combos))  # (a null is no key)
+        label = ", ".join(dict.fromkeys([str(name), *named]))
         # One system: colours tell the other fields' values apart instead.
         colour = colours[name] if len(colours) > 1 else style_index
         style = {"color": system_color(colour),
@@ -133,7 +144,7 @@ def metric_vs_field(table: pd.DataFrame, field: str, metric: str, *,
         raise SweepReportError(f"--y {metric}: not a summary metric; e.g. "
                                f"{', '.join(list(METRIC_LABELS)[:6])}")
     others = _other_swept(table, x, by)
-    data = table.groupby([by, *others, x], sort=False)[metric].agg(
+    data = table.groupby([by, *others, x], sort=False, dropna=False)[metric].agg(
         ["mean", "min", "max"]).reset_index()
     lines = _series(data, by, others)
     fig, (ax,) = new_figure(1, 1, height=3.6 if len(lines) <= 5 else 4.6)
@@ -148,11 +159,11 @@ def metric_vs_field(table: pd.DataFrame, field: str, metric: str, *,
         ax.set_xscale("log", base=2)
     # Fields zipped with x move with it: each tick names their values too.
     partners = [c for c in table.columns if c.startswith("param:") and c != x
-                and table[c].nunique() > 1 and _follows(table, c, x)]
+                and _varies(table[c]) and _follows(table, c, x)]
     if partners:
         ticks = table.drop_duplicates(x).sort_values(x)
         ax.set_xticks(ticks[x].to_numpy(dtype=float), [
-            "\n".join([f"{row[x]:g}"] + [f"{_short(c)}={row[c]}" for c in partners])
+            "\n".join([f"{row[x]:g}"] + [n for c in partners for n in _named(c, row[c])])
             for _, row in ticks.iterrows()])
     ax.set_xlabel(field)
     ax.set_ylabel(metric_label(metric))
@@ -387,9 +398,7 @@ def sweep_figures(sweep_dir: Path, x: str | None = None,
     # A field of names or sections gets bars, when nothing else varies to be averaged away.
     metrics = [throughput] + (["slo_attainment"] if "slo_attainment" in table
                               and table["slo_attainment"].notna().any() else [])
-    for field, slug in numeric_fields_left(table, fields, drawn, numeric=False):
-        if not _other_swept(table, f"param:{field}"):
-            figures[f"by_{slug}"] = category_figure(table, field, metrics)
+    figures.update(category_figures(table, fields, drawn, metrics))
     return figures
 
 
@@ -410,18 +419,40 @@ def numeric_fields_left(table: pd.DataFrame, fields: list[str], drawn: list[str]
     return left
 
 
-def category_figure(table: pd.DataFrame, field: str, metrics: list[str]) -> Figure:
+def category_figures(table: pd.DataFrame, fields: list[str], drawn: list[str],
+                     metrics: list[str], prefix: str = "") -> dict[str, Figure]:
+    """Bars for the swept fields that are not numbers (a policy, a dtype, a section
+    switched on or off, or a number some runs leave out), when nothing else varies to be
+    averaged away: one bar group per value, or per combination where several vary (a
+    policy zipped with a setting only one policy takes), named after the first field."""
+    left = numeric_fields_left(table, fields, drawn, numeric=False)
+    varying = [(field, slug) for field, slug in left if _varies(table[f"param:{field}"])]
+    columns = [f"param:{field}" for field, _ in varying]
+    if not varying or _other_swept(table, *columns):
+        return {}
+    field, slug = varying[0]
+    return {f"{prefix}by_{slug}": category_figure(table, field, metrics, columns[1:])}
+
+
+def category_figure(table: pd.DataFrame, field: str, metrics: list[str],
+                    others: list[str] | None = None) -> Figure:
     """``metrics`` for each value of a swept field that is not a number (a policy, a dtype,
-    a section switched on or off), bars grouped by system; seeds averaged."""
+    a section switched on or off), or each combination of it and the swept ``others``
+    columns, bars grouped by system; seeds averaged."""
     x = _param(table, field)
-    data = table.groupby([x, "system"], sort=False)[metrics].mean().reset_index()
-    values = list(pd.unique(data[x]))
+    others = others or []
+    data = table.groupby([x, *others, "system"], sort=False, dropna=False)[metrics].mean(
+    ).reset_index()
+    # A bar group per combination, named by its values (a setting left out is not named).
+    data["value"] = ["\n".join([str(row[x])] + [n for c in others for n in _named(c, row[c])])
+                     for _, row in data.iterrows()]
+    values = list(pd.unique(data["value"]))
     systems = list(pd.unique(data["system"]))
     fig, axes = new_figure(len(metrics), 1, height=2.8, sharex=True)
     width = 0.8 / len(systems)
     for ax, metric in zip(axes, metrics, strict=True):
         for i, system in enumerate(systems):
-            part = data[data["system"] == system].set_index(x).reindex(values)
+            part = data[data["system"] == system].set_index("value").reindex(values)
             ax.bar(np.arange(len(values)) + (i - (len(systems) - 1) / 2) * width,
                    part[metric], width=width, color=system_color(i), label=system)
         ax.set_ylabel(metric_label(metric))
@@ -441,9 +472,7 @@ def capacity_figures(table: pd.DataFrame, fields: list[str]) -> dict[str, Figure
     done = table[table["status"] == "ok"]
     figures = {f"capacity_vs_{slug}": metric_vs_field(done, field, metric)
                for field, slug in numeric_fields_left(done, fields, [])}
-    for field, slug in numeric_fields_left(done, fields, [], numeric=False):
-        if not _other_swept(done, f"param:{field}"):
-            figures[f"capacity_by_{slug}"] = category_figure(done, field, [metric])
+    figures.update(category_figures(done, fields, [], [metric], prefix="capacity_"))
     return figures
 
 

@@ -514,7 +514,9 @@ class _SystemRun:
             self.router = Router(routing.policy, routed, pool_slots + host_slots,
                                  cache_threshold=routing.cache_threshold,
                                  balance_abs_threshold=routing.balance_abs_threshold,
-                                 balance_rel_threshold=routing.balance_rel_threshold)
+                                 balance_rel_threshold=routing.balance_rel_threshold,
+                                 overlap_score_weight=(1.0 if routing.overlap_score_weight is None
+                                                       else routing.overlap_score_weight))
             self.unrouted = roots.tolist()
         self.env = simpy.Environment()
         self.replicas = []
@@ -550,7 +552,7 @@ class _SystemRun:
             self.serve_as(request, target)
             # Requests the pool will refuse never load a replica: the router knows at once.
             if self.accepts(target, request):
-                router.assign(target.index, request.prompt_segments)
+                router.assign(target.index, request.prompt_segments, index)
 
     def new_request(self, index: int, arrival_s: float, replica: _Replica) -> Request:
         """Request ``index`` as ``replica`` serves it (see :meth:`serve_as`)."""

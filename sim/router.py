@@ -3,7 +3,9 @@
 A router is the host at a restaurant's door. ``round_robin`` seats parties at each table in
 turn; ``least_loaded`` at the table with the fewest parties still eating; ``cache_aware``
 (SGLang's router) remembers which table already has a party's friends, seats it there while
-the room is balanced, and falls back to the emptiest table when it is not.
+the room is balanced, and falls back to the emptiest table when it is not; ``kv_aware``
+(NVIDIA Dynamo's KV router) prices every table, the dishes it would cook anew for the party
+plus the plates already on it, and picks the cheapest.
 
 Routers know only what a real router knows: what they sent where, and which requests have
 finished. They learn each fact at the simulated time it happens (an event queue applied up
@@ -14,12 +16,12 @@ same trace gives the same routing whether the engine steps or jumps.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Literal
 
 Segments = Sequence[tuple[int, int]]
-RouterPolicy = Literal["least_loaded", "cache_aware"]  # round robin needs no router
+RouterPolicy = Literal["least_loaded", "cache_aware", "kv_aware"]  # round robin needs none
 
 _ARRIVE, _TOUCH, _FINISH = 0, 1, 2  # order of simultaneous events: fixed, not by insertion
 
@@ -69,39 +71,68 @@ class ApproximateTree:
 
 
 class Router:
-    """Routes open arrivals by load (``least_loaded``, ``cache_aware``); ``round_robin`` needs
-    no state and the engine assigns it up front. The engine tells the router of every request
-    that will run on a replica (:meth:`assign` as it routes, :meth:`expect` for a session's
-    later turns) and of every finish (:meth:`finished`), each at its simulated time.
-    ``cache_slots`` is what one replica can cache (its GPU pool and host tier)."""
+    """Routes open arrivals by load and cache (``least_loaded``, ``cache_aware``,
+    ``kv_aware``); ``round_robin`` needs no state and the engine assigns it up front. The
+    engine tells the router of every request that will run on a replica (:meth:`assign` as it
+    routes, :meth:`expect` for a session's later turns) and of every finish
+    (:meth:`finished`), each at its simulated time. ``cache_slots`` is what one replica can
+    cache (its GPU pool and host tier)."""
 
     def __init__(self, policy: RouterPolicy, replicas: int, cache_slots: int, *,
                  cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
-                 balance_rel_threshold: float = 1.0001) -> None:
+                 balance_rel_threshold: float = 1.0001,
+                 overlap_score_weight: float = 1.0) -> None:
         self.policy = policy
         self.replicas = replicas
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
+        self.overlap_score_weight = overlap_score_weight
         self.load = [0] * replicas  # requests arrived and not finished, as of the last route
         self.trees = [ApproximateTree(cache_slots) for _ in range(replicas)]
+        # kv_aware: the prompt tokens in flight on each replica, a prefix shared by several
+        # of its requests counted once (Dynamo's active blocks, assuming KV reuse), from the
+        # prefixes each in-flight request holds there.
+        self.active_tokens = [0] * replicas
+        self._held: list[Counter[int]] = [Counter() for _ in range(replicas)]
+        self._chains: dict[int, list[tuple[int, int]]] = {}  # request -> its prefix chain
         # (time, kind, request, replica, chain): applied in time order before each route.
         self._events: list[tuple[float, int, int, int, list[tuple[int, int]]]] = []
 
-    def assign(self, replica: int, segments: Segments) -> None:
-        """The request just routed will run on ``replica``: it loads it from now on (requests
-        that arrive together see each other)."""
+    @property
+    def _tracks_cache(self) -> bool:
+        return self.policy != "least_loaded"
+
+    def assign(self, replica: int, segments: Segments, request: int) -> None:
+        """Request ``request``, just routed, will run on ``replica``: it loads it from now
+        on (requests that arrive together see each other)."""
         self.load[replica] += 1
-        if self.policy == "cache_aware":
-            self.trees[replica].insert(prefix_chain(segments))
+        if self._tracks_cache:
+            chain = prefix_chain(segments)
+            self.trees[replica].insert(chain)
+            if self.policy == "kv_aware":
+                self._chains[request] = chain
+                self._hold(replica, chain, +1)
 
     def expect(self, request: int, replica: int, arrival_s: float, segments: Segments) -> None:
         """A request will arrive on ``replica`` at ``arrival_s`` (a session's next turn, which
         stays with its conversation): it adds to the load and to the tree from then on."""
         heapq.heappush(self._events, (arrival_s, _ARRIVE, request, replica, []))
-        if self.policy == "cache_aware":
-            heapq.heappush(self._events, (arrival_s, _TOUCH, request, replica,
-                                          prefix_chain(segments)))
+        if self._tracks_cache:
+            chain = prefix_chain(segments)
+            if self.policy == "kv_aware":
+                self._chains[request] = chain
+            heapq.heappush(self._events, (arrival_s, _TOUCH, request, replica, chain))
+
+    def _hold(self, replica: int, chain: list[tuple[int, int]], step: int) -> None:
+        """A request holding ``chain`` starts (+1) or stops (-1) running on ``replica``."""
+        held = self._held[replica]
+        for key, tokens in chain:
+            held[key] += step
+            if held[key] == (1 if step > 0 else 0):  # the first holder, or the last gone
+                self.active_tokens[replica] += step * tokens
+            if not held[key]:
+                del held[key]
 
     def finished(self, request: int, replica: int, finished_s: float) -> None:
         heapq.heappush(self._events, (finished_s, _FINISH, request, replica, []))
@@ -109,19 +140,25 @@ class Router:
     def _catch_up(self, now_s: float) -> None:
         events = self._events
         while events and events[0][0] < now_s:
-            _, kind, _, replica, chain = heapq.heappop(events)
+            _, kind, request, replica, chain = heapq.heappop(events)
             if kind == _ARRIVE:
                 self.load[replica] += 1
             elif kind == _FINISH:
                 self.load[replica] -= 1
+                if self.policy == "kv_aware":
+                    self._hold(replica, self._chains.pop(request), -1)
             else:
                 self.trees[replica].insert(chain)
+                if self.policy == "kv_aware":
+                    self._hold(replica, chain, +1)
 
     def route(self, arrival_s: float, segments: Segments, prompt_len: int) -> int:
         """The replica for an open arrival. Call in arrival order; then :meth:`assign` it
         there unless the pool will refuse it."""
         self._catch_up(arrival_s)
-        chain = prefix_chain(segments) if self.policy == "cache_aware" else []
+        chain = prefix_chain(segments) if self._tracks_cache else []
+        if self.policy == "kv_aware":
+            return self._cheapest(chain, prompt_len)
         if self.policy == "least_loaded" or self._imbalanced():
             replica = self._least_loaded()
         else:
@@ -141,6 +178,18 @@ class Router:
 
     def _least_loaded(self) -> int:
         return min(range(self.replicas), key=lambda r: (self.load[r], r))
+
+    def _cheapest(self, chain: list[tuple[int, int]], prompt_len: int) -> int:
+        """Dynamo's cost, in tokens rather than blocks: the prompt tokens a replica would
+        compute (those its cache lacks), weighted by ``overlap_score_weight``, plus the
+        tokens it would then hold in flight (its own and this prompt's, shared prefixes
+        once). The cheapest wins; ties go to the first."""
+        def cost(r: int) -> float:
+            held = self._held[r]
+            adds = sum(tokens for key, tokens in chain if key not in held)
+            new_prefill = prompt_len - self.trees[r].match(chain)
+            return self.overlap_score_weight * new_prefill + self.active_tokens[r] + adds
+        return min(range(self.replicas), key=lambda r: (cost(r), r))
 
 
 __all__ = ["ApproximateTree", "Router", "RouterPolicy", "prefix_chain"]

@@ -377,12 +377,25 @@ class RouterConfig(ConfigModel):
     ``cache_aware`` is SGLang's router: the replica holding the longest prefix of the prompt
     when that is over ``cache_threshold`` of it, else the one caching least; the least loaded
     whenever loads differ by more than ``balance_abs_threshold`` requests and
-    ``balance_rel_threshold`` times."""
+    ``balance_rel_threshold`` times. ``kv_aware`` is NVIDIA Dynamo's KV router: the replica
+    with the lowest cost, ``overlap_score_weight`` × the prompt tokens it lacks in cache +
+    the prompt tokens it would then hold in flight."""
 
-    policy: Literal["round_robin", "least_loaded", "cache_aware"] = "round_robin"
+    policy: Literal["round_robin", "least_loaded", "cache_aware", "kv_aware"] = "round_robin"
     cache_threshold: float = Field(default=0.5, ge=0, le=1)
     balance_abs_threshold: int = Field(default=32, ge=0)
     balance_rel_threshold: float = Field(default=1.0001, ge=1)
+    # Null by default (meaning 1, Dynamo's), so that scenarios without it keep their keys.
+    overlap_score_weight: float | None = Field(
+        default=None, ge=0, description="kv_aware: the weight of the prompt tokens a replica "
+        "would compute against those it holds in flight (higher: follow the cache; 0: "
+        "balance load alone); 1 when omitted, as Dynamo")
+
+    @model_validator(mode="after")
+    def _weight_for_kv_aware(self):  # type: ignore[no-untyped-def]
+        if self.overlap_score_weight is not None and self.policy != "kv_aware":
+            raise ValueError(f"overlap_score_weight is for policy kv_aware, not {self.policy}")
+        return self
 
 
 class SloConfig(ConfigModel):

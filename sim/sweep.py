@@ -239,8 +239,8 @@ def expand(raw: dict[str, Any], source: str, *, quick: bool = False) -> list[Swe
 
 
 def _shrink(base: dict[str, Any], config: SweepConfig) -> tuple[dict[str, Any], SweepConfig]:
-    """``--quick``: a quarter of the requests, at most three values per numeric axis, one
-    seed."""
+    """``--quick``: a quarter of the requests, at most three values per numeric axis (or
+    three rows of a zip of numbers), one seed."""
     base = copy.deepcopy(base)
     stop = base.get("stop", {})
     if isinstance(stop, dict) and isinstance(stop.get("num_requests"), int):
@@ -248,15 +248,17 @@ def _shrink(base: dict[str, Any], config: SweepConfig) -> tuple[dict[str, Any], 
     if isinstance(stop, dict) and isinstance(stop.get("duration_s"), int | float):
         stop["duration_s"] = stop["duration_s"] / 4
 
+    def numeric(values: list[Any]) -> bool:
+        return all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+
     def thin(values: list[Any]) -> list[Any]:
-        numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
-        if len(values) <= 3 or not numeric:  # every policy/name is kept
+        if len(values) <= 3 or not numeric(values):  # every policy/name is kept
             return values
         return [values[0], values[len(values) // 2], values[-1]]
 
     grid = {k: thin(v) for k, v in config.grid.items()}
     zipped = config.zip
-    if zipped:
+    if zipped and all(numeric(values) for values in zipped.values()):  # (as in the grid)
         length = len(next(iter(zipped.values())))
         keep = sorted({0, length // 2, length - 1})
         zipped = {k: [v[i] for i in keep] for k, v in zipped.items()}

@@ -114,6 +114,10 @@ def random_scenario(seed: int) -> dict:
                  "num_sliding_layers": rng.choice([32, 24, 16])}
     if scheduler["chunked_prefill"] and rng.random() < 0.5:  # drawn last, as the above
         scheduler["prefill_allocation"] = "per_chunk"
+    if router["policy"] == "cache_aware" and rng.random() < 0.5:  # drawn last, as the above
+        router["policy"] = "kv_aware"
+        if rng.random() < 0.5:
+            router["overlap_score_weight"] = rng.choice([0.0, 4.0])
     return {
         "name": f"random-{seed}",
         "model": model,

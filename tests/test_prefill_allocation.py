@@ -75,15 +75,26 @@ def two_requests(prompt_lens: list[int], output_lens: list[int]) -> Trace:
                               output_len=np.array(output_lens))
 
 
-def serve(trace: Trace, allocation: str, num_blocks: int) -> tuple[list[Request], Scheduler]:
-    """Step a scheduler (a step a second) until every request finished."""
-    allocator = PagedAllocator(num_blocks, 16, enable_prefix_caching=True, watermark=0.0)
+def seated(trace: Trace, allocation: str, num_blocks: int, prefix_caching: bool = True,
+           steps: int = 0) -> tuple[list[Request], Scheduler]:
+    """A scheduler over ``num_blocks`` of 16 tokens and 64-token chunks, every request of
+    ``trace`` added, and ``steps`` steps run (a step a second)."""
+    allocator = PagedAllocator(num_blocks, 16, enable_prefix_caching=prefix_caching,
+                               watermark=0.0)
     config = SchedulerConfig(chunked_prefill=True, max_num_batched_tokens=64,
                              prefill_allocation=allocation)
     sched = Scheduler(allocator, config, debug=True)
     requests = [Request(trace, i, 0.0) for i in range(len(trace))]
     for request in requests:
         assert sched.add(request)
+    for step in range(steps):
+        sched.finish_step(sched.schedule(float(step)), step + 1.0)
+    return requests, sched
+
+
+def serve(trace: Trace, allocation: str, num_blocks: int) -> tuple[list[Request], Scheduler]:
+    """Step a scheduler (a step a second) until every request finished."""
+    requests, sched = seated(trace, allocation, num_blocks)
     clock = 0.0
     while (sched.running or sched.waiting) and clock < 1000:
         batch = sched.schedule(clock)
@@ -117,15 +128,7 @@ def test_the_last_chunk_of_a_request_preempted_for_its_first_token_is_paid_for()
     # preempted for its first token's block. vLLM computes the chunk all the same (it
     # claims that token's slot only the next step): the step pays for 49 prompt tokens,
     # though it carries no prefill of a running request.
-    trace = two_requests([16, 160], [3, 2])
-    allocator = PagedAllocator(12, 16, enable_prefix_caching=True, watermark=0.0)
-    config = SchedulerConfig(chunked_prefill=True, max_num_batched_tokens=64,
-                             prefill_allocation="per_chunk")
-    sched = Scheduler(allocator, config, debug=True)
-    b, a = (Request(trace, i, 0.0) for i in range(2))
-    assert sched.add(b) and sched.add(a)
-    for step in range(2):
-        sched.finish_step(sched.schedule(float(step)), step + 1.0)
+    (_, a), sched = seated(two_requests([16, 160], [3, 2]), "per_chunk", 12, steps=2)
     assert a.prefilled == 48 + 63
     batch = sched.schedule(2.0)
     assert batch.preempted == 1 and a.preemptions == 1 and sched.waiting.head() is a
@@ -151,15 +154,9 @@ def test_a_step_that_preempted_seats_no_one_while_others_run():
     # chunks of 48, 63, 63: 11 blocks. Its last 26 tokens need 2 more: 15 > 14, so A, the
     # last admitted, is preempted. Its first chunk (4 blocks) would fit at once in the
     # memory it left, but as in vLLM v1, that step seats no one: A is seated the step after.
-    trace = two_requests([16, 200], [60, 2])
-    allocator = PagedAllocator(14, 16, enable_prefix_caching=False, watermark=0.0)
-    config = SchedulerConfig(chunked_prefill=True, max_num_batched_tokens=64,
-                             prefill_allocation="per_chunk")
-    sched = Scheduler(allocator, config, debug=True)
-    b, a = (Request(trace, i, 0.0) for i in range(2))
-    assert sched.add(b) and sched.add(a)
-    for step in range(3):
-        sched.finish_step(sched.schedule(float(step)), step + 1.0)
+    (b, a), sched = seated(two_requests([16, 200], [60, 2]), "per_chunk", 14,
+                           prefix_caching=False, steps=3)
+    allocator = sched.allocator
     assert allocator.allocated_slots(a.seq_ids()[0]) == 11 * 16
     batch = sched.schedule(3.0)
     assert batch.preempted == 1 and a.preemptions == 1

@@ -1,5 +1,5 @@
-"""Routers: SGLang's cache-aware rule and shortest queue, learned only from the past, the
-same in jump and step mode, and what they do to a shared-prefix workload."""
+"""Routers: SGLang's cache-aware rule, Dynamo's KV cost and shortest queue, learned only from
+the past, the same in jump and step mode, and what they do to a shared-prefix workload."""
 
 from __future__ import annotations
 
@@ -53,32 +53,68 @@ def test_router_rules():
     router = Router("cache_aware", 3, cache_slots=10_000, balance_abs_threshold=2)
     # Nothing cached anywhere: the replica caching least (ties: the first).
     assert router.route(0.0, chain, 700) == 0
-    router.assign(0, chain)
+    router.assign(0, chain, request=0)
     # 600 of 650 tokens cached on replica 0: over the 0.5 threshold, so there.
     assert router.route(1.0, [(1, 600), (8, 50)], 650) == 0
-    router.assign(0, [(1, 600), (8, 50)])
+    router.assign(0, [(1, 600), (8, 50)], request=1)
     # A prompt mostly its own: below the threshold, the replica caching least.
     assert router.route(2.0, [(1, 600), (9, 2000)], 2600) == 1
-    router.assign(1, [(1, 600), (9, 2000)])
+    router.assign(1, [(1, 600), (9, 2000)], request=2)
     # Replica 0 holds 2 running requests, replica 2 none: 2 - 0 is not > 2, still balanced.
     assert router.route(3.0, chain, 700) == 0
-    router.assign(0, chain)
+    router.assign(0, chain, request=3)
     # 3 against 0: imbalanced, so the least loaded, whatever the cache says.
     assert router.route(4.0, chain, 700) == 2
-    router.assign(2, chain)
+    router.assign(2, chain, request=4)
     # A finish counts only once its time has passed, never before; of two replicas that
     # hold the prompt, the less loaded.
     for request in range(3):
         router.finished(request, 0, 10.0)
     assert router.route(10.0, chain, 700) == 2 and router.load == [3, 1, 1]
-    router.assign(2, chain)
+    router.assign(2, chain, request=5)
     assert router.route(10.5, chain, 700) == 0 and router.load == [0, 1, 2]
     shortest = Router("least_loaded", 2, cache_slots=10_000)
-    shortest.assign(0, chain)
+    shortest.assign(0, chain, request=6)
     assert shortest.route(0.0, chain, 700) == 1
 
 
-@pytest.mark.parametrize("policy", ["least_loaded", "cache_aware"])
+def test_kv_aware_router_prices_prefill_and_tokens_in_flight():
+    # Dynamo's cost: overlap_score_weight x the prompt tokens a replica lacks in cache, plus
+    # the prompt tokens it would hold in flight, a prefix shared there counted once.
+    first, second = [(1, 600), (7, 100)], [(1, 600), (8, 50)]
+    router = Router("kv_aware", 3, cache_slots=10_000)
+    assert router.route(0.0, first, 700) == 0  # all alike: the first
+    router.assign(0, first, request=0)
+    assert router.active_tokens == [700, 0, 0]
+    # Replica 0: 50 to compute + 700 in flight + 50 more (its 600 already there) = 800;
+    # replica 1: 650 + 0 + 650 = 1,300.
+    assert router.route(1.0, second, 650) == 0
+    # With weight 0 only the load counts: 750 against 650.
+    balancer = Router("kv_aware", 3, cache_slots=10_000, overlap_score_weight=0.0)
+    balancer.assign(0, first, request=0)
+    assert balancer.route(1.0, second, 650) == 1
+    router.assign(0, second, request=1)
+    assert router.active_tokens == [750, 0, 0]  # the shared 600 once
+    # A finish counts once its time has passed; the 600 stay while request 1 holds them.
+    router.finished(0, 0, 10.0)
+    router.route(10.0, first, 700)
+    assert router.active_tokens == [750, 0, 0]
+    router.route(10.5, first, 700)
+    assert router.active_tokens == [650, 0, 0]
+    router.finished(1, 0, 11.0)
+    # A session's later turn loads its replica from its arrival on.
+    router.expect(5, 2, 20.0, first)
+    assert router.route(19.0, first, 700) == 0  # cached there, and nothing in flight now
+    assert router.active_tokens == [0, 0, 0] and router.load == [0, 0, 0]
+    # At 20.5 replica 2 holds the turn's 700 (and caches it): 0 + 700 + 0 against
+    # replica 0's 0 + 0 + 700; a tie goes to the first.
+    assert router.route(20.5, first, 700) == 0 and router.active_tokens == [0, 0, 700]
+    router.finished(5, 2, 30.0)
+    router.route(31.0, first, 700)
+    assert router.active_tokens == [0, 0, 0]
+
+
+@pytest.mark.parametrize("policy", ["least_loaded", "cache_aware", "kv_aware"])
 @pytest.mark.parametrize("seed", range(6))
 def test_routing_is_the_same_in_jump_and_step_mode(policy, seed):
     rng = random.Random(seed)
@@ -98,18 +134,20 @@ def test_routing_is_the_same_in_jump_and_step_mode(policy, seed):
 def test_one_replica_routes_like_round_robin():
     results = {policy: run_scenario(scenario_from_dict(
         routed(1, policy, requests=120))).systems["paged"] for policy in (
-        "round_robin", "least_loaded", "cache_aware")}
-    for policy in ("least_loaded", "cache_aware"):
+        "round_robin", "least_loaded", "cache_aware", "kv_aware")}
+    for policy in ("least_loaded", "cache_aware", "kv_aware"):
         pd.testing.assert_frame_equal(results[policy].requests,
                                       results["round_robin"].requests)
 
 
 def test_cache_aware_routing_raises_the_hit_rate():
     summaries = {policy: run_scenario(scenario_from_dict(routed(4, policy))).systems[
-        "paged"].summary for policy in ("round_robin", "least_loaded", "cache_aware")}
+        "paged"].summary for policy in ("round_robin", "least_loaded", "cache_aware",
+                                        "kv_aware")}
     # Each prefix group kept on few replicas is cached there, not on all four.
-    assert summaries["cache_aware"]["prefix_hit_rate"] > (
-        summaries["round_robin"]["prefix_hit_rate"] + 0.1)
+    for policy in ("cache_aware", "kv_aware"):
+        assert summaries[policy]["prefix_hit_rate"] > (
+            summaries["round_robin"]["prefix_hit_rate"] + 0.1)
     assert summaries["round_robin"]["replica_imbalance"] == pytest.approx(1.0)
     for summary in summaries.values():
         assert summary["completed"] == 400 and summary["replicas"] == 4
@@ -118,10 +156,26 @@ def test_cache_aware_routing_raises_the_hit_rate():
     assert "replica imbalance (max/mean requests)" in table
 
 
+def test_a_weight_of_zero_balances_load_alone():
+    # Not the default weight of 1 (a null weight means 1; zero is a weight of its own).
+    runs = {weight: run_scenario(scenario_from_dict(routed(
+        4, "kv_aware", requests=200, overlap_score_weight=weight))).systems["paged"]
+        for weight in (None, 1.0, 0.0)}
+    pd.testing.assert_frame_equal(runs[None].requests, runs[1.0].requests)
+    assert (runs[0.0].requests["replica"] != runs[1.0].requests["replica"]).any()
+    assert runs[0.0].summary["prefix_hit_rate"] < runs[1.0].summary["prefix_hit_rate"]
+
+
 def test_router_settings_are_checked():
     with pytest.raises(ScenarioError, match=r"engine.router.policy: Input should be "
-                       r"'round_robin', 'least_loaded' or 'cache_aware'"):
+                       r"'round_robin', 'least_loaded', 'cache_aware' or 'kv_aware'"):
         scenario_from_dict(routed(2, "sticky"))
+    with pytest.raises(ScenarioError, match=r"engine.router: overlap_score_weight is for "
+                       r"policy kv_aware, not cache_aware"):
+        scenario_from_dict(routed(2, "cache_aware", overlap_score_weight=2))
+    with pytest.raises(ScenarioError, match=r"engine.router.overlap_score_weight: Input "
+                       r"should be greater than or equal to 0"):
+        scenario_from_dict(routed(2, "kv_aware", overlap_score_weight=-1))
     with pytest.raises(ScenarioError, match=r"engine.router.cache_threshold: Input should be "
                        r"less than or equal to 1"):
         scenario_from_dict(routed(2, "cache_aware", cache_threshold=1.5))

@@ -17,7 +17,12 @@ import pytest
 import yaml
 from conftest import kvsim_in_process
 
-from reports.sweep_report import saturation_knee, sweep_figures, write_sweep_report
+from reports.sweep_report import (
+    category_figures,
+    saturation_knee,
+    sweep_figures,
+    write_sweep_report,
+)
 from sim.sweep import SweepError, expand, load_sweep_points, run_sweep, set_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +84,14 @@ def test_expand_grid_zip_seeds():
     assert {p.params["memory.kv_memory_gib"] for p in points} == {2, 4}
     first = points[0].scenario
     assert first["systems"][1]["scheduler"]["max_num_seqs"] == 8
+    # --quick keeps three rows of a zip of numbers, and every row of one naming policies.
+    data["sweep"] = {"zip": {"memory.kv_memory_gib": [1, 2, 3, 4, 5]}}
+    assert [p.params["memory.kv_memory_gib"] for p in expand(data, "x.yaml", quick=True)] == [
+        1, 3, 5]
+    data["sweep"] = {"zip": {"engine.router.policy": ["cache_aware", "kv_aware", "kv_aware",
+                                                      "least_loaded"],
+                             "engine.router.overlap_score_weight": [None, None, 4, None]}}
+    assert len(expand(data, "x.yaml", quick=True)) == 4
 
 
 def test_keys_ignore_optional_fields_left_unset():
@@ -330,7 +343,21 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
     if name == "router_policies":  # cache-aware routing keeps each prompt on few replicas
         hit = outcome.table.groupby("param:engine.router.policy")["prefix_hit_rate"].min()
         assert hit["cache_aware"] > hit[["round_robin", "least_loaded"]].max() + 0.3
-        assert len(figures["rate_sweep"].kvsim_data["knees"]) == 3  # a line per policy
+        assert hit["kv_aware"] > hit[["round_robin", "least_loaded"]].max() + 0.1
+        # A line per policy, kv_aware's two weights apart (the weight is null in four runs
+        # of five: once, they were drawn as one line, averaged).
+        knees = figures["rate_sweep"].kvsim_data["knees"]
+        assert len(knees) == 5
+        assert [label for label in knees.index if "kv_aware" in label] == [
+            "paged-16, policy=kv_aware", "paged-16, overlap_score_weight=4.0, policy=kv_aware"]
+        # At one rate, a bar per policy and weight.
+        rate = outcome.table["param:workload.arrival.rate"]
+        bars = category_figures(outcome.table[rate == rate.max()],
+                                ["engine.router.policy", "engine.router.overlap_score_weight"],
+                                ["workload.arrival.rate"], ["throughput_tok_s"])
+        series = bars["by_engine_router_policy"].kvsim_data["series"]
+        assert list(series["value"]) == ["round_robin", "least_loaded", "cache_aware",
+                                         "kv_aware", "kv_aware\noverlap_score_weight=4.0"]
     if name == "disaggregation_chat":  # decode placement is part of the swept section
         assert outcome.table["param:engine.disaggregation"].str.contains(
             '"decode_router": "least_loaded"').sum() == 2
