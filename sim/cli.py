@@ -126,7 +126,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"{scenario.name}: {len(next(iter(result.systems.values())).requests):,} requests, "
           f"seed {scenario.seed}{changed}")
     print(memory_summary(scenario))
-    for note in result.trace_notes:
+    for note in [*result.trace_notes, *scenario.idle_settings()]:
         print(f"note: {note}")
     if scenario.sweep:
         print(f"note: {path} has a sweep section; this ran its base scenario only "
@@ -235,6 +235,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     if scenario.sweep:
         print(f"note: {path} has a sweep section; this searched its base scenario only "
               "(--sweep searches every point)")
+    for note in scenario.idle_settings():
+        print(f"note: {note}")
     print(_capacity_text(scenario, knob, capacities))
     print(f"results: {_write_capacity(scenario, knob, capacities, out)}")
     return EXIT_OK
@@ -379,6 +381,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     memory = memory_summary(scenario)  # a pool the weights leave no room for is an error
     print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}{sweep}")
     print(memory)
+    for note in scenario.idle_settings():
+        print(f"note: {note}")
     return EXIT_OK
 
 

@@ -580,6 +580,29 @@ class Scenario(ConfigModel):
                                  "gpu.host_link_gbps (GPU-to-host GB/s, one direction)")
         return systems
 
+    def idle_settings(self) -> list[str]:
+        """Settings given that change nothing in this scenario, each as a sentence: valid
+        (a sweep may set them for some points only), but a reader comparing runs that differ
+        only in them should know they cannot differ."""
+        notes = []
+        router = self.engine.router.policy
+        split = self.engine.disaggregation
+        routed = split.prefill_replicas if split else self.engine.replicas
+        if router != "round_robin" and routed == 1:
+            notes.append(f"engine.router.policy {router} changes nothing here: one replica "
+                         f"takes every new request")
+        for system in self.systems:
+            scheduler = system.scheduler
+            if scheduler.prefill_allocation != "per_chunk":
+                continue
+            if not scheduler.chunked_prefill:
+                notes.append(f"system {system.name!r}: prefill_allocation per_chunk changes "
+                             f"nothing without chunked_prefill (a prompt is one chunk)")
+            elif isinstance(system.allocator, ContiguousConfig):
+                notes.append(f"system {system.name!r}: prefill_allocation per_chunk changes "
+                             f"nothing for a contiguous reservation (placed whole)")
+        return notes
+
     def model_spec(self) -> ModelSpec:
         """The model, with its KV cache stored as ``memory.kv_cache_dtype`` says."""
         model = _model_spec(self.model)

@@ -7,6 +7,8 @@ import random
 
 import pandas as pd
 import pytest
+import yaml
+from conftest import kvsim_in_process
 
 from sim.engine import run_scenario
 from sim.metrics import format_summary
@@ -164,6 +166,37 @@ def test_a_weight_of_zero_balances_load_alone():
     pd.testing.assert_frame_equal(runs[None].requests, runs[1.0].requests)
     assert (runs[0.0].requests["replica"] != runs[1.0].requests["replica"]).any()
     assert runs[0.0].summary["prefix_hit_rate"] < runs[1.0].summary["prefix_hit_rate"]
+
+
+def test_settings_that_change_nothing_are_noted(tmp_path):
+    # Valid (a sweep may set them at some points only), but said, so that nobody reads two
+    # identical runs as a finding.
+    data = routed(1, "kv_aware")
+    data["systems"].append({"name": "contiguous", "allocator": {"kind": "contiguous"},
+                            "scheduler": {"chunked_prefill": True,
+                                          "prefill_allocation": "per_chunk"}})
+    data["systems"][0]["scheduler"] = {"prefill_allocation": "per_chunk"}
+    assert scenario_from_dict(data).idle_settings() == [
+        "engine.router.policy kv_aware changes nothing here: one replica takes every new "
+        "request",
+        "system 'paged': prefill_allocation per_chunk changes nothing without "
+        "chunked_prefill (a prompt is one chunk)",
+        "system 'contiguous': prefill_allocation per_chunk changes nothing for a contiguous "
+        "reservation (placed whole)"]
+    data["engine"]["replicas"] = 3
+    data["engine"]["disaggregation"] = {"prefill_replicas": 2}  # two to route between
+    data["systems"] = data["systems"][:1]
+    data["systems"][0]["scheduler"] = {"chunked_prefill": True,
+                                       "prefill_allocation": "per_chunk"}
+    assert scenario_from_dict(data).idle_settings() == []
+    data["engine"]["disaggregation"] = {"prefill_replicas": 1}
+    assert len(scenario_from_dict(data).idle_settings()) == 1
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump(routed(1, "cache_aware")))
+    proc = kvsim_in_process("validate", str(path))
+    assert proc.returncode == 0
+    assert proc.stdout.splitlines()[-1] == ("note: engine.router.policy cache_aware changes "
+                                           "nothing here: one replica takes every new request")
 
 
 def test_router_settings_are_checked():
