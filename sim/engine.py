@@ -515,8 +515,7 @@ class _SystemRun:
                                  cache_threshold=routing.cache_threshold,
                                  balance_abs_threshold=routing.balance_abs_threshold,
                                  balance_rel_threshold=routing.balance_rel_threshold,
-                                 overlap_score_weight=(1.0 if routing.overlap_score_weight is None
-                                                       else routing.overlap_score_weight))
+                                 overlap_score_weight=routing.overlap_weight)
             self.unrouted = roots.tolist()
         self.env = simpy.Environment()
         self.replicas = []

@@ -397,6 +397,11 @@ class RouterConfig(ConfigModel):
             raise ValueError(f"overlap_score_weight is for policy kv_aware, not {self.policy}")
         return self
 
+    @property
+    def overlap_weight(self) -> float:
+        """The weight ``kv_aware`` uses: ``overlap_score_weight``, or Dynamo's 1 if omitted."""
+        return 1.0 if self.overlap_score_weight is None else self.overlap_score_weight
+
 
 class SloConfig(ConfigModel):
     """Service-level objectives: a request is served *in time* when its TTFT, its TPOT
