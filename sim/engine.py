@@ -410,6 +410,8 @@ class _Replica:
                 clock = start + duration
                 steps = 1
                 finished = sched.finish_step(batch, clock)
+                if sim.router is not None and self.role != "decode":
+                    sim.tell_first_tokens(self, batch, clock)
             sim.recorder.record(self.index, start, clock - start, steps, batch, sched, snap,
                                 snap_end)
             self.clock = clock
@@ -515,7 +517,10 @@ class _SystemRun:
                                  cache_threshold=routing.cache_threshold,
                                  balance_abs_threshold=routing.balance_abs_threshold,
                                  balance_rel_threshold=routing.balance_rel_threshold,
-                                 overlap_score_weight=routing.overlap_weight)
+                                 overlap_score_weight=routing.overlap_weight,
+                                 track_prefill_tokens=routing.tracks_prefill,
+                                 temperature=routing.sampling_temperature,
+                                 seed=scenario.seed)
             self.unrouted = roots.tolist()
         self.env = simpy.Environment()
         self.replicas = []
@@ -639,6 +644,16 @@ class _SystemRun:
         if self.least_loaded_decode:
             self.decode_in_flight[position] += 1
         self.release(decode, arrival_s, index, rest)
+
+    def tell_first_tokens(self, replica: _Replica, batch: Batch, now_s: float) -> None:
+        """Tell the router which prompts ``replica`` finished reading in the step ending at
+        ``now_s`` (their first token is out), as it learns of finishes."""
+        router = self.router
+        if router is None:
+            return
+        for request, _, _ in batch.prefill:
+            if not request.in_prefill:
+                router.prefilled(request.index, replica.index, now_s)
 
     def on_done(self, replica: _Replica, request: Request, now_s: float,
                 step_start_s: float | None = None) -> None:

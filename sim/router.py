@@ -4,18 +4,22 @@ A router is the host at a restaurant's door. ``round_robin`` seats parties at ea
 turn; ``least_loaded`` at the table with the fewest parties still eating; ``cache_aware``
 (SGLang's router) remembers which table already has a party's friends, seats it there while
 the room is balanced, and falls back to the emptiest table when it is not; ``kv_aware``
-(NVIDIA Dynamo's KV router) prices every table, the dishes it would cook anew for the party
-plus the plates already on it, and picks the cheapest.
+(NVIDIA Dynamo's KV router) prices every table, the dishes its kitchen has yet to cook, the
+party's included, plus the plates already on it, and picks the cheapest (or, with a
+temperature, draws a table, the cheaper the likelier).
 
-Routers know only what a real router knows: what they sent where, and which requests have
-finished. They learn each fact at the simulated time it happens (an event queue applied up
-to, and excluding, the arrival being routed), never from a replica's scheduler state, so the
-same trace gives the same routing whether the engine steps or jumps.
+Routers know only what a real router knows: what they sent where, which requests have given
+their first token, and which have finished. They learn each fact at the simulated time it
+happens (an event queue applied up to, and excluding, the arrival being routed), never from
+a replica's scheduler state, so the same trace gives the same routing whether the engine
+steps or jumps.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+import random
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Literal
@@ -23,7 +27,8 @@ from typing import Literal
 Segments = Sequence[tuple[int, int]]
 RouterPolicy = Literal["least_loaded", "cache_aware", "kv_aware"]  # round robin needs none
 
-_ARRIVE, _TOUCH, _FINISH = 0, 1, 2  # order of simultaneous events: fixed, not by insertion
+# Order of simultaneous events: fixed, not by insertion.
+_ARRIVE, _TOUCH, _PREFILLED, _FINISH = 0, 1, 2, 3
 
 
 def prefix_chain(segments: Segments) -> list[tuple[int, int]]:
@@ -74,20 +79,27 @@ class Router:
     """Routes open arrivals by load and cache (``least_loaded``, ``cache_aware``,
     ``kv_aware``); ``round_robin`` needs no state and the engine assigns it up front. The
     engine tells the router of every request that will run on a replica (:meth:`assign` as it
-    routes, :meth:`expect` for a session's later turns) and of every finish
-    (:meth:`finished`), each at its simulated time. ``cache_slots`` is what one replica can
-    cache (its GPU pool and host tier)."""
+    routes, :meth:`expect` for a session's later turns), of every first token
+    (:meth:`prefilled`, which only ``kv_aware`` heeds) and of every finish (:meth:`finished`),
+    each at its simulated time. ``cache_slots`` is what one replica can cache (its GPU pool
+    and host tier). ``kv_aware`` draws with ``temperature`` from a generator seeded by
+    ``seed``, one draw per route, so a run repeats exactly."""
 
     def __init__(self, policy: RouterPolicy, replicas: int, cache_slots: int, *,
                  cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
                  balance_rel_threshold: float = 1.0001,
-                 overlap_score_weight: float = 1.0) -> None:
+                 overlap_score_weight: float = 1.0, track_prefill_tokens: bool = True,
+                 temperature: float = 0.0, seed: int = 0) -> None:
         self.policy = policy
         self.replicas = replicas
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.overlap_score_weight = overlap_score_weight
+        self.track_prefill_tokens = track_prefill_tokens
+        self.temperature = temperature
+        # A string seed is hashed the same way on every platform and Python version.
+        self._rng = random.Random(f"kvsim router {seed}")
         self.load = [0] * replicas  # requests arrived and not finished, as of the last route
         self.trees = [ApproximateTree(cache_slots) for _ in range(replicas)]
         # kv_aware: the prompt tokens in flight on each replica, a prefix shared by several
@@ -96,6 +108,11 @@ class Router:
         self.active_tokens = [0] * replicas
         self._held: list[Counter[int]] = [Counter() for _ in range(replicas)]
         self._chains: dict[int, list[tuple[int, int]]] = {}  # request -> its prefix chain
+        # kv_aware: the prompt tokens each replica has yet to prefill (Dynamo's active
+        # prefill tokens): each request's, less what the replica cached when it was sent
+        # there, until its first token is out.
+        self.prefill_tokens = [0] * replicas
+        self._prefilling: dict[int, tuple[int, int]] = {}  # request -> (replica, tokens)
         # (time, kind, request, replica, chain): applied in time order before each route.
         self._events: list[tuple[float, int, int, int, list[tuple[int, int]]]] = []
 
@@ -109,10 +126,10 @@ class Router:
         self.load[replica] += 1
         if self._tracks_cache:
             chain = prefix_chain(segments)
-            self.trees[replica].insert(chain)
             if self.policy == "kv_aware":
                 self._chains[request] = chain
-                self._hold(replica, chain, +1)
+                self._start(request, replica, chain)
+            self.trees[replica].insert(chain)
 
     def expect(self, request: int, replica: int, arrival_s: float, segments: Segments) -> None:
         """A request will arrive on ``replica`` at ``arrival_s`` (a session's next turn, which
@@ -124,6 +141,14 @@ class Router:
                 self._chains[request] = chain
             heapq.heappush(self._events, (arrival_s, _TOUCH, request, replica, chain))
 
+    def _start(self, request: int, replica: int, chain: list[tuple[int, int]]) -> None:
+        """kv_aware: ``request`` starts on ``replica``, before its prompt joins the tree."""
+        self._hold(replica, chain, +1)
+        prompt = sum(tokens for _, tokens in chain)
+        new = prompt - self.trees[replica].match(chain)
+        self._prefilling[request] = (replica, new)
+        self.prefill_tokens[replica] += new
+
     def _hold(self, replica: int, chain: list[tuple[int, int]], step: int) -> None:
         """A request holding ``chain`` starts (+1) or stops (-1) running on ``replica``."""
         held = self._held[replica]
@@ -134,8 +159,21 @@ class Router:
             if not held[key]:
                 del held[key]
 
+    def prefilled(self, request: int, replica: int, first_token_s: float) -> None:
+        """``request`` gave its first token on ``replica`` at ``first_token_s``: its prompt
+        no longer waits there (only ``kv_aware`` counts that)."""
+        if self.policy == "kv_aware":
+            heapq.heappush(self._events, (first_token_s, _PREFILLED, request, replica, []))
+
     def finished(self, request: int, replica: int, finished_s: float) -> None:
         heapq.heappush(self._events, (finished_s, _FINISH, request, replica, []))
+
+    def _end_prefill(self, request: int) -> None:
+        # A first token after a preemption, or a finish after the first token: nothing left.
+        started = self._prefilling.pop(request, None)
+        if started is not None:
+            replica, tokens = started
+            self.prefill_tokens[replica] -= tokens
 
     def _catch_up(self, now_s: float) -> None:
         events = self._events
@@ -143,14 +181,17 @@ class Router:
             _, kind, request, replica, chain = heapq.heappop(events)
             if kind == _ARRIVE:
                 self.load[replica] += 1
+            elif kind == _PREFILLED:
+                self._end_prefill(request)
             elif kind == _FINISH:
                 self.load[replica] -= 1
                 if self.policy == "kv_aware":
                     self._hold(replica, self._chains.pop(request), -1)
+                    self._end_prefill(request)
             else:
-                self.trees[replica].insert(chain)
                 if self.policy == "kv_aware":
-                    self._hold(replica, chain, +1)
+                    self._start(request, replica, chain)
+                self.trees[replica].insert(chain)
 
     def route(self, arrival_s: float, segments: Segments, prompt_len: int) -> int:
         """The replica for an open arrival. Call in arrival order; then :meth:`assign` it
@@ -181,15 +222,35 @@ class Router:
 
     def _cheapest(self, chain: list[tuple[int, int]], prompt_len: int) -> int:
         """Dynamo's cost, in tokens rather than blocks: the prompt tokens a replica would
-        compute (those its cache lacks), weighted by ``overlap_score_weight``, plus the
+        compute (those its cache lacks, and, with ``track_prefill_tokens``, those of the
+        prompts it has yet to prefill), weighted by ``overlap_score_weight``, plus the
         tokens it would then hold in flight (its own and this prompt's, shared prefixes
-        once). The cheapest wins; ties go to the first."""
+        once). The cheapest wins, ties going to the first; or, with a temperature, one is
+        drawn (:meth:`_draw`)."""
         def cost(r: int) -> float:
             held = self._held[r]
             adds = sum(tokens for key, tokens in chain if key not in held)
-            new_prefill = prompt_len - self.trees[r].match(chain)
-            return self.overlap_score_weight * new_prefill + self.active_tokens[r] + adds
-        return min(range(self.replicas), key=lambda r: (cost(r), r))
+            prefill = prompt_len - self.trees[r].match(chain)
+            if self.track_prefill_tokens:
+                prefill += self.prefill_tokens[r]
+            return self.overlap_score_weight * prefill + self.active_tokens[r] + adds
+        costs = [cost(r) for r in range(self.replicas)]
+        if self.temperature:
+            return self._draw(costs)
+        return costs.index(min(costs))
+
+    def _draw(self, costs: list[float]) -> int:
+        """Dynamo's softmax sampling: the costs scaled to [0, 1] (all alike: equally
+        likely), replica r drawn with probability ∝ exp(-scaled_r / temperature)."""
+        low, high = min(costs), max(costs)
+        span = (high - low) * self.temperature
+        weights = [math.exp(-(c - low) / span) if span else 1.0 for c in costs]
+        point = self._rng.random() * sum(weights)
+        for replica, weight in enumerate(weights):
+            point -= weight
+            if point < 0:
+                return replica
+        return len(weights) - 1  # rounding left the point at the very end
 
 
 __all__ = ["ApproximateTree", "Router", "RouterPolicy", "prefix_chain"]

@@ -378,29 +378,52 @@ class RouterConfig(ConfigModel):
     when that is over ``cache_threshold`` of it, else the one caching least; the least loaded
     whenever loads differ by more than ``balance_abs_threshold`` requests and
     ``balance_rel_threshold`` times. ``kv_aware`` is NVIDIA Dynamo's KV router: the replica
-    with the lowest cost, ``overlap_score_weight`` × the prompt tokens it lacks in cache +
-    the prompt tokens it would then hold in flight."""
+    with the lowest cost, ``overlap_score_weight`` × the prompt tokens it would compute (its
+    queue's and this prompt's, less what its cache holds) + the prompt tokens it would then
+    hold in flight, or one drawn by ``temperature``."""
 
     policy: Literal["round_robin", "least_loaded", "cache_aware", "kv_aware"] = "round_robin"
     cache_threshold: float = Field(default=0.5, ge=0, le=1)
     balance_abs_threshold: int = Field(default=32, ge=0)
     balance_rel_threshold: float = Field(default=1.0001, ge=1)
-    # Null by default (meaning 1, Dynamo's), so that scenarios without it keep their keys.
+    # The kv_aware settings are null by default (meaning Dynamo's defaults), so that
+    # scenarios without them keep their keys.
     overlap_score_weight: float | None = Field(
         default=None, ge=0, description="kv_aware: the weight of the prompt tokens a replica "
         "would compute against those it holds in flight (higher: follow the cache; 0: "
         "balance load alone); 1 when omitted, as Dynamo")
+    track_prefill_tokens: bool | None = Field(
+        default=None, description="kv_aware: count the prompt tokens a replica has yet to "
+        "prefill (sent there, first token not out yet) in what it would compute, as Dynamo's "
+        "--router-track-prefill-tokens; true when omitted, as Dynamo")
+    temperature: float | None = Field(
+        default=None, ge=0, description="kv_aware: draw the replica at random, with "
+        "probabilities a softmax of minus the costs scaled to [0, 1] over this temperature "
+        "(Dynamo's --router-temperature; seeded by the scenario's seed); 0 when omitted: "
+        "the cheapest")
 
     @model_validator(mode="after")
-    def _weight_for_kv_aware(self):  # type: ignore[no-untyped-def]
-        if self.overlap_score_weight is not None and self.policy != "kv_aware":
-            raise ValueError(f"overlap_score_weight is for policy kv_aware, not {self.policy}")
+    def _settings_for_kv_aware(self):  # type: ignore[no-untyped-def]
+        if self.policy != "kv_aware":
+            for name in ("overlap_score_weight", "track_prefill_tokens", "temperature"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is for policy kv_aware, not {self.policy}")
         return self
 
     @property
     def overlap_weight(self) -> float:
         """The weight ``kv_aware`` uses: ``overlap_score_weight``, or Dynamo's 1 if omitted."""
         return 1.0 if self.overlap_score_weight is None else self.overlap_score_weight
+
+    @property
+    def tracks_prefill(self) -> bool:
+        """Whether ``kv_aware`` counts the prompts queued on a replica (Dynamo's default)."""
+        return self.track_prefill_tokens is not False
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature ``kv_aware`` draws with: 0 (the cheapest) if omitted."""
+        return self.temperature or 0.0
 
 
 class SloConfig(ConfigModel):

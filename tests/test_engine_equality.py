@@ -118,6 +118,11 @@ def random_scenario(seed: int) -> dict:
         router["policy"] = "kv_aware"
         if rng.random() < 0.5:
             router["overlap_score_weight"] = rng.choice([0.0, 4.0])
+        if rng.random() < 0.5:  # drawn last, as the above
+            if rng.random() < 0.5:
+                router["temperature"] = 0.5
+            else:
+                router["track_prefill_tokens"] = False
     return {
         "name": f"random-{seed}",
         "model": model,

@@ -3,14 +3,17 @@ the past, the same in jump and step mode, and what they do to a shared-prefix wo
 
 from __future__ import annotations
 
+import math
 import random
+from collections import Counter
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
 from conftest import kvsim_in_process
 
-from sim.engine import run_scenario
+from sim.engine import run_scenario, scenario_trace
 from sim.metrics import format_summary
 from sim.router import ApproximateTree, Router, prefix_chain
 from sim.scenario import ScenarioError, scenario_from_dict
@@ -82,9 +85,10 @@ def test_router_rules():
 
 def test_kv_aware_router_prices_prefill_and_tokens_in_flight():
     # Dynamo's cost: overlap_score_weight x the prompt tokens a replica lacks in cache, plus
-    # the prompt tokens it would hold in flight, a prefix shared there counted once.
+    # the prompt tokens it would hold in flight, a prefix shared there counted once (the
+    # prompts a replica has yet to prefill left out here; the next test adds them).
     first, second = [(1, 600), (7, 100)], [(1, 600), (8, 50)]
-    router = Router("kv_aware", 3, cache_slots=10_000)
+    router = Router("kv_aware", 3, cache_slots=10_000, track_prefill_tokens=False)
     assert router.route(0.0, first, 700) == 0  # all alike: the first
     router.assign(0, first, request=0)
     assert router.active_tokens == [700, 0, 0]
@@ -92,7 +96,8 @@ def test_kv_aware_router_prices_prefill_and_tokens_in_flight():
     # replica 1: 650 + 0 + 650 = 1,300.
     assert router.route(1.0, second, 650) == 0
     # With weight 0 only the load counts: 750 against 650.
-    balancer = Router("kv_aware", 3, cache_slots=10_000, overlap_score_weight=0.0)
+    balancer = Router("kv_aware", 3, cache_slots=10_000, overlap_score_weight=0.0,
+                      track_prefill_tokens=False)
     balancer.assign(0, first, request=0)
     assert balancer.route(1.0, second, 650) == 1
     router.assign(0, second, request=1)
@@ -116,12 +121,77 @@ def test_kv_aware_router_prices_prefill_and_tokens_in_flight():
     assert router.active_tokens == [0, 0, 0]
 
 
+def test_kv_aware_router_counts_prompts_yet_to_prefill():
+    # Dynamo's default: a replica's prefill cost also holds the prompt tokens it has yet to
+    # prefill, each counted at what its cache lacked when sent there, until the first token.
+    first, second = [(1, 600), (7, 100)], [(1, 600), (8, 50)]
+    router = Router("kv_aware", 3, cache_slots=10_000)
+    router.assign(0, first, request=0)
+    assert router.prefill_tokens == [700, 0, 0]
+    # Replica 0: (700 queued + 50) + 750 in flight = 1,500; replica 1: 650 + 650 = 1,300.
+    assert router.route(1.0, second, 650) == 1
+    router.assign(1, second, request=1)
+    assert router.prefill_tokens == [700, 650, 0]
+    # Request 0's first token at 2.0 empties replica 0's queue, from then on only: at 2.0
+    # replica 0 still costs 1,500, replica 1 (650 queued + 0) + 650 = 1,300, as replica 2.
+    router.prefilled(0, 0, 2.0)
+    assert router.route(2.0, second, 650) == 1 and router.prefill_tokens == [700, 650, 0]
+    # After it, replica 0 costs 50 + 750 = 800.
+    assert router.route(2.5, second, 650) == 0 and router.prefill_tokens == [0, 650, 0]
+    router.assign(0, second, request=2)
+    assert router.prefill_tokens == [50, 650, 0]  # only what replica 0 lacked: 50
+    # A finish clears a prompt whose first token was never told (or came after it).
+    router.finished(1, 1, 3.0)
+    router.finished(0, 0, 3.0)
+    router.route(3.5, first, 700)
+    assert router.prefill_tokens == [50, 0, 0] and router.active_tokens == [650, 0, 0]
+    # A session's later turn queues its prompt from its arrival on, less what is cached.
+    router.expect(5, 1, 4.0, first)
+    router.route(4.5, first, 700)
+    assert router.prefill_tokens == [50, 100, 0]  # 700 less the 600 replica 1 holds
+
+
+def test_kv_aware_router_temperature_draws_by_softmax_of_scaled_costs():
+    # For a 1-token prompt, replica 0 costs 2, replica 1 (500 in flight, prefilled) 502,
+    # replica 2 (500 in flight, 500 queued) 1,002: scaled to 0, 0.5 and 1, at temperature 1
+    # they are drawn in proportion to 1, e^-0.5 and e^-1.
+    def router(temperature: float, seed: int = 0) -> Router:
+        r = Router("kv_aware", 3, cache_slots=10_000, temperature=temperature, seed=seed)
+        r.assign(1, [(11, 500)], request=100)
+        r.prefilled(100, 1, 0.0)
+        r.assign(2, [(12, 500)], request=101)
+        return r
+    chain = [(13, 1)]
+    warm = router(1.0)
+    draws = Counter(warm.route(1.0 + t, chain, 1) for t in range(6000))
+    weights = [1, math.exp(-0.5), math.exp(-1)]
+    for replica, weight in enumerate(weights):
+        expected = 6000 * weight / sum(weights)
+        assert abs(draws[replica] - expected) < 4 * math.sqrt(expected), draws
+    # Colder is greedier; at 0 (the default) always the cheapest.
+    cold = router(0.05)
+    assert Counter(cold.route(1.0 + t, chain, 1) for t in range(2000))[0] > 1990
+    greedy = router(0.0)
+    assert {greedy.route(1.0 + t, chain, 1) for t in range(50)} == {0}
+    # Equal costs: every replica alike.
+    even = Router("kv_aware", 2, cache_slots=10_000, temperature=0.1)
+    assert min(Counter(even.route(float(t), chain, 1) for t in range(2000)).values()) > 900
+    # The draws repeat with the seed and change with it.
+    runs = []
+    for seed in (3, 3, 4):
+        seeded = router(1.0, seed)
+        runs.append([seeded.route(1.0 + t, chain, 1) for t in range(40)])
+    assert runs[0] == runs[1] != runs[2]
+
+
 @pytest.mark.parametrize("policy", ["least_loaded", "cache_aware", "kv_aware"])
 @pytest.mark.parametrize("seed", range(6))
 def test_routing_is_the_same_in_jump_and_step_mode(policy, seed):
     rng = random.Random(seed)
+    drawn = {"temperature": 0.5} if policy == "kv_aware" and seed % 2 else {}
     data = routed(rng.choice([2, 3]), policy, seed=seed, requests=150,
-                  rate=rng.choice([10, 60]), balance_abs_threshold=rng.choice([0, 3, 32]))
+                  rate=rng.choice([10, 60]), balance_abs_threshold=rng.choice([0, 3, 32]),
+                  **drawn)
     if rng.random() < 0.5:  # session turns stay with their conversation's replica
         data["workload"]["sessions"] = {"turns": {"dist": "uniform", "low": 1, "high": 4},
                                         "think_time_s": 0.5}
@@ -168,6 +238,42 @@ def test_a_weight_of_zero_balances_load_alone():
     assert runs[0.0].summary["prefix_hit_rate"] < runs[1.0].summary["prefix_hit_rate"]
 
 
+def test_kv_aware_defaults_are_dynamos_and_its_draws_repeat():
+    # Null settings mean Dynamo's defaults: queued prompts counted, the cheapest replica.
+    def run(**router):
+        return run_scenario(scenario_from_dict(routed(
+            4, "kv_aware", requests=200, rate=60, **router))).systems["paged"].requests
+    default = run()
+    pd.testing.assert_frame_equal(default, run(track_prefill_tokens=True, temperature=0.0))
+    assert (run(track_prefill_tokens=False)["replica"] != default["replica"]).any()
+    # A temperature draws, the same draws on every run of the scenario and seed.
+    drawn = run(temperature=1.0)
+    assert (drawn["replica"] != default["replica"]).any()
+    pd.testing.assert_frame_equal(drawn, run(temperature=1.0))
+
+
+def test_kv_aware_routes_by_what_it_was_told_and_when():
+    # Replayed on a bare router, the run's own record (where each request went, when its
+    # first token came, when it finished) gives back every routing decision: the engine
+    # tells the router those facts, each at its time, and nothing else. (Pools large enough
+    # that the router's prefix memory never forgets.)
+    data = routed(3, "kv_aware", requests=300, rate=40, temperature=0.3)
+    data["memory"]["kv_memory_gib"] = 40
+    data["workload"]["output_len"] = {"dist": "uniform", "low": 100, "high": 600}
+    scenario = scenario_from_dict(data)
+    requests = run_scenario(scenario).systems["paged"].requests.sort_values("request")
+    trace = scenario_trace(scenario, Path())
+    router = Router("kv_aware", 3, cache_slots=10**9, temperature=0.3, seed=scenario.seed)
+    lengths = trace.column_lists()["prompt_len"]
+    for row in requests.itertuples():
+        segments = trace.prompt_segments(row.request)
+        assert router.route(row.arrival_s, segments, lengths[row.request]) == row.replica
+        router.assign(row.replica, segments, row.request)
+        router.prefilled(row.request, row.replica, row.first_token_s)
+        router.finished(row.request, row.replica, row.finished_s)
+    assert requests["replica"].nunique() == 3
+
+
 def test_settings_that_change_nothing_are_noted(tmp_path):
     # Valid (a sweep may set them at some points only), but said, so that nobody reads two
     # identical runs as a finding.
@@ -212,6 +318,23 @@ def test_router_settings_are_checked():
     with pytest.raises(ScenarioError, match=r"engine.router.cache_threshold: Input should be "
                        r"less than or equal to 1"):
         scenario_from_dict(routed(2, "cache_aware", cache_threshold=1.5))
+    for name, value in (("temperature", 0.5), ("track_prefill_tokens", False)):
+        with pytest.raises(ScenarioError, match=rf"engine.router: {name} is for policy "
+                           r"kv_aware, not least_loaded"):
+            scenario_from_dict(routed(2, "least_loaded", **{name: value}))
+    with pytest.raises(ScenarioError, match=r"engine.router.temperature: Input should be "
+                       r"greater than or equal to 0"):
+        scenario_from_dict(routed(2, "kv_aware", temperature=-0.5))
+    # An infinite weight would make every cost NaN and route by accident: refused, as is
+    # any infinite number in a scenario.
+    with pytest.raises(ScenarioError, match=r"engine.router.overlap_score_weight: Input "
+                       r"should be a finite number"):
+        scenario_from_dict(routed(2, "kv_aware", overlap_score_weight=float("inf")))
+    with pytest.raises(ScenarioError, match=r"workload.arrival.rate: Input should be a "
+                       r"finite number"):
+        data = routed(2, "kv_aware")
+        data["workload"]["arrival"]["rate"] = float("nan")
+        scenario_from_dict(data)
 
 
 def test_the_report_shows_each_replica_only_when_there_are_several(tmp_path):

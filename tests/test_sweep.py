@@ -344,20 +344,31 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         hit = outcome.table.groupby("param:engine.router.policy")["prefix_hit_rate"].min()
         assert hit["cache_aware"] > hit[["round_robin", "least_loaded"]].max() + 0.3
         assert hit["kv_aware"] > hit[["round_robin", "least_loaded"]].max() + 0.1
-        # A line per policy, kv_aware's two weights apart (the weight is null in four runs
-        # of five: once, they were drawn as one line, averaged).
+        # A line per policy and setting, kv_aware's five apart (each setting is null in most
+        # runs: once, such runs were drawn as one line, averaged).
         knees = figures["rate_sweep"].kvsim_data["knees"]
-        assert len(knees) == 5
+        assert len(knees) == 8
         assert [label for label in knees.index if "kv_aware" in label] == [
-            "paged-16, policy=kv_aware", "paged-16, overlap_score_weight=4.0, policy=kv_aware"]
-        # At one rate, a bar per policy and weight.
+            "paged-16, policy=kv_aware", "paged-16, overlap_score_weight=4.0, policy=kv_aware",
+            "paged-16, policy=kv_aware, track_prefill_tokens=False",
+            "paged-16, overlap_score_weight=4.0, policy=kv_aware, track_prefill_tokens=False",
+            "paged-16, policy=kv_aware, temperature=0.1"]
+        # At the highest rate, Dynamo's queue term spreads prompts away from their cache:
+        # without it, at weight 4, kv_aware follows the cache as SGLang's router does.
         rate = outcome.table["param:workload.arrival.rate"]
-        bars = category_figures(outcome.table[rate == rate.max()],
-                                ["engine.router.policy", "engine.router.overlap_score_weight"],
-                                ["workload.arrival.rate"], ["throughput_tok_s"])
+        top = outcome.table[rate == rate.max()].reset_index(drop=True)
+        assert top.loc[6, "prefix_hit_rate"] > top.loc[3, "prefix_hit_rate"] + 0.03
+        assert top.loc[6, "prefix_hit_rate"] > top.loc[2, "prefix_hit_rate"] - 0.02
+        # At one rate, a bar per policy and setting.
+        swept = ["engine.router.policy", "engine.router.overlap_score_weight",
+                 "engine.router.track_prefill_tokens", "engine.router.temperature"]
+        bars = category_figures(top, swept, ["workload.arrival.rate"], ["throughput_tok_s"])
         series = bars["by_engine_router_policy"].kvsim_data["series"]
-        assert list(series["value"]) == ["round_robin", "least_loaded", "cache_aware",
-                                         "kv_aware", "kv_aware\noverlap_score_weight=4.0"]
+        assert list(series["value"]) == [
+            "round_robin", "least_loaded", "cache_aware", "kv_aware",
+            "kv_aware\noverlap_score_weight=4.0", "kv_aware\ntrack_prefill_tokens=False",
+            "kv_aware\noverlap_score_weight=4.0\ntrack_prefill_tokens=False",
+            "kv_aware\ntemperature=0.1"]
     if name == "disaggregation_chat":  # decode placement is part of the swept section
         assert outcome.table["param:engine.disaggregation"].str.contains(
             '"decode_router": "least_loaded"').sum() == 2

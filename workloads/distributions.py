@@ -18,9 +18,10 @@ Z99 = 2.3263478740408408  # standard normal 99th percentile
 
 
 class ConfigModel(BaseModel):
-    """Base of every scenario section: unknown keys are errors, values are checked."""
+    """Base of every scenario section: unknown keys are errors, values are checked (numbers
+    finite: an infinite weight or rate would turn the arithmetic into NaN, not an error)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------- lengths
