@@ -647,13 +647,16 @@ class _SystemRun:
 
     def tell_first_tokens(self, replica: _Replica, batch: Batch, now_s: float) -> None:
         """Tell the router which prompts ``replica`` finished reading in the step ending at
-        ``now_s`` (their first token is out), as it learns of finishes."""
+        ``now_s`` (their first token is out, even where the request then gave up its seat),
+        as it learns of finishes."""
         router = self.router
         if router is None:
             return
         for request, _, _ in batch.prefill:
             if not request.in_prefill:
                 router.prefilled(request.index, replica.index, now_s)
+        for request, _, _ in batch.preempted_prefill:
+            router.prefilled(request.index, replica.index, now_s)
 
     def on_done(self, replica: _Replica, request: Request, now_s: float,
                 step_start_s: float | None = None) -> None:

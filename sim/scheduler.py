@@ -281,10 +281,10 @@ class Batch:
     """What one engine step computes."""
 
     prefill: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, new, history)
-    # (new, history) of a prompt's last chunk whose request then gave up its seat in this
-    # step, for its first token's memory: the chunk is computed all the same (vLLM claims
-    # that token's slot only the next step), so the step pays for it.
-    preempted_prefill: list[tuple[int, int]] = field(default_factory=list)
+    # (req, new, history) of a prompt's last chunk whose request then gave up its seat in
+    # this step, for its first token's memory: the chunk is computed and the token sent all
+    # the same (vLLM claims that token's slot only the next step), so the step pays for it.
+    preempted_prefill: list[tuple[Request, int, int]] = field(default_factory=list)
     decode_seqs: int = 0
     context_tokens: int = 0
     prefill_tokens: int = 0
@@ -809,7 +809,7 @@ class Scheduler:
         # Preemptions late in the step may have removed requests scheduled earlier.
         batch.prefill = [p for p in batch.prefill if p[0].num_seqs]
         computed = [(chunk, history) for _, chunk, history in batch.prefill]
-        computed += batch.preempted_prefill
+        computed += [(chunk, history) for _, chunk, history in batch.preempted_prefill]
         batch.prefill_tokens = sum(chunk for chunk, _ in computed)
         batch.prefill_pairs = sum(chunk * (history + chunk) for chunk, history in computed)
         window = self.sliding_window
@@ -848,7 +848,14 @@ class Scheduler:
                         return False
                     request.num_seqs += 1
             request.g_sync = self.steps  # the first generated token is written this step
-            if not self._grow_now(request, batch):
+            if self._sync(request, include_current=True):
+                pass
+            elif request.n == 1 and request.gen_sync + 1 == request.output_len:
+                # Its first token is its last: vLLM never writes a last token's KV, so the
+                # request ends with the step though no slot is free (here a last token's
+                # KV is written when memory allows, a request's final length counted alike).
+                request.gen_sync += 1
+            elif not self._grow_now(request, batch):
                 self._computed_anyway(request, chunk, history, batch)
                 return False
         batch.prefill.append((request, chunk, history))
@@ -858,18 +865,25 @@ class Scheduler:
                          batch: Batch) -> None:
         """``request`` wrote its prompt's last ``chunk`` this step, then was preempted for
         the memory of its first generated token (a block of its own, or a copy-on-write of
-        its samples' shared last block): the chunk is computed all the same, as vLLM
-        computes it and claims that token's slot only the next step. The step pays for it,
-        and computing it again after the preemption counts as a recompute."""
-        batch.preempted_prefill.append((chunk, history))
+        its samples' shared last block): the chunk is computed and the token sent all the
+        same, as vLLM computes the chunk, samples the token and claims its slot only the
+        next step. The step pays for the chunk, computing it again after the preemption
+        counts as a recompute, and the token is the request's first (a single sample's is
+        kept, and its KV computed with the prompt when the request is seated again)."""
+        batch.preempted_prefill.append((request, chunk, history))
         request.computed = request.resumed = True
         request.computed_tokens = max(request.computed_tokens, history + chunk)
+        if request.n == 1:
+            request.gen_sync += 1
 
     # ------------------------------------------------------------------ after a step
     def finish_step(self, batch: Batch | None, end_s: float) -> list[Request]:
         """Complete the step that ends at ``end_s``; return the requests that finished."""
         self.steps += 1
         finished = []
+        for request, _, _ in batch.preempted_prefill if batch else ():
+            if request.first_token_s < 0:
+                request.first_token_s = end_s
         for request, chunk, history in batch.prefill if batch else ():
             request.computed = True
             if history + chunk > request.computed_tokens:

@@ -114,13 +114,21 @@ def test_a_long_prompt_starts_at_once_per_chunk_and_waits_for_its_whole_prompt_e
     assert a.preemptions == b.preemptions == 0
     # Per chunk, A starts beside B: 48 tokens (3 blocks), then 63 (7 blocks), then the last
     # 49 fill the pool (10 + 2), and its first token finds no block: A, the last admitted,
-    # is preempted. Its 160 prompt tokens were computed and are cached: seated again when B
-    # has finished, it finds 144 (9 full blocks, a whole-block hit) and recomputes 16.
+    # is preempted. As in vLLM, which samples that token and claims its slot only the next
+    # step, the token is sent all the same, at the end of the step that read the last chunk.
     (b, a), sched = serve(trace, "per_chunk", 12)
     assert a.admitted_s == 0.0 and a.preemptions == 1 and b.preemptions == 0
-    assert a.recomputed_tokens == 160 - 144
-    assert sched.preempted_hit_tokens == 144
-    assert a.first_token_s == 4.0  # two steps before it would have waited for its prompt
+    assert a.first_token_s == 3.0  # three steps before it would have waited for its prompt
+    # Its 160 prompt tokens were computed and are cached. Seated again when B has finished,
+    # its prompt is those 160 and its first token: it finds all 160 (10 full blocks) and
+    # computes only the token's KV, as its second token's step.
+    assert a.recomputed_tokens == 0 and sched.preempted_hit_tokens == 160
+    assert a.finished_s == 4.0
+    # Had that token been its last, A would have finished with the step: vLLM never writes
+    # a last token's KV, so it needs no block and nobody is preempted.
+    (b, a), sched = serve(two_requests([16, 160], [3, 1]), "per_chunk", 12)
+    assert a.first_token_s == a.finished_s == 3.0
+    assert a.preemptions == b.preemptions == 0 and a.recomputed_tokens == 0
 
 
 def test_the_last_chunk_of_a_request_preempted_for_its_first_token_is_paid_for():
@@ -136,6 +144,11 @@ def test_the_last_chunk_of_a_request_preempted_for_its_first_token_is_paid_for()
     assert batch.prefill_tokens == 49
     assert batch.prefill_pairs == 49 * 160  # each new token meets the whole prompt so far
     assert a.computed_tokens == 160
+    # Its first token is sent when the step ends, and it is A's: seated again, A reads its
+    # prompt and that token, and generates its second.
+    assert a.first_token_s < 0 and a.gen_sync == 1
+    sched.finish_step(batch, 3.0)
+    assert a.first_token_s == 3.0 and a.spec().prompt_len == 161
 
 
 def test_a_preempted_partial_prefill_recomputes_only_what_it_had_computed():

@@ -252,26 +252,37 @@ def test_kv_aware_defaults_are_dynamos_and_its_draws_repeat():
     pd.testing.assert_frame_equal(drawn, run(temperature=1.0))
 
 
-def test_kv_aware_routes_by_what_it_was_told_and_when():
+@pytest.mark.parametrize("tight", [False, True])
+def test_kv_aware_routes_by_what_it_was_told_and_when(tight):
     # Replayed on a bare router, the run's own record (where each request went, when its
     # first token came, when it finished) gives back every routing decision: the engine
-    # tells the router those facts, each at its time, and nothing else. (Pools large enough
-    # that the router's prefix memory never forgets.)
+    # tells the router those facts, each at its time, and nothing else. Tight: small pools
+    # and prompts read chunk by chunk, so that some requests are preempted, some right
+    # after their last chunk (their first token is sent all the same).
     data = routed(3, "kv_aware", requests=300, rate=40, temperature=0.3)
-    data["memory"]["kv_memory_gib"] = 40
     data["workload"]["output_len"] = {"dist": "uniform", "low": 100, "high": 600}
+    data["memory"]["kv_memory_gib"] = 0.75 if tight else 40
+    if tight:
+        data["systems"][0]["scheduler"] = {"chunked_prefill": True,
+                                           "max_num_batched_tokens": 128,
+                                           "prefill_allocation": "per_chunk"}
     scenario = scenario_from_dict(data)
-    requests = run_scenario(scenario).systems["paged"].requests.sort_values("request")
+    result = run_scenario(scenario).systems["paged"]
+    requests = result.requests.sort_values("request")
     trace = scenario_trace(scenario, Path())
-    router = Router("kv_aware", 3, cache_slots=10**9, temperature=0.3, seed=scenario.seed)
+    router = Router("kv_aware", 3, cache_slots=result.summary["capacity_slots"],
+                    temperature=0.3, seed=scenario.seed)
     lengths = trace.column_lists()["prompt_len"]
     for row in requests.itertuples():
         segments = trace.prompt_segments(row.request)
         assert router.route(row.arrival_s, segments, lengths[row.request]) == row.replica
+        if row.rejected:  # a prompt no pool could hold: routed, never run
+            continue
         router.assign(row.replica, segments, row.request)
         router.prefilled(row.request, row.replica, row.first_token_s)
         router.finished(row.request, row.replica, row.finished_s)
     assert requests["replica"].nunique() == 3
+    assert (result.summary["preemptions"] > 20) == tight
 
 
 def test_settings_that_change_nothing_are_noted(tmp_path):
