@@ -257,12 +257,16 @@ def test_kv_aware_routes_by_what_it_was_told_and_when(tight):
     # Replayed on a bare router, the run's own record (where each request went, when its
     # first token came, when it finished) gives back every routing decision: the engine
     # tells the router those facts, each at its time, and nothing else. Tight: small pools
-    # and prompts read chunk by chunk, so that some requests are preempted, some right
-    # after their last chunk (their first token is sent all the same).
+    # and prompts read chunk by chunk, so that many requests are preempted, some right
+    # after their last chunk (their first token is sent all the same): a prompt of two
+    # whole chunks leaves no room in its last step to seat a newer request, so it is the
+    # newest when its first token finds no block.
     data = routed(3, "kv_aware", requests=300, rate=40, temperature=0.3)
     data["workload"]["output_len"] = {"dist": "uniform", "low": 100, "high": 600}
     data["memory"]["kv_memory_gib"] = 0.75 if tight else 40
     if tight:
+        data["workload"]["prompt_len"] = {"dist": "constant", "value": 256}
+        del data["workload"]["prefix_groups"]
         data["systems"][0]["scheduler"] = {"chunked_prefill": True,
                                            "max_num_batched_tokens": 128,
                                            "prefill_allocation": "per_chunk"}
