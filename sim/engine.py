@@ -520,6 +520,7 @@ class _SystemRun:
                                  overlap_score_weight=routing.overlap_weight,
                                  track_prefill_tokens=routing.tracks_prefill,
                                  temperature=routing.sampling_temperature,
+                                 ttl_s=routing.prefix_ttl_s,
                                  seed=scenario.seed)
             self.unrouted = roots.tolist()
         self.env = simpy.Environment()

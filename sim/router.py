@@ -30,6 +30,10 @@ RouterPolicy = Literal["least_loaded", "cache_aware", "kv_aware"]  # round robin
 # Order of simultaneous events: fixed, not by insertion.
 _ARRIVE, _TOUCH, _PREFILLED, _FINISH = 0, 1, 2, 3
 
+# How long Dynamo's router without KV events believes a block it sent stays cached
+# (--router-ttl-secs).
+DYNAMO_TTL_S = 120.0
+
 
 def prefix_chain(segments: Segments) -> list[tuple[int, int]]:
     """(key, tokens) per leading run of a prompt's segments: key i names segments 0..i, so
@@ -45,12 +49,16 @@ def prefix_chain(segments: Segments) -> list[tuple[int, int]]:
 class ApproximateTree:
     """What the router believes one replica caches: the prompt prefixes it sent there, least
     recently sent first out once they exceed ``capacity`` tokens (the replica's pool and host
-    tier, which cannot hold more). SGLang's router keeps such a tree per worker, of text."""
+    tier, which cannot hold more; SGLang's router keeps such a tree per worker, of text), or,
+    with ``ttl_s``, once unsent for that long (Dynamo's router without KV events, which
+    knows nothing of the pool's size)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int | None, ttl_s: float | None = None) -> None:
         self.capacity = capacity
+        self.ttl_s = ttl_s
         self.size = 0  # tokens held
-        self._prefixes: OrderedDict[int, int] = OrderedDict()  # key -> tokens, LRU first
+        # key -> (tokens, when last sent), least recently sent first.
+        self._prefixes: OrderedDict[int, tuple[int, float]] = OrderedDict()
 
     def match(self, chain: list[tuple[int, int]]) -> int:
         """Tokens of the longest prefix of ``chain`` held here."""
@@ -61,17 +69,33 @@ class ApproximateTree:
             matched += tokens
         return matched
 
-    def insert(self, chain: list[tuple[int, int]]) -> None:
+    def insert(self, chain: list[tuple[int, int]], now_s: float = 0.0) -> None:
+        """``chain`` was sent here at ``now_s`` (never earlier than the last insert)."""
         # Leaf first, so a prefix is always more recent than its extensions and eviction
         # trims the tree from its leaves, as a radix tree's LRU does.
+        prefixes = self._prefixes
         for key, tokens in reversed(chain):
-            if key in self._prefixes:
-                self._prefixes.move_to_end(key)
+            if key in prefixes:
+                prefixes.move_to_end(key)
             else:
-                self._prefixes[key] = tokens
                 self.size += tokens
-        while self.size > self.capacity:
-            _, tokens = self._prefixes.popitem(last=False)
+            prefixes[key] = (tokens, now_s)
+        if self.capacity is not None:
+            while self.size > self.capacity:
+                _, (tokens, _) = prefixes.popitem(last=False)
+                self.size -= tokens
+
+    def expire(self, now_s: float) -> None:
+        """Forget the prefixes last sent ``ttl_s`` or more before ``now_s``."""
+        if self.ttl_s is None:
+            return
+        prefixes = self._prefixes
+        horizon = now_s - self.ttl_s
+        while prefixes:
+            key, (tokens, sent_s) = next(iter(prefixes.items()))
+            if sent_s > horizon:
+                break
+            del prefixes[key]
             self.size -= tokens
 
 
@@ -82,14 +106,17 @@ class Router:
     routes, :meth:`expect` for a session's later turns), of every first token
     (:meth:`prefilled`, which only ``kv_aware`` heeds) and of every finish (:meth:`finished`),
     each at its simulated time. ``cache_slots`` is what one replica can cache (its GPU pool
-    and host tier). ``kv_aware`` draws with ``temperature`` from a generator seeded by
-    ``seed``, one draw per route, so a run repeats exactly."""
+    and host tier), which bounds ``cache_aware``'s memory of prefixes; ``kv_aware``'s forgets
+    a prefix ``ttl_s`` after it was last sent, as Dynamo's. ``kv_aware`` draws with
+    ``temperature`` from a generator seeded by ``seed``, one draw per route, so a run
+    repeats exactly."""
 
     def __init__(self, policy: RouterPolicy, replicas: int, cache_slots: int, *,
                  cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
                  balance_rel_threshold: float = 1.0001,
                  overlap_score_weight: float = 1.0, track_prefill_tokens: bool = True,
-                 temperature: float = 0.0, seed: int = 0) -> None:
+                 temperature: float = 0.0, ttl_s: float = DYNAMO_TTL_S,
+                 seed: int = 0) -> None:
         self.policy = policy
         self.replicas = replicas
         self.cache_threshold = cache_threshold
@@ -101,7 +128,9 @@ class Router:
         # A string seed is hashed the same way on every platform and Python version.
         self._rng = random.Random(f"kvsim router {seed}")
         self.load = [0] * replicas  # requests arrived and not finished, as of the last route
-        self.trees = [ApproximateTree(cache_slots) for _ in range(replicas)]
+        self.trees = [ApproximateTree(None, ttl_s) if policy == "kv_aware"
+                      else ApproximateTree(cache_slots) for _ in range(replicas)]
+        self._now_s = 0.0  # the time of the arrival being routed
         # kv_aware: the prompt tokens in flight on each replica, a prefix shared by several
         # of its requests counted once (Dynamo's active blocks, assuming KV reuse), from the
         # prefixes each in-flight request holds there.
@@ -129,7 +158,7 @@ class Router:
             if self.policy == "kv_aware":
                 self._chains[request] = chain
                 self._start(request, replica, chain)
-            self.trees[replica].insert(chain)
+            self.trees[replica].insert(chain, self._now_s)
 
     def expect(self, request: int, replica: int, arrival_s: float, segments: Segments) -> None:
         """A request will arrive on ``replica`` at ``arrival_s`` (a session's next turn, which
@@ -178,7 +207,7 @@ class Router:
     def _catch_up(self, now_s: float) -> None:
         events = self._events
         while events and events[0][0] < now_s:
-            _, kind, request, replica, chain = heapq.heappop(events)
+            event_s, kind, request, replica, chain = heapq.heappop(events)
             if kind == _ARRIVE:
                 self.load[replica] += 1
             elif kind == _PREFILLED:
@@ -189,9 +218,13 @@ class Router:
                     self._hold(replica, self._chains.pop(request), -1)
                     self._end_prefill(request)
             else:
+                self.trees[replica].expire(event_s)
                 if self.policy == "kv_aware":
                     self._start(request, replica, chain)
-                self.trees[replica].insert(chain)
+                self.trees[replica].insert(chain, event_s)
+        for tree in self.trees:
+            tree.expire(now_s)
+        self._now_s = now_s
 
     def route(self, arrival_s: float, segments: Segments, prompt_len: int) -> int:
         """The replica for an open arrival. Call in arrival order; then :meth:`assign` it
@@ -253,4 +286,4 @@ class Router:
         return len(weights) - 1  # rounding left the point at the very end
 
 
-__all__ = ["ApproximateTree", "Router", "RouterPolicy", "prefix_chain"]
+__all__ = ["DYNAMO_TTL_S", "ApproximateTree", "Router", "RouterPolicy", "prefix_chain"]

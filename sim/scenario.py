@@ -35,6 +35,7 @@ from sim.presets import (
     GpuSpec,
     ModelSpec,
 )
+from sim.router import DYNAMO_TTL_S
 from sim.timing import DEFAULT_ALLREDUCE_LATENCY_S
 from workloads.distributions import ConfigModel
 from workloads.spec import Workload
@@ -380,7 +381,8 @@ class RouterConfig(ConfigModel):
     ``balance_rel_threshold`` times. ``kv_aware`` is NVIDIA Dynamo's KV router: the replica
     with the lowest cost, ``overlap_score_weight`` × the prompt tokens it would compute (its
     queue's and this prompt's, less what its cache holds) + the prompt tokens it would then
-    hold in flight, or one drawn by ``temperature``."""
+    hold in flight, or one drawn by ``temperature``; it believes a replica caches what it
+    sent there within the last ``ttl_s``."""
 
     policy: Literal["round_robin", "least_loaded", "cache_aware", "kv_aware"] = "round_robin"
     cache_threshold: float = Field(default=0.5, ge=0, le=1)
@@ -401,11 +403,16 @@ class RouterConfig(ConfigModel):
         "probabilities a softmax of minus the costs scaled to [0, 1] over this temperature "
         "(Dynamo's --router-temperature; seeded by the scenario's seed); 0 when omitted: "
         "the cheapest")
+    ttl_s: PositiveFloat | None = Field(
+        default=None, description="kv_aware: how long the router believes a prefix it sent "
+        "to a replica stays cached there (Dynamo's --router-ttl-secs, its mode without KV "
+        "events); 120 when omitted, as Dynamo")
 
     @model_validator(mode="after")
     def _settings_for_kv_aware(self):  # type: ignore[no-untyped-def]
         if self.policy != "kv_aware":
-            for name in ("overlap_score_weight", "track_prefill_tokens", "temperature"):
+            for name in ("overlap_score_weight", "track_prefill_tokens", "temperature",
+                         "ttl_s"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is for policy kv_aware, not {self.policy}")
         return self
@@ -424,6 +431,12 @@ class RouterConfig(ConfigModel):
     def sampling_temperature(self) -> float:
         """The temperature ``kv_aware`` draws with: 0 (the cheapest) if omitted."""
         return self.temperature or 0.0
+
+    @property
+    def prefix_ttl_s(self) -> float:
+        """How long ``kv_aware`` believes a prefix it sent stays cached: Dynamo's 120 s if
+        omitted."""
+        return DYNAMO_TTL_S if self.ttl_s is None else self.ttl_s
 
 
 class SloConfig(ConfigModel):

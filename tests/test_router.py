@@ -53,6 +53,58 @@ def test_prefix_chain_and_tree():
     assert tree.match(a) == 100 and tree.match(prefix_chain([(9, 100)])) == 0
 
 
+def test_a_tree_with_a_time_to_live_forgets_what_was_not_sent_for_that_long():
+    # Dynamo's router without KV events: a prefix is believed cached for ttl_s after it was
+    # last sent, however much was sent since (it knows nothing of the pool's size).
+    a, b = prefix_chain([(1, 100), (2, 50)]), prefix_chain([(1, 100), (3, 70)])
+    tree = ApproximateTree(None, ttl_s=120.0)
+    tree.insert(a, 0.0)
+    tree.insert(b, 50.0)  # sends [1] again: its clock restarts
+    tree.insert(prefix_chain([(9, 10**9)]), 60.0)  # no capacity to overflow
+    assert tree.size == 100 + 50 + 70 + 10**9
+    tree.expire(119.9)
+    assert tree.match(a) == 150
+    tree.expire(120.0)  # a's leaf, last sent at 0, is forgotten; the rest stay
+    assert tree.match(a) == 100 and tree.match(b) == 170 and tree.size == 170 + 10**9
+    tree.expire(180.0)
+    assert tree.size == 0 and tree.match(b) == 0
+
+
+def test_kv_aware_believes_a_prefix_cached_for_its_time_to_live():
+    first = [(1, 600), (7, 100)]
+    for ttl_s, later in ((120.0, 0), (1000.0, 1)):
+        # A 100-token pool: SGLang's memory would not keep 700 tokens, Dynamo's does.
+        router = Router("kv_aware", 2, cache_slots=100, ttl_s=ttl_s)
+        router.assign(1, first, request=0)
+        router.prefilled(0, 1, 1.0)
+        router.finished(0, 1, 5.0)
+        assert router.route(119.0, first, 700) == 1  # still believed cached there
+        # Sent at 0 and not since: forgotten at 120 s, when both replicas cost the same
+        # and the first wins; a longer time to live keeps it.
+        assert router.route(121.0, first, 700) == later
+    # A session's later turn, sent at its arrival, restarts the clock.
+    router = Router("kv_aware", 2, cache_slots=100)
+    router.assign(1, first, request=0)
+    router.finished(0, 1, 5.0)
+    router.expect(1, 1, 100.0, first)
+    router.finished(1, 1, 110.0)
+    assert router.route(200.0, first, 700) == 1
+    assert router.route(221.0, first, 700) == 0
+    # Sent at 221 (the last route's time), then believed cached until 341.
+    router.assign(1, first, request=2)  # routed at 221
+    router.finished(2, 1, 230.0)
+    assert router.route(340.0, first, 700) == 1
+    assert router.route(341.0, first, 700) == 0
+    # A later turn arriving when its prefix is forgotten queues its whole prompt there.
+    router = Router("kv_aware", 2, cache_slots=100)
+    router.assign(1, first, request=0)
+    router.prefilled(0, 1, 1.0)
+    router.finished(0, 1, 5.0)
+    router.expect(1, 1, 200.0, first)
+    router.route(201.0, first, 700)
+    assert router.prefill_tokens == [0, 700]
+
+
 def test_router_rules():
     chain = [(1, 600), (7, 100)]
     router = Router("cache_aware", 3, cache_slots=10_000, balance_abs_threshold=2)
@@ -188,7 +240,9 @@ def test_kv_aware_router_temperature_draws_by_softmax_of_scaled_costs():
 @pytest.mark.parametrize("seed", range(6))
 def test_routing_is_the_same_in_jump_and_step_mode(policy, seed):
     rng = random.Random(seed)
-    drawn = {"temperature": 0.5} if policy == "kv_aware" and seed % 2 else {}
+    drawn: dict[str, float] = {}
+    if policy == "kv_aware":  # a draw and a time to live shorter than the run, at times
+        drawn = {"temperature": 0.5} if seed % 2 else {"ttl_s": 2.0}
     data = routed(rng.choice([2, 3]), policy, seed=seed, requests=150,
                   rate=rng.choice([10, 60]), balance_abs_threshold=rng.choice([0, 3, 32]),
                   **drawn)
@@ -239,13 +293,16 @@ def test_a_weight_of_zero_balances_load_alone():
 
 
 def test_kv_aware_defaults_are_dynamos_and_its_draws_repeat():
-    # Null settings mean Dynamo's defaults: queued prompts counted, the cheapest replica.
+    # Null settings mean Dynamo's defaults: queued prompts counted, the cheapest replica,
+    # prefixes believed cached for 120 s.
     def run(**router):
         return run_scenario(scenario_from_dict(routed(
             4, "kv_aware", requests=200, rate=60, **router))).systems["paged"].requests
     default = run()
-    pd.testing.assert_frame_equal(default, run(track_prefill_tokens=True, temperature=0.0))
-    assert (run(track_prefill_tokens=False)["replica"] != default["replica"]).any()
+    pd.testing.assert_frame_equal(default, run(track_prefill_tokens=True, temperature=0.0,
+                                               ttl_s=120.0))
+    for changed in ({"track_prefill_tokens": False}, {"ttl_s": 0.5}):
+        assert (run(**changed)["replica"] != default["replica"]).any()
     # A temperature draws, the same draws on every run of the scenario and seed.
     drawn = run(temperature=1.0)
     assert (drawn["replica"] != default["replica"]).any()
@@ -333,13 +390,17 @@ def test_router_settings_are_checked():
     with pytest.raises(ScenarioError, match=r"engine.router.cache_threshold: Input should be "
                        r"less than or equal to 1"):
         scenario_from_dict(routed(2, "cache_aware", cache_threshold=1.5))
-    for name, value in (("temperature", 0.5), ("track_prefill_tokens", False)):
+    for name, value in (("temperature", 0.5), ("track_prefill_tokens", False),
+                        ("ttl_s", 60)):
         with pytest.raises(ScenarioError, match=rf"engine.router: {name} is for policy "
                            r"kv_aware, not least_loaded"):
             scenario_from_dict(routed(2, "least_loaded", **{name: value}))
     with pytest.raises(ScenarioError, match=r"engine.router.temperature: Input should be "
                        r"greater than or equal to 0"):
         scenario_from_dict(routed(2, "kv_aware", temperature=-0.5))
+    with pytest.raises(ScenarioError, match=r"engine.router.ttl_s: Input should be "
+                       r"greater than 0"):
+        scenario_from_dict(routed(2, "kv_aware", ttl_s=0))
     # An infinite weight would make every cost NaN and route by accident: refused, as is
     # any infinite number in a scenario.
     with pytest.raises(ScenarioError, match=r"engine.router.overlap_score_weight: Input "
