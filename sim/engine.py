@@ -36,6 +36,7 @@ from sim.memory import (
     HybridPagedAllocator,
     KVAllocator,
     PagedAllocator,
+    final_kv_tokens,
 )
 from sim.presets import GIB, KV_CACHE_DTYPE_BYTES, ModelSpec, SizingError, kv_pool_slots
 from sim.results import RunResult, ScenarioResult, summarize
@@ -253,7 +254,7 @@ class _Recorder:
         running, waiting = len(sched.running), len(sched.waiting)
         self.steps.append((replica, start_s, duration_s, steps, batch.decode_seqs,
                            batch.context_tokens, batch.prefill_tokens,
-                           len(batch.prefill) + len(batch.preempted_prefill),
+                           len(batch.prefill),
                            batch.loaded_tokens, batch.swapped_slots, batch.preempted, running,
                            waiting))
         for key in MEMORY_COLUMNS:
@@ -648,16 +649,13 @@ class _SystemRun:
 
     def tell_first_tokens(self, replica: _Replica, batch: Batch, now_s: float) -> None:
         """Tell the router which prompts ``replica`` finished reading in the step ending at
-        ``now_s`` (their first token is out, even where the request then gave up its seat),
-        as it learns of finishes."""
+        ``now_s`` (their first token is out), as it learns of finishes."""
         router = self.router
         if router is None:
             return
         for request, _, _ in batch.prefill:
             if not request.in_prefill:
                 router.prefilled(request.index, replica.index, now_s)
-        for request, _, _ in batch.preempted_prefill:
-            router.prefilled(request.index, replica.index, now_s)
 
     def on_done(self, replica: _Replica, request: Request, now_s: float,
                 step_start_s: float | None = None) -> None:
@@ -817,7 +815,7 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
         what = "page" if isinstance(system.allocator, VirtualConfig) else "block"
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than one {what} "
                           f"({unit} slots) of system {system.name!r}")
-    smallest = int((trace.prompt_len + trace.output_len).min())
+    smallest = int(final_kv_tokens(trace.prompt_len, trace.output_len).min())
     if pool_slots < smallest:
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than the "
                           f"smallest request ({smallest} tokens)")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sim.memory.base import final_kv_tokens
 from sim.memory.content import BlockHasher
 from workloads.trace import Trace, output_segment_id
 
@@ -120,7 +121,7 @@ def _request_blocks(trace: Trace, index: int, block_size: int) -> tuple[list[int
     sample's own blocks; and where each sample's blocks start in that list."""
     prompt = trace.prompt_segments(index)
     prompt_len = int(trace.prompt_len[index])
-    final_blocks = (prompt_len + int(trace.output_len[index])) // block_size
+    final_blocks = final_kv_tokens(prompt_len, int(trace.output_len[index])) // block_size
     hasher = BlockHasher(prompt, block_size)
     hashes = list(hasher.hash_upto(prompt_len // block_size))
     starts = []

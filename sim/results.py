@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from sim.memory import TAXONOMY
+from sim.memory import TAXONOMY, final_kv_tokens
 from sim.slo import in_time, latencies, slo_summary
 
 if TYPE_CHECKING:
@@ -95,7 +95,8 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
     used = sum(averages[c] for c in ("token", "reserved", "internal", "external"))
     allocated = sum(averages[c] for c in ("token", "reserved", "internal"))
     finish_alloc = float(done["allocated_at_finish"].sum())
-    finish_used = float(((done["prompt_len"] + done["output_len"]) * done["n"]).sum())
+    finish_used = float((final_kv_tokens(done["prompt_len"], done["output_len"])
+                         * done["n"]).sum())
     # None (shown "—") where there is no prefix cache: 0 % would read as a cache that missed.
     # First admissions only; a preempted request's own blocks found again are apart (None
     # where nothing was preempted and looked up again).

@@ -17,6 +17,10 @@ with a long order is seated when the table for all of it is free (``prefill_allo
 whole_prompt``), or as soon as the first course fits, each later course claiming its space
 as it comes (``per_chunk``, vLLM v1), at the risk of being asked to leave halfway.
 
+A token's KV is written by the step that reads it, as vLLM v1 claims its slot: the prompt's
+by the prefill, each generated token's by the step after the one that sampled it, so the last
+token's never is.
+
 Decoding is accounted lazily, like interest on a bank account: a decoding request's token
 count is ``tok_sync + (steps - g_sync)``, and the allocator is only told ("synced") when the
 request crosses into a block it does not have yet, finishes, or is preempted. Those moments
@@ -34,7 +38,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sim.memory import ContiguousAllocator, KVAllocator, MemorySnapshot, SeqSpec
+from sim.memory import (
+    ContiguousAllocator,
+    KVAllocator,
+    MemorySnapshot,
+    SeqSpec,
+    final_kv_tokens,
+)
 from sim.memory.block_pool import BlockPool
 from sim.scenario import SchedulerConfig
 from workloads.trace import Trace, output_segment_id
@@ -133,7 +143,8 @@ class Request:
 
     @property
     def final_len(self) -> int:
-        return self.prompt_len + self.output_len
+        """Tokens whose KV the request holds when it finishes (all but its last token's)."""
+        return final_kv_tokens(self.prompt_len, self.output_len)
 
     def seq_ids(self) -> list[int]:
         base = self.index * MAX_SAMPLES
@@ -147,8 +158,10 @@ class Request:
             return self.spec_cache
         segments = (*self.prompt_segments,
                     (output_segment_id(self.index, sample), self.output_len))
-        prompt = self.prompt_len + (self.gen_sync if sample == 0 else 0)
-        predicted = self.prompt_len + self.predicted_output if self.predicted_output else 0
+        # (A finished request's last token is no prompt: its KV is never written.)
+        prompt = min(self.prompt_len + (self.gen_sync if sample == 0 else 0), self.final_len)
+        predicted = (final_kv_tokens(self.prompt_len, self.predicted_output)
+                     if self.predicted_output else 0)
         spec = SeqSpec(self.index * MAX_SAMPLES + sample, segments, prompt, self.final_len,
                        max(self.max_len, self.final_len), predicted)
         if sample == 0:
@@ -281,10 +294,6 @@ class Batch:
     """What one engine step computes."""
 
     prefill: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, new, history)
-    # (req, new, history) of a prompt's last chunk whose request then gave up its seat in
-    # this step, for its first token's memory: the chunk is computed and the token sent all
-    # the same (vLLM claims that token's slot only the next step), so the step pays for it.
-    preempted_prefill: list[tuple[Request, int, int]] = field(default_factory=list)
     decode_seqs: int = 0
     context_tokens: int = 0
     prefill_tokens: int = 0
@@ -297,7 +306,7 @@ class Batch:
 
     @property
     def empty(self) -> bool:
-        return not self.prefill and not self.decode_seqs and not self.preempted_prefill
+        return not self.prefill and not self.decode_seqs
 
 
 class Scheduler:
@@ -372,6 +381,9 @@ class Scheduler:
         self._block_size: int | None = getattr(allocator, "block_size", None)
         # Blocks one sequence's block crossing may take: one a group of block tables.
         self._crossing_blocks: int = getattr(allocator, "groups", 1)
+        # Sliding-window tables give back what a window has passed before each write (vLLM's
+        # remove_skipped_blocks): a prompt's last chunk's, by its first decode step.
+        self._gives_back: bool = getattr(allocator, "sliding_groups", 0) > 0
         self._predicts = getattr(allocator, "reserve_policy", None) == "predicted"
         if (self._predicts or self.waiting.by_length) and predicted_output is None:
             raise ValueError("a predicted reservation, or a line by predicted length, needs "
@@ -411,6 +423,16 @@ class Scheduler:
         if self.waiting.head() is request:
             self.head_blocked = False  # a new head may fit where the old one did not
         return True
+
+    def _samples_fit(self, request: Request, spec: SeqSpec) -> bool:
+        """Whether every sample of the request would find memory now. Contiguous samples
+        cannot share: the engine seats a request only where all their extents can be placed
+        (each taken as its prompt is read and forked), or it would read a prompt it has no
+        room to sample from."""
+        if request.n == 1 or not isinstance(self.allocator, ContiguousAllocator):
+            return True
+        samples = [spec, *(request.spec(sample) for sample in range(1, request.n))]
+        return self.allocator.can_place(samples, at_least=spec.prompt_len)
 
     def _within_pool(self, request: Request, predicted_output: int) -> int:
         """A predicted output no larger than lets all the request's samples' reservations
@@ -544,6 +566,11 @@ class Scheduler:
         bs = self._block_size
         if bs is not None:
             cap = -(-request.tok_sync // bs) * bs
+            if start and (request.num_seqs > 1 or self._gives_back):
+                # The first decode step writes at once: samples sharing the prompt's last
+                # block copy it (or, the block full, take one of their own), and sliding
+                # windows give back what the prompt's last chunk held and the step cannot see.
+                cap = request.tok_sync
         elif self._predicts:
             # The request outgrows its extent when it writes the slot past its end.
             cap = self.allocator.allocated_slots(request.index * MAX_SAMPLES)
@@ -605,7 +632,7 @@ class Scheduler:
             request.gen_sync -= request.g_sync - self.steps  # this step's token never happens
             request.g_sync = self.steps
         if decoding:
-            request.computed_tokens = request.prompt_len + request.gen_sync
+            request.computed_tokens = final_kv_tokens(request.prompt_len, request.gen_sync)
         if decoding and request.n == 1 and self.swap_slots:
             self._swap_out(request, batch)
         for seq_id in request.seq_ids():
@@ -623,9 +650,10 @@ class Scheduler:
 
     def _swap_out(self, request: Request, batch: Batch) -> None:
         """Park a decoding request's KV in host memory if the swap space has room: all of
-        it but the last token, which is recomputed when it is seated again, as a fully
-        cached prompt's is (so that step computes a token for it, as a decode step would)."""
-        tokens = request.prompt_len + request.gen_sync - 1
+        it, which is all but its last token's (never yet a step's input): seated again, that
+        token is computed as a fully cached prompt's last token is (so that step computes a
+        token for it, as a decode step would)."""
+        tokens = final_kv_tokens(request.prompt_len, request.gen_sync)
         bs = self._block_size
         slots = -(-tokens // bs) * bs if bs else tokens  # paged memory moves whole blocks
         if self.swap_used + slots > self.swap_slots:
@@ -698,11 +726,14 @@ class Scheduler:
         if not due:
             return True
         need = sum(r.num_seqs for r in due) * self._crossing_blocks
+        # A first decode step giving back a prompt's window frees memory, which may seat the
+        # line's head: schedule() then tries, as stepping would.
+        first_writes = self._gives_back and any(r.tok_sync == r.prefill_target for r in due)
         # A contiguous extent's end is always an overflow: schedule() preempts for it. Per
         # chunk, a blocked head's claim grows with its prefix hits, so evicting one of them
         # may let it in: schedule() then tries, as stepping would (taking only blocks that
         # hold nothing cached evicts nothing).
-        if self._block_size is None or need > (
+        if self._block_size is None or first_writes or need > (
                 self.allocator.num_free_blocks) or (  # type: ignore[attr-defined]
                 self._per_chunk and self.waiting and self._pool is not None
                 and need > self._pool.num_free - self._pool.num_cached_free):
@@ -760,7 +791,8 @@ class Scheduler:
             # Per chunk (vLLM v1), a prompt computed here claims only its first chunk's memory
             # (a swapped or transferred one arrives whole).
             hits = self.allocator.admit(spec, budget if self._per_chunk and not (
-                request.swapped or request.transferred) else None)
+                request.swapped or request.transferred) else None) if self._samples_fit(
+                request, spec) else None
             if hits is None:
                 if self._make_room(request, batch):
                     continue  # memory freed for a better priority: try again
@@ -809,7 +841,6 @@ class Scheduler:
         # Preemptions late in the step may have removed requests scheduled earlier.
         batch.prefill = [p for p in batch.prefill if p[0].num_seqs]
         computed = [(chunk, history) for _, chunk, history in batch.prefill]
-        computed += [(chunk, history) for _, chunk, history in batch.preempted_prefill]
         batch.prefill_tokens = sum(chunk for chunk, _ in computed)
         batch.prefill_pairs = sum(chunk * (history + chunk) for chunk, history in computed)
         window = self.sliding_window
@@ -826,8 +857,10 @@ class Scheduler:
         batch.skipped_context = self.skipped_context()
 
     def _prefill(self, request: Request, chunk: int, batch: Batch) -> bool:
-        """Write ``chunk`` prompt tokens; on the last chunk, fork samples and write the first
-        generated token. False if the request was preempted instead."""
+        """Write ``chunk`` prompt tokens; on the last chunk, fork samples and sample the first
+        generated token (its KV is written the next step, which reads it, as every later
+        token's: vLLM claims a token's slot when it is a step's input). False if the request
+        was preempted instead."""
         history = request.prefilled
         completes = history + chunk == request.prefill_target
         # Admission claimed the prompt's memory, or (per chunk) its first chunk's: a later
@@ -841,56 +874,29 @@ class Scheduler:
             self.prefilling -= 1
             if request.n > 1 and request.num_seqs == 1:
                 for sample in range(1, request.n):
-                    if not self.allocator.fork(request.index * MAX_SAMPLES,
-                                               request.spec(sample)):
-                        # Contiguous memory cannot hold the samples now: retry later.
-                        self._preempt(request, batch)
-                        return False
+                    forked = self.allocator.fork(request.index * MAX_SAMPLES,
+                                                 request.spec(sample))
+                    # Paged samples share; contiguous extents were found at admission, and
+                    # nobody is seated between a prompt's admission and its last chunk.
+                    assert forked, "admission found every sample's memory"
                     request.num_seqs += 1
-            request.g_sync = self.steps  # the first generated token is written this step
-            if self._sync(request, include_current=True):
-                pass
-            elif request.n == 1 and request.gen_sync + 1 == request.output_len:
-                # Its first token is its last: vLLM never writes a last token's KV, so the
-                # request ends with the step though no slot is free (here a last token's
-                # KV is written when memory allows, a request's final length counted alike).
-                request.gen_sync += 1
-            elif not self._grow_now(request, batch):
-                self._computed_anyway(request, chunk, history, batch)
-                return False
+            request.gen_sync += 1  # sampled at the end of this step
+            request.g_sync = self.steps + 1
         batch.prefill.append((request, chunk, history))
         return True
-
-    def _computed_anyway(self, request: Request, chunk: int, history: int,
-                         batch: Batch) -> None:
-        """``request`` wrote its prompt's last ``chunk`` this step, then was preempted for
-        the memory of its first generated token (a block of its own, or a copy-on-write of
-        its samples' shared last block): the chunk is computed and the token sent all the
-        same, as vLLM computes the chunk, samples the token and claims its slot only the
-        next step. The step pays for the chunk, computing it again after the preemption
-        counts as a recompute, and the token is the request's first (a single sample's is
-        kept, and its KV computed with the prompt when the request is seated again)."""
-        batch.preempted_prefill.append((request, chunk, history))
-        request.computed = request.resumed = True
-        request.computed_tokens = max(request.computed_tokens, history + chunk)
-        if request.n == 1:
-            request.gen_sync += 1
 
     # ------------------------------------------------------------------ after a step
     def finish_step(self, batch: Batch | None, end_s: float) -> list[Request]:
         """Complete the step that ends at ``end_s``; return the requests that finished."""
         self.steps += 1
         finished = []
-        for request, _, _ in batch.preempted_prefill if batch else ():
-            if request.first_token_s < 0:
-                request.first_token_s = end_s
         for request, chunk, history in batch.prefill if batch else ():
             request.computed = True
             if history + chunk > request.computed_tokens:
                 request.computed_tokens = history + chunk
             if request.in_prefill:
                 continue
-            # _grow_now counted the first generated token in gen_sync already.
+            # _prefill counted the first generated token in gen_sync already.
             if request.first_token_s < 0:
                 request.first_token_s = end_s
             if request.gen_sync >= request.output_len:

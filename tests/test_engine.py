@@ -10,7 +10,7 @@ import pytest
 
 import sim
 from sim.engine import MEMORY_COLUMNS, _RowBuffer, build_timing, run_scenario
-from sim.memory import TAXONOMY
+from sim.memory import TAXONOMY, final_kv_tokens
 from sim.presets import lookup_gpu, lookup_model
 from sim.results import rejection_note, saturation_note
 from sim.scenario import load_scenario, scenario_from_dict
@@ -93,7 +93,7 @@ def test_request_larger_than_pool_is_rejected_and_counted():
     contiguous = result.systems["contiguous"]
     assert contiguous.summary["rejected"] == 80 and contiguous.summary["completed"] == 0
     paged = result.systems["paged"]
-    too_big = (paged.requests["prompt_len"] + paged.requests["output_len"]) > 400
+    too_big = final_kv_tokens(paged.requests["prompt_len"], paged.requests["output_len"]) > 400
     assert too_big.any()
     assert (paged.requests["rejected"] == too_big).all()
     assert paged.summary["completed"] == 80 - too_big.sum()
@@ -213,23 +213,28 @@ def test_hit_rate_counts_first_admissions_only():
 
 
 def test_samples_that_exactly_fit_an_empty_pool_are_served():
-    # Two samples of a 32-token prompt in 4 blocks of 16: the prompt's two blocks, the
-    # first token's block (shared at the fork, copied once) and the copy. Counting a copy
+    # Two samples of a 40-token prompt and 2 output tokens in 4 blocks of 16: the prompt's
+    # three blocks (the last half full, shared at the fork) and the one copy of it that the
+    # first decode step makes, the last sample writing into the original. Counting a copy
     # for each sample preempted the request in an empty pool for ever.
     from sim.memory import PagedAllocator
     from sim.scenario import SchedulerConfig
     from sim.scheduler import Request, Scheduler
     from workloads.trace import Trace
 
-    trace = Trace.from_columns(arrival_s=np.zeros(1), prompt_len=np.array([32]),
-                               output_len=np.array([1]), n=np.array([2]))
+    trace = Trace.from_columns(arrival_s=np.zeros(1), prompt_len=np.array([40]),
+                               output_len=np.array([2]), n=np.array([2]))
     allocator = PagedAllocator(4, 16, enable_prefix_caching=False)
-    sched = Scheduler(allocator, SchedulerConfig())
+    sched = Scheduler(allocator, SchedulerConfig(), debug=True)
     request = Request(trace, 0, 0.0)
     assert sched.fits_ever(request) and sched.add(request)
     batch = sched.schedule(0.0)
     assert not batch.empty and batch.preempted == 0
-    assert sched.finish_step(batch, 1.0) == [request] and request.num_seqs == 2
+    assert sched.finish_step(batch, 1.0) == [] and request.num_seqs == 2
+    batch = sched.schedule(1.0)
+    assert batch.preempted == 0 and batch.decode_seqs == 2
+    assert allocator.num_cow_copies == 1 and allocator.num_free_blocks == 0
+    assert sched.finish_step(batch, 2.0) == [request]
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 3, 7, 1000])

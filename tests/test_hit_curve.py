@@ -85,20 +85,22 @@ def hand_trace() -> Trace:
 
 
 def test_a_hand_worked_trace():
-    # Request 0 caches S's four blocks and its own fifth, deepest first: S's block k is then
-    # k blocks deep, so request 1 finds min(4, C) of them. Request 2 (3 blocks of its own)
-    # pushes them 3 deeper, so request 3 (which looks up 4 blocks: 68 // 16) finds
-    # clip(C - 3, 0, 4). Lookups: 84 + 84 + 40 + 69 + 5 prompt tokens.
+    # A request's KV is its prompt and all its output but the last token. Request 0 (84 + 9)
+    # caches S's four blocks and its own fifth, deepest first: S's block k is then k blocks
+    # deep, so request 1 finds min(4, C) of them. Request 2 (2 full blocks of its own:
+    # 40 + 7 tokens) pushes them 2 deeper, so request 3 (which looks up 4 blocks: 68 // 16,
+    # and writes no block of its own: 69 + 10 = 79 tokens) finds clip(C - 2, 0, 4).
+    # Lookups: 84 + 84 + 40 + 69 + 5 prompt tokens.
     curve = hit_curve(hand_trace(), 16)
     assert curve.prompt_tokens == 282
-    assert curve.working_set_blocks == 5 + 1 + 3 + 1
+    assert curve.working_set_blocks == 5 + 1 + 2 + 0
     for capacity in range(12):
-        expected = 16 * (min(4, capacity) + min(max(capacity - 3, 0), 4))
+        expected = 16 * (min(4, capacity) + min(max(capacity - 2, 0), 4))
         assert curve.hit_tokens(16 * capacity) == expected, capacity
     assert curve.hit_tokens(16 * 2 + 15) == 32  # a partial block caches nothing more
     assert curve.max_hit_rate == pytest.approx(128 / 282)
-    assert curve.saturation_tokens == 7 * 16
-    assert curve.tokens_for(0.5) == 4 * 16  # 64 of 128 tokens: 3 blocks find 48, 4 find 80
+    assert curve.saturation_tokens == 6 * 16
+    assert curve.tokens_for(0.5) == 3 * 16  # 64 of 128 tokens: 2 blocks find 32, 3 find 64
     assert curve.tokens_for(1.0) == curve.saturation_tokens
 
 

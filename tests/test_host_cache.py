@@ -42,7 +42,7 @@ def test_an_evicted_prompt_comes_back_from_host_memory(host_blocks):
     assert allocator.append(0, 13)
     allocator.free(0)  # its 3 full blocks stay cached on the GPU
     assert allocator.lookup(spec(9, 1, 13)) == 12
-    assert allocator.admit(spec(1, 2, 20)) == 0  # 21 slots: all 6 blocks, the cached 3 too
+    assert allocator.admit(spec(1, 2, 21)) == 0  # 21 slots: all 6 blocks, the cached 3 too
     allocator.free(1)
     assert allocator.pool.num_evictions == 3
     again = allocator.admit(spec(2, 1, 13))

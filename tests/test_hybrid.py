@@ -54,7 +54,7 @@ def test_a_sliding_window_table_keeps_only_what_its_window_sees():
     alloc = HybridPagedAllocator(100, 16, full_groups=0, sliding_groups=1, sliding_window=32,
                                  enable_prefix_caching=False)
     alloc.admit(spec(0, 100, 20))
-    # An unchunked prefill may hold the whole prompt and the first token: 7 blocks promised.
+    # An unchunked prefill may hold the whole prompt: 7 blocks promised.
     assert alloc.num_free_blocks == 93
     assert alloc.append(0, 100)
     assert alloc.block_tables(0) == [[0, 1, 2, 3, 4, 5, 6]]
@@ -166,7 +166,7 @@ def test_a_chunked_prefill_never_waits_for_what_others_take():
     while alloc.append(1, 1):
         grown += 1
     assert 15 < grown < 200  # past its prompt, then stopped: memory is short
-    # Every chunk of the long prompt still gets its blocks, and the first token too.
+    # Every chunk of the long prompt still gets its blocks, and then its first token.
     for _ in range(3):
         assert alloc.append(0, 128)
         alloc.check_invariants()
@@ -252,13 +252,7 @@ class HybridMachine(PagedMachine):
                 self.last_start[seq_id] = n
             else:
                 assert n + chunk > claim, "a claimed prefill chunk found memory short"
-        elif n == s.prompt_len:  # the first generated token: promised too, if claimed
-            if self.allocator.append(seq_id, 1):
-                self.tokens[seq_id] += 1
-                self.last_start[seq_id] = n
-            else:
-                assert n + 1 > claim, "a claimed first token found memory short"
-        else:
+        else:  # decode steps: no admission claimed their memory, the first token's neither
             k = min(steps, s.final_len - n)
             if k and self.allocator.append(seq_id, k):
                 self.tokens[seq_id] += k

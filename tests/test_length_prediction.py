@@ -27,7 +27,7 @@ def spec(prompt: int, final: int, predicted: int, max_len: int | None = None) ->
     (100, 300, 500, 250, 250),   # a short guess: reserved as guessed
     (100, 300, 500, 400, 400),   # a long one: as guessed too
     (100, 300, 500, 900, 500),   # never beyond what request_max reserves
-    (100, 300, 500, 100, 101),   # at least one slot for the first generated token
+    (100, 300, 500, 50, 100),    # at least the prompt
     (100, 300, 5000, 4500, 4096),  # nor beyond the model's context
 ])
 def test_a_predicted_reservation_is_the_guess_within_bounds(prompt, final, max_len, predicted,
@@ -96,28 +96,29 @@ def run_alone(sched: Scheduler, request: Request) -> list[int]:
 
 
 def test_a_request_that_outgrows_its_guess_is_seated_again_with_twice_the_guess():
-    # Prompt 30, output 40, guessed 5: extents of 35, 40 (30 + 10), 50 (30 + 20), then 70
-    # (30 + 40), which holds it. Each time it is preempted when it writes past the end,
-    # and recomputes what it had: 35, 40 and 50 tokens.
+    # Prompt 30, output 40, guessed 5: extents of 34 (the KV of 30 + 5 tokens: the last
+    # generated token's is never written), 39 (30 + 10), 49 (30 + 20), then 69 (30 + 40),
+    # which holds it. Each time it is preempted when it writes past the end, and recomputes
+    # what it had: 34, 39 and 49 tokens.
     sched, request = one_request_scheduler(output_len=40, predicted=5)
-    assert run_alone(sched, request) == [35, 40, 50, 70]
+    assert run_alone(sched, request) == [34, 39, 49, 69]
     assert sched.reservation_overflows == request.preemptions == 3
-    assert request.recomputed_tokens == 35 + 40 + 50
+    assert request.recomputed_tokens == 34 + 39 + 49
     assert request.gen_sync == 40
 
 
 def test_on_overflow_request_max_seats_it_again_with_its_max_tokens():
-    # The same request under on_overflow: request_max: 35, then 30 + 100 (max_tokens),
-    # which no output outgrows. One recompute of 35 tokens instead of three.
+    # The same request under on_overflow: request_max: 34, then the KV of 30 + 100
+    # (max_tokens), which no output outgrows. One recompute of 34 tokens instead of three.
     sched, request = one_request_scheduler(output_len=40, predicted=5, overflow_to_max=True)
-    assert run_alone(sched, request) == [35, 130]
+    assert run_alone(sched, request) == [34, 129]
     assert sched.reservation_overflows == request.preemptions == 1
-    assert request.recomputed_tokens == 35
+    assert request.recomputed_tokens == 34
 
 
 def test_a_good_guess_never_overflows():
     sched, request = one_request_scheduler(output_len=40, predicted=40)
-    assert run_alone(sched, request) == [70]
+    assert run_alone(sched, request) == [69]  # the oracle's: the KV of 30 + 40 tokens
     assert sched.reservation_overflows == request.preemptions == 0
 
 
@@ -254,9 +255,10 @@ def test_a_predictor_is_refused_where_nothing_consults_it():
     assert "\n" not in str(err.value)
 
 
-def test_a_prefill_replica_reserves_the_prompt_and_first_token_only():
-    # Disaggregated, a prefill replica's request ends at its first token: an oracle
-    # reservation there is prompt + 1 (it once took the whole request's length).
+def test_a_prefill_replica_reserves_the_prompt_only():
+    # Disaggregated, a prefill replica's request ends at its first token, whose KV it never
+    # writes: an oracle reservation there is the prompt (it once took the whole request's
+    # length); on the decode replica, the KV of 100 + 50 tokens.
     data = scenario({"kind": "contiguous", "reserve_policy": "oracle"},
                     engine={"replicas": 2,
                             "disaggregation": {"prefill_replicas": 1, "kv_transfer_gbps": 50}})
@@ -265,10 +267,10 @@ def test_a_prefill_replica_reserves_the_prompt_and_first_token_only():
     memory = run_scenario(scenario_from_dict(data)).systems["oracle"].memory
     prefill = memory[memory["replica"] == 0]
     held = prefill["token"] + prefill["reserved"] + prefill["internal"]
-    assert (held > 0).any() and (held % 101 == 0).all()
+    assert (held > 0).any() and (held % 100 == 0).all()
     decode = memory[memory["replica"] == 1]
     held = decode["token"] + decode["reserved"] + decode["internal"]
-    assert (held > 0).any() and (held % 150 == 0).all()
+    assert (held > 0).any() and (held % 149 == 0).all()
 
 
 PREDICTED_COLUMNS = {"arrival": "t", "prompt_len": "in", "output_len": "out",
@@ -294,7 +296,7 @@ def test_a_real_predictors_guesses_come_from_the_trace(tmp_path):
     result = run_scenario(scenario_from_dict(trace_scenario(path)))
     rows = result.systems["s"].requests.set_index("request")
     assert rows["preemptions"].tolist() == [0, 2, 0]  # 10 → 20 → 40 output tokens reserved
-    assert rows["allocated_at_finish"].tolist() == [50, 60, 80]
+    assert rows["allocated_at_finish"].tolist() == [49, 59, 79]  # KV of 20 + 30, 40, 60
     assert result.systems["s"].summary["reservation_overflows"] == 2
     # Headroom applies to a real predictor's guesses too: 10 × 1.5 → 15, then 30 fits.
     roomy = run_scenario(scenario_from_dict(trace_scenario(path, headroom=0.5)))

@@ -159,16 +159,16 @@ def test_copy_on_write_after_fork_mid_block():
 
 @pytest.mark.parametrize("samples", [2, 3])
 def test_samples_sharing_a_tail_need_one_copy_fewer_than_they_are(samples):
-    # A 32-token prompt fills two 16-token blocks; admission also claims the block
-    # the first generated token goes into, which every sample then shares. Writing that
-    # token copies the block for all samples but the last, which keeps it: a pool of
-    # 3 + (samples - 1) blocks holds them exactly (found by a stress run: counting a copy
-    # for every sample preempted such a request in an empty pool, again and again).
+    # A 40-token prompt fills two 16-token blocks and half a third, which every sample
+    # shares after the fork. Writing the first generated token copies that block for all
+    # samples but the last, which keeps it: a pool of 3 + (samples - 1) blocks holds them
+    # exactly (found by a stress run: counting a copy for every sample preempted such a
+    # request in an empty pool, again and again).
     paged = PagedAllocator(3 + samples - 1, 16, enable_prefix_caching=False)
-    assert paged.admit(SeqSpec(0, ((10_000, 32), (500, 1)), 32, 33, 33)) == 0
-    paged.append(0, 32)
+    assert paged.admit(SeqSpec(0, ((10_000, 40), (500, 1)), 40, 41, 41)) == 0
+    paged.append(0, 40)
     for sample in range(1, samples):
-        assert paged.fork(0, SeqSpec(sample, ((10_000, 32), (500 + sample, 1)), 32, 33, 33))
+        assert paged.fork(0, SeqSpec(sample, ((10_000, 40), (500 + sample, 1)), 40, 41, 41))
     seq_ids = list(range(samples))
     assert paged.max_uniform_append(seq_ids, 1) == 1
     for seq_id in seq_ids:
@@ -177,10 +177,10 @@ def test_samples_sharing_a_tail_need_one_copy_fewer_than_they_are(samples):
     paged.check_invariants()
     # Another holder outside the set: then every sample here must copy.
     paged = PagedAllocator(3 + samples - 1, 16, enable_prefix_caching=False)
-    paged.admit(SeqSpec(0, ((10_000, 32), (500, 1)), 32, 33, 33))
-    paged.append(0, 32)
+    paged.admit(SeqSpec(0, ((10_000, 40), (500, 1)), 40, 41, 41))
+    paged.append(0, 40)
     for sample in range(1, samples + 1):
-        paged.fork(0, SeqSpec(sample, ((10_000, 32), (500 + sample, 1)), 32, 33, 33))
+        paged.fork(0, SeqSpec(sample, ((10_000, 40), (500 + sample, 1)), 40, 41, 41))
     assert paged.max_uniform_append(list(range(1, samples + 1)), 1) == 0
 
 

@@ -269,7 +269,6 @@ class PagedBs4HostPerChunk(PagedBs4Host):
 class ContiguousMachine(_AllocatorMachine):
     policy = "request_max"
     placement = "first_fit"
-    claims_hold = False  # a predicted extent may end before the first generated token
 
     def build(self):
         return ContiguousAllocator(400, max_model_len=200, reserve_policy=self.policy,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sim.api import run
-from sim.memory import HybridPagedAllocator, PagedAllocator, SeqSpec
+from sim.memory import ContiguousAllocator, HybridPagedAllocator, PagedAllocator, SeqSpec
 from sim.scenario import ScenarioError, SchedulerConfig, scenario_from_dict
 from sim.scheduler import Request, Scheduler
 from workloads.trace import Trace
@@ -26,7 +26,7 @@ def prompt(seq_id: int, prompt_len: int, output_len: int, shared: int = 0) -> Se
 
 def test_admission_per_chunk_claims_the_hits_and_the_first_chunk():
     alloc = PagedAllocator(30, 16, enable_prefix_caching=True)
-    # Whole: 201 slots (the prompt and the first token) are 13 blocks.
+    # Whole: the prompt's 200 slots are 13 blocks.
     assert alloc.admit(prompt(0, 200, 10, shared=100)) == 0
     assert alloc.allocated_slots(0) == 13 * 16
     assert alloc.append(0, 200) and alloc.append(0, 10)
@@ -40,8 +40,9 @@ def test_admission_per_chunk_claims_the_hits_and_the_first_chunk():
     assert alloc.append(1, 64) and alloc.allocated_slots(1) == 10 * 16
     assert alloc.append(1, 40) and alloc.allocated_slots(1) == 13 * 16
     alloc.check_invariants()
-    # A first chunk that reaches the prompt's end claims the first token too, as whole does.
-    assert alloc.admit(prompt(2, 40, 5), max_new_tokens=64) == 0
+    # A first chunk that reaches the prompt's end claims the prompt, as whole does: the first
+    # generated token's block comes with the step that writes it.
+    assert alloc.admit(prompt(2, 48, 5), max_new_tokens=64) == 0
     assert alloc.allocated_slots(2) == 3 * 16
 
 
@@ -54,7 +55,7 @@ def test_the_hybrid_manager_per_chunk_claims_and_promises_the_first_chunk_only()
     whole, per_chunk = hybrid(), hybrid()
     assert whole.admit(prompt(0, 300, 10)) == 0
     assert per_chunk.admit(prompt(0, 300, 10), max_new_tokens=64) == 0
-    # Whole: the full group's 301 tokens (19 blocks), and a promise of a window and a chunk,
+    # Whole: the full group's 300 tokens (19 blocks), and a promise of a window and a chunk,
     # cdiv(31 + 64, 16) + 1 = 7 blocks, for each sliding group.
     assert whole.num_free_blocks == 100 - 19 - 2 * 7
     # Per chunk: the full group's 64 tokens (4 blocks), and 4 promised to each sliding group.
@@ -105,50 +106,78 @@ def serve(trace: Trace, allocation: str, num_blocks: int) -> tuple[list[Request]
 
 
 def test_a_long_prompt_starts_at_once_per_chunk_and_waits_for_its_whole_prompt_else():
-    # 12 blocks of 16. B: a 16-token prompt, 3 tokens out (2 blocks). A: a 160-token prompt,
-    # 2 out. Whole, A needs 11 blocks for prompt + first token: with B's 2, 13 > 12, so A
-    # waits until B has finished (3 steps), then reads its prompt in 64, 64, 32.
-    trace = two_requests([16, 160], [3, 2])
-    (b, a), sched = serve(trace, "whole_prompt", 12)
+    # 11 blocks of 16. B: a 17-token prompt, 3 tokens out (2 blocks). A: a 160-token prompt,
+    # 2 out. Whole, A needs its prompt's 10 blocks at once: with B's 2, 12 > 11, so A waits
+    # until B has finished (3 steps), then reads its prompt in 64, 64, 32.
+    trace = two_requests([17, 160], [3, 2])
+    (b, a), sched = serve(trace, "whole_prompt", 11)
     assert a.admitted_s == 3.0 and a.first_token_s == 6.0
     assert a.preemptions == b.preemptions == 0
-    # Per chunk, A starts beside B: 48 tokens (3 blocks), then 63 (7 blocks), then the last
-    # 49 fill the pool (10 + 2), and its first token finds no block: A, the last admitted,
-    # is preempted. As in vLLM, which samples that token and claims its slot only the next
-    # step, the token is sent all the same, at the end of the step that read the last chunk.
-    (b, a), sched = serve(trace, "per_chunk", 12)
+    # Per chunk, A starts beside B: 47 tokens (3 blocks), then 63 (7 blocks); its last 50
+    # need 10 with B's 2: A, the last admitted, is preempted before reading them. Seated
+    # again when B has finished, it finds its 6 full blocks (96 tokens) and reads the rest
+    # in one step: its first token comes two steps before it would have waited for its
+    # prompt, and it recomputes the 110 - 96 = 14 tokens it had computed past them.
+    (b, a), sched = serve(trace, "per_chunk", 11)
     assert a.admitted_s == 0.0 and a.preemptions == 1 and b.preemptions == 0
-    assert a.first_token_s == 3.0  # three steps before it would have waited for its prompt
-    # Its 160 prompt tokens were computed and are cached. Seated again when B has finished,
-    # its prompt is those 160 and its first token: it finds all 160 (10 full blocks) and
-    # computes only the token's KV, as its second token's step.
-    assert a.recomputed_tokens == 0 and sched.preempted_hit_tokens == 160
-    assert a.finished_s == 4.0
-    # Had that token been its last, A would have finished with the step: vLLM never writes
-    # a last token's KV, so it needs no block and nobody is preempted.
-    (b, a), sched = serve(two_requests([16, 160], [3, 1]), "per_chunk", 12)
+    assert a.first_token_s == 4.0
+    assert sched.preempted_hit_tokens == 96 and a.recomputed_tokens == 14
+
+
+def test_a_request_whose_first_token_is_out_is_preempted_for_the_block_it_is_written_in():
+    # 11 blocks of 16. B: 14 + 4 tokens; A: 160 + 2, read in chunks of 50, 63 and 47. In
+    # step 2 A's last chunk fills the pool (B's block and A's 10), and its first token is
+    # sampled: as in vLLM v1, its KV is written by the next step, which reads it. There B's
+    # token 16 needs a block, and A, the last admitted, gives up its seat.
+    (b, a), sched = seated(two_requests([14, 160], [4, 2]), "per_chunk", 11, steps=3)
+    assert a.first_token_s == 3.0 and a.gen_sync == 1 and a.preemptions == 0
+    assert sched.allocator.num_free_blocks == 0
+    batch = sched.schedule(3.0)
+    assert batch.preempted == 1 and a.preemptions == 1 and sched.waiting.head() is a
+    assert batch.prefill == [] and batch.decode_seqs == 1 and batch.prefill_tokens == 0
+    # What it computed is its prompt; seated again, its prompt is those 160 tokens and its
+    # first token, whose KV it computes as its second token's step.
+    assert a.computed_tokens == 160 and a.spec().prompt_len == 161
+    sched.finish_step(batch, 4.0)
+    assert b.finished_s == 4.0
+    batch = sched.schedule(4.0)
+    # B's new block evicted A's deepest, freed first: A finds 9 of its 10 blocks and
+    # computes the rest of its prompt (16 tokens, again) with its first token.
+    assert [(r, new, history) for r, new, history in batch.prefill] == [(a, 17, 144)]
+    sched.finish_step(batch, 5.0)
+    assert a.finished_s == 5.0 and a.first_token_s == 3.0
+    assert a.recomputed_tokens == 16 and sched.preempted_hit_tokens == 144
+
+
+def test_a_first_token_that_is_the_last_needs_no_block():
+    # As above, but A's first token is its last: vLLM never writes a last token's KV, so A
+    # finishes with the step that read its last chunk, and nobody is preempted.
+    (b, a), _ = serve(two_requests([14, 160], [4, 1]), "per_chunk", 11)
     assert a.first_token_s == a.finished_s == 3.0
     assert a.preemptions == b.preemptions == 0 and a.recomputed_tokens == 0
 
 
-def test_the_last_chunk_of_a_request_preempted_for_its_first_token_is_paid_for():
-    # The case above, step by step: in step 2, A's last 49 tokens are written, then A is
-    # preempted for its first token's block. vLLM computes the chunk all the same (it
-    # claims that token's slot only the next step): the step pays for 49 prompt tokens,
-    # though it carries no prefill of a running request.
-    (_, a), sched = seated(two_requests([16, 160], [3, 2]), "per_chunk", 12, steps=2)
-    assert a.prefilled == 48 + 63
-    batch = sched.schedule(2.0)
-    assert batch.preempted == 1 and a.preemptions == 1 and sched.waiting.head() is a
-    assert batch.prefill == [] and batch.decode_seqs == 1 and not batch.empty
-    assert batch.prefill_tokens == 49
-    assert batch.prefill_pairs == 49 * 160  # each new token meets the whole prompt so far
-    assert a.computed_tokens == 160
-    # Its first token is sent when the step ends, and it is A's: seated again, A reads its
-    # prompt and that token, and generates its second.
-    assert a.first_token_s < 0 and a.gen_sync == 1
-    sched.finish_step(batch, 3.0)
-    assert a.first_token_s == 3.0 and a.spec().prompt_len == 161
+def test_contiguous_samples_are_seated_when_all_their_extents_fit():
+    # Contiguous memory of 90 slots, oracle reservations. B (10 + 30: 39 slots) is seated;
+    # A (20 + 10, n = 2) needs 29 slots a sample, which cannot share: 58 > 90 - 39, so A
+    # waits for B rather than read a prompt it would find no room to sample from.
+    trace = Trace.from_columns(arrival_s=np.zeros(2), prompt_len=np.array([10, 20]),
+                               output_len=np.array([30, 10]), n=np.array([1, 2]))
+    allocator = ContiguousAllocator(90, max_model_len=4096, reserve_policy="oracle")
+    sched = Scheduler(allocator, SchedulerConfig(), debug=True)
+    b, a = (Request(trace, i, 0.0) for i in range(2))
+    assert sched.add(b) and sched.add(a)
+    batch = sched.schedule(0.0)
+    assert [r for r, _, _ in batch.prefill] == [b] and sched.head_blocked
+    assert allocator.can_place([a.spec()]) and not allocator.can_place([a.spec(), a.spec(1)])
+    sched.finish_step(batch, 1.0)
+    clock = 1.0
+    while a.finished_s < 0 and clock < 100:
+        batch = sched.schedule(clock)
+        clock += 1.0
+        sched.finish_step(batch, clock)
+    assert b.finished_s == 30.0 and a.admitted_s == 30.0 and a.first_token_s == 31.0
+    assert a.finished_s == 40.0 and a.preemptions == 0 and a.recomputed_tokens == 0
 
 
 def test_a_preempted_partial_prefill_recomputes_only_what_it_had_computed():

@@ -315,9 +315,9 @@ def test_kv_aware_routes_by_what_it_was_told_and_when(tight):
     # first token came, when it finished) gives back every routing decision: the engine
     # tells the router those facts, each at its time, and nothing else. Tight: small pools
     # and prompts read chunk by chunk, so that many requests are preempted, some right
-    # after their last chunk (their first token is sent all the same): a prompt of two
-    # whole chunks leaves no room in its last step to seat a newer request, so it is the
-    # newest when its first token finds no block.
+    # after their first token: a prompt of two whole chunks (16 whole blocks) leaves no
+    # room in its last step to seat a newer request, so it is the newest when the next
+    # step, which writes its first token's KV, finds no block for it.
     data = routed(3, "kv_aware", requests=300, rate=40, temperature=0.3)
     data["workload"]["output_len"] = {"dist": "uniform", "low": 100, "high": 600}
     data["memory"]["kv_memory_gib"] = 0.75 if tight else 40

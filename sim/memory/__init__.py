@@ -1,7 +1,14 @@
 """KV-cache allocators: contiguous reservation and paged blocks (with the hybrid manager's
 groups for sliding-window models), one interface, one taxonomy."""
 
-from sim.memory.base import TAXONOMY, AllocatorError, KVAllocator, MemorySnapshot, SeqSpec
+from sim.memory.base import (
+    TAXONOMY,
+    AllocatorError,
+    KVAllocator,
+    MemorySnapshot,
+    SeqSpec,
+    final_kv_tokens,
+)
 from sim.memory.block_pool import EVICTION_POLICIES
 from sim.memory.contiguous import PLACEMENTS, RESERVE_POLICIES, ContiguousAllocator
 from sim.memory.hybrid import HybridPagedAllocator
@@ -19,4 +26,5 @@ __all__ = [
     "MemorySnapshot",
     "PagedAllocator",
     "SeqSpec",
+    "final_kv_tokens",
 ]

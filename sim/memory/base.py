@@ -10,9 +10,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from sim.memory.content import Segments
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+
+TokenCounts = TypeVar("TokenCounts", int, "np.ndarray", "pd.Series")
+"""A number of tokens, or a trace column of them."""
 
 TAXONOMY = ("token", "reserved", "internal", "external", "cached", "free")
 """Slot categories, in plotting order; they partition the pool."""
@@ -34,7 +41,8 @@ class SeqSpec:
     """What the allocator is told about a sequence when it is admitted.
 
     ``segments`` describe the content of every token the sequence will ever hold (prompt then
-    output); ``final_len`` is its true final length, known to the simulator from the trace, so
+    output); ``final_len`` is how many tokens' KV it holds at the end (:func:`final_kv_tokens`:
+    the last generated token's is never written), known to the simulator from the trace, so
     that ``reserved`` (will be written) and ``internal`` (never will) are exact.
     ``max_len`` is prompt + the request's ``max_tokens`` (what a ``request_max`` reservation
     must cover). ``predicted_len`` is the final length the engine's output-length predictor
@@ -57,23 +65,30 @@ class SeqSpec:
             )
 
 
+def final_kv_tokens(prompt_len: TokenCounts, output_len: TokenCounts) -> TokenCounts:
+    """Tokens whose KV a request of ``prompt_len`` prompt and ``output_len`` generated tokens
+    holds when it finishes: a token's KV is computed when it is a step's input, and the last
+    generated token never is one (vLLM v1 claims a token's slot the step after sampling it,
+    and a request ends with its last sample)."""
+    return prompt_len + output_len - 1
+
+
 def claim_end(spec: SeqSpec, ready: int, max_new_tokens: int | None) -> int:
-    """Tokens an admission claims memory for: the prompt and the first generated token, so
-    that finishing the prefill never fails for want of memory; with ``max_new_tokens``
-    (per-chunk allocation), only the ``ready`` tokens (prefix hits) and that many more,
-    unless they reach the prompt's end."""
-    whole = min(spec.prompt_len + 1, spec.final_len)
+    """Tokens an admission claims memory for: the whole prompt (the first generated token's
+    slot is claimed by the step that reads it, as every later token's); with
+    ``max_new_tokens`` (per-chunk allocation), only the ``ready`` tokens (prefix hits) and
+    that many more, unless they reach the prompt's end."""
     if max_new_tokens is None or ready + max_new_tokens >= spec.prompt_len:
-        return whole
+        return spec.prompt_len
     return ready + max_new_tokens
 
 
 def table_token_bounds(spec: SeqSpec, num_tokens: int, per_chunk: bool) -> tuple[int, int]:
     """The tokens a sequence's (full-attention) block table must cover and may cover at
-    most, ``num_tokens`` written: admission claims the prompt and first token, or per chunk
-    only what it writes; a fork inherits its parent's table."""
+    most, ``num_tokens`` written: admission claims the prompt, or per chunk only what it
+    writes; a fork inherits its parent's table."""
     least = num_tokens if per_chunk else max(spec.prompt_len, num_tokens)
-    return least, max(spec.prompt_len + 1, num_tokens)
+    return least, max(spec.prompt_len, num_tokens)
 
 
 class MemorySnapshot(NamedTuple):

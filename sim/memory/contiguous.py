@@ -37,7 +37,7 @@ def reservation_slots(spec: SeqSpec, reserve_policy: str, max_model_len: int) ->
     max_tokens; ``pow2``: the next power of two ≥ the true final length (Orca (Pow2));
     ``oracle``: exactly the true final length (Orca (Oracle)). Never below the final length,
     but for ``predicted``: the predictor's final length (``spec.predicted_len``), at most what
-    ``request_max`` reserves and at least one slot beyond the prompt, which may fall short.
+    ``request_max`` reserves and at least the prompt, which may fall short.
     """
     if reserve_policy == "max_model_len":
         slots = max_model_len
@@ -52,7 +52,7 @@ def reservation_slots(spec: SeqSpec, reserve_policy: str, max_model_len: int) ->
             raise ValueError(f"sequence {spec.seq_id}: reserve_policy predicted needs a "
                              "predicted_len")
         most = max(min(spec.max_len, max_model_len), spec.final_len)
-        return max(min(spec.predicted_len, most), min(spec.prompt_len + 1, spec.final_len))
+        return max(min(spec.predicted_len, most), spec.prompt_len)
     else:
         raise ValueError(
             f"unknown reserve_policy {reserve_policy!r}; expected one of "
@@ -170,6 +170,22 @@ class ContiguousAllocator(KVAllocator):
             if length >= size and (best is None or length < best_len):
                 best, best_len = start, length
         return best
+
+    def can_place(self, specs: list[SeqSpec], at_least: int = 0) -> bool:
+        """Whether extents for all of ``specs``, each of at least ``at_least`` slots, would
+        be placed now, one after another (as admitting the first and forking the others
+        places them): a trial run of the placement over the free extents' lengths."""
+        free = [self._free_len[start] for start in self._free_starts]  # in address order
+        for spec in specs:
+            size = max(self.reservation(spec), at_least)
+            fitting = [i for i, length in enumerate(free) if length >= size]
+            if not fitting:
+                return False
+            # What is left of an extent stays where it was, so the order never changes.
+            chosen = fitting[0] if self.placement == "first_fit" else min(
+                fitting, key=lambda i: free[i])
+            free[chosen] -= size
+        return True
 
     def _place(self, spec: SeqSpec, at_least: int = 0) -> _Extent | None:
         size = max(self.reservation(spec), at_least)

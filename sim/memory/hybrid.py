@@ -19,8 +19,8 @@ below that length, for the last ``cdiv(W - 1, block_size)`` blocks before a posi
 that a token there can see) cached, or for a run from block 0; the shorter is the hit. Each
 group caches its blocks under its own key, as vLLM keys them by (hash, group).
 
-Admission claims the full-attention groups' blocks for the prompt and the first generated
-token, as :class:`~sim.memory.paged.PagedAllocator` does. A sliding-window group holds at
+Admission claims the full-attention groups' blocks for the prompt, as
+:class:`~sim.memory.paged.PagedAllocator` does. A sliding-window group holds at
 most a window and a prefill chunk at once, so it is *promised* that many blocks instead:
 they stay in the pool, but nobody else may take them until the prefill is over, so that no
 chunk waits for memory. Under per-chunk allocation (``max_new_tokens``, vLLM v1's own way)
@@ -66,7 +66,7 @@ class _HybridSeq:
         self.internal = 0  # slots of its tables past its final length
         # Admission claimed memory up to this token (see sim.memory.base.claim_end); with
         # per_chunk, the rest of the prompt takes its blocks chunk by chunk.
-        self.claim_end = min(spec.prompt_len + 1, spec.final_len)
+        self.claim_end = spec.prompt_len
         self.per_chunk = False
 
 
@@ -156,11 +156,10 @@ class HybridPagedAllocator(KVAllocator):
 
     def _prefill_peak(self, spec: SeqSpec, start: int, end: int | None = None) -> int:
         """The most blocks a sliding-window table holds while the tokens from ``start`` to
-        ``end`` (the prompt and the first generated token) are written: after a chunk
-        [s, e) it holds blocks release_point(s) .. ceil(e / bs), at most a window and a
-        chunk."""
+        ``end`` (the prompt) are written: after a chunk [s, e) it holds blocks
+        release_point(s) .. ceil(e / bs), at most a window and a chunk."""
         if end is None:
-            end = min(spec.prompt_len + 1, spec.final_len)
+            end = spec.prompt_len
         chunk = self.prefill_chunk_tokens or end
         bound = self.blocks_for(self.sliding_window - 1 + chunk) + 1
         return min(bound, self.blocks_for(end) - self._release_point(start))
@@ -248,7 +247,7 @@ class HybridPagedAllocator(KVAllocator):
                  if b.ref_cnt == 1}
         repromised = {seq: self._promise(seq, seq.num_tokens, taken)
                       for seq in self._seqs.values()
-                      if seq.num_tokens <= seq.spec.prompt_len} if taken else {}
+                      if seq.num_tokens < seq.spec.prompt_len} if taken else {}
         grown = sum(p - seq.promised for seq, p in repromised.items())
         reserve = self.watermark_blocks if self._seqs else 0
         if need + promised + grown > self.pool.num_free - self._promised - revived - reserve:
@@ -339,7 +338,7 @@ class HybridPagedAllocator(KVAllocator):
         frees nothing, so it cannot count towards the peak). Only a sequence holding a
         block alone can make it shared, by a prefix hit: admission then grows the promise.
         Under per-chunk allocation only what admission claimed is promised."""
-        if start > seq.spec.prompt_len or (seq.per_chunk and start >= seq.claim_end):
+        if start >= seq.spec.prompt_len or (seq.per_chunk and start >= seq.claim_end):
             return 0
         peak = self.sliding_groups * self._prefill_peak(seq.spec, start, seq.claim_end)
         return max(0, peak - self._exclusive(seq, taken))
@@ -466,8 +465,8 @@ class HybridPagedAllocator(KVAllocator):
                     if idx < seq.num_tokens // bs:
                         assert block.num_filled == bs
                         assert block.block_hash == self._key(seq.hasher.hashes[idx], group)
-            if seq.spec.prompt_len < seq.num_tokens:
-                assert seq.promised == 0, "a decoding sequence keeps a promise"
+            if seq.spec.prompt_len <= seq.num_tokens:
+                assert seq.promised == 0, "a prefilled sequence keeps a promise"
         assert self._promised == sum(s.promised for s in self._seqs.values())
         assert 0 <= self._promised <= self.pool.num_free, "promised more than the pool has"
         token_slots = 0

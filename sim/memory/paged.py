@@ -62,10 +62,9 @@ class _PagedSeq:
 class PagedAllocator(KVAllocator):
     """Block tables over a shared :class:`BlockPool`, with optional prefix caching.
 
-    Admission allocates blocks for the whole prompt and its first output token (prefix hits
-    excepted), or for its first prompt chunk only (``max_new_tokens``: later chunks take
-    theirs as they are written); decode grows the table one block at a time as tokens cross
-    block boundaries.
+    Admission allocates blocks for the whole prompt (prefix hits excepted), or for its first
+    prompt chunk only (``max_new_tokens``: later chunks take theirs as they are written);
+    decode grows the table one block at a time as tokens cross block boundaries.
     """
 
     def __init__(
