@@ -274,6 +274,23 @@ class ContiguousMachine(_AllocatorMachine):
         return ContiguousAllocator(400, max_model_len=200, reserve_policy=self.policy,
                                    placement=self.placement)
 
+    @rule(prompts=st.lists(st.integers(1, 60), min_size=1, max_size=4),
+          out=st.integers(0, 60))
+    def can_place_is_admitting(self, prompts, out):
+        """can_place says whether all the specs would be admitted one after another."""
+        specs = [self.new_spec(0, prompt, 0, out) for prompt in prompts]
+        expected = self.allocator.can_place(specs)
+        before = self.allocator.free_extents
+        admitted = []
+        for spec in specs:
+            if self.allocator.admit(spec) is None:
+                break
+            admitted.append(spec.seq_id)
+        assert (len(admitted) == len(specs)) == expected
+        for seq_id in admitted:  # freed again: the pool is as it was
+            self.allocator.free(seq_id)
+        assert self.allocator.free_extents == before
+
     @invariant()
     def contiguous_accounting(self):
         snap = self.allocator.snapshot()
