@@ -442,7 +442,7 @@ class HybridPagedAllocator(KVAllocator):
 
     def check_invariants(self) -> None:
         bs = self.block_size
-        refs: Counter[int] = Counter()
+        refs = [0] * self.num_blocks  # tables holding each block, by id (see PagedAllocator)
         for seq in self._seqs.values():
             least, most = table_token_bounds(seq.spec, seq.num_tokens, seq.per_chunk)
             for group, table in enumerate(seq.tables):
@@ -470,15 +470,16 @@ class HybridPagedAllocator(KVAllocator):
         assert self._promised == sum(s.promised for s in self._seqs.values())
         assert 0 <= self._promised <= self.pool.num_free, "promised more than the pool has"
         token_slots = 0
+        live_hashes: Counter[int] = Counter()
         for block in self.pool.blocks:
             assert block.ref_cnt == refs[block.block_id], (
                 f"{block}: ref_cnt != {refs[block.block_id]} tables holding it")
             if block.ref_cnt:
                 assert block not in self.pool.evictable, f"{block} is referenced and evictable"
                 token_slots += block.num_filled
+                if block.block_hash is not None:
+                    live_hashes[block.block_hash] += 1
         assert token_slots == self._token_slots, "token slot counter drifted"
-        live_hashes = Counter(
-            b.block_hash for b in self.pool.blocks if b.ref_cnt and b.block_hash is not None)
         assert (sum(n - 1 for n in live_hashes.values())
                 == self._duplicates.duplicate_units), "duplicate counter drifted"
         assert self._internal == sum(

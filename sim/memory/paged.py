@@ -380,23 +380,30 @@ class PagedAllocator(KVAllocator):
 
     def check_invariants(self) -> None:
         bs = self.block_size
-        refs: Counter[int] = Counter()
+        # Tables holding each block, by block id (a list: this runs over the whole pool at
+        # every step of a debug run, so each block should cost a few operations only).
+        refs = [0] * self.num_blocks
         for seq in self._seqs.values():
             least, most = table_token_bounds(seq.spec, seq.num_tokens, seq.per_chunk)
             assert self.blocks_for(least) <= len(seq.blocks) <= self.blocks_for(most), (
                 "block table length does not match the tokens written")
             for block in seq.blocks:
                 refs[block.block_id] += 1
+        evictable = {block.block_id for block in self.pool.evictable.ordered()}
+        assert len(evictable) == len(self.pool.evictable), "a block evictable twice"
         token_slots = 0
         free_unhashed = 0
+        live_hashes: Counter[int] = Counter()
         for block in self.pool.blocks:
             assert block.ref_cnt == refs[block.block_id], (
                 f"{block}: ref_cnt != {refs[block.block_id]} tables holding it"
             )
-            in_evictable = block in self.pool.evictable
+            in_evictable = block.block_id in evictable
             if block.ref_cnt:
                 assert not in_evictable, f"{block} is referenced and evictable"
                 token_slots += block.num_filled
+                if block.block_hash is not None:
+                    live_hashes[block.block_hash] += 1
             elif in_evictable:
                 assert block.block_hash is not None, f"{block} evictable without a hash"
                 assert self.pool.cached.get(block.block_hash) is block, (
@@ -410,9 +417,6 @@ class PagedAllocator(KVAllocator):
                 assert block.block_hash is not None, f"{block} full but unhashed"
         assert free_unhashed + len(self.pool.evictable) == self.pool.num_free
         assert token_slots == self._token_slots, "token slot counter drifted"
-        live_hashes = Counter(
-            b.block_hash for b in self.pool.blocks if b.ref_cnt and b.block_hash is not None
-        )
         expected_dups = sum(n - 1 for n in live_hashes.values())
         assert expected_dups == self._duplicates.duplicate_units, "duplicate counter drifted"
         for block_hash, block in self.pool.cached.items():
