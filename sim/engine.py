@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -40,7 +41,7 @@ from sim.memory import (
 )
 from sim.presets import GIB, KV_CACHE_DTYPE_BYTES, ModelSpec, SizingError, kv_pool_slots
 from sim.results import RunResult, ScenarioResult, summarize
-from sim.router import Router
+from sim.router import CacheEvents, Router
 from sim.scenario import (
     ContiguousConfig,
     PagedConfig,
@@ -535,6 +536,23 @@ class _SystemRun:
             if self.router is None:
                 replica.open = roots[self.replica_of[roots] == r].tolist()
             self.replicas.append(replica)
+        if self.router is not None and routing.kv_events:
+            self.router.watch_caches(self.kv_events(self.replicas[:routed]))
+
+    @staticmethod
+    def kv_events(replicas: list[_Replica]) -> CacheEvents:
+        """The KV events of ``replicas``' GPU caches, as their engines publish them (none
+        from a pool without a prefix cache: contiguous extents, or paging with caching off)."""
+        logs: list[deque[tuple[float, int, bool]]] = []
+        block_size = 1
+        for replica in replicas:
+            allocator = replica.allocator
+            if isinstance(allocator, PagedAllocator) and allocator.enable_prefix_caching:
+                logs.append(allocator.pool.log_events())
+                block_size = allocator.block_size
+            else:
+                logs.append(deque())
+        return CacheEvents(logs, block_size)
 
     def next_unrouted_s(self) -> float:
         """Arrival time of the next open arrival the router has yet to place (inf if none)."""

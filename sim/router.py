@@ -9,10 +9,12 @@ party's included, plus the plates already on it, and picks the cheapest (or, wit
 temperature, draws a table, the cheaper the likelier).
 
 Routers know only what a real router knows: what they sent where, which requests have given
-their first token, and which have finished. They learn each fact at the simulated time it
-happens (an event queue applied up to, and excluding, the arrival being routed), never from
-a replica's scheduler state, so the same trace gives the same routing whether the engine
-steps or jumps.
+their first token, and which have finished; ``kv_aware`` with KV events also what each
+replica's prefix cache holds, from the blocks its pool logged as stored or removed, as vLLM
+publishes them to Dynamo. They learn each fact at the simulated time it happens (events
+applied up to, and excluding, the arrival being routed), never from a replica's state as it
+is when the router looks, so the same trace gives the same routing whether the engine steps
+or jumps.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from typing import Literal
+
+from sim.memory.content import BlockHasher
 
 Segments = Sequence[tuple[int, int]]
 RouterPolicy = Literal["least_loaded", "cache_aware", "kv_aware"]  # round robin needs none
@@ -99,6 +103,47 @@ class ApproximateTree:
             self.size -= tokens
 
 
+class CacheEvents:
+    """What each replica's prefix cache holds, as its KV events say: the hashes its pool
+    logged as stored and not since removed, applied in time order up to a moment (every
+    replica has logged all it did before the arrival being routed: the engine routes an
+    arrival only once every replica has simulated past it). A prompt finds the run of its
+    full blocks from block 0 that a replica holds, never the block of its last token (as
+    admission looks it up)."""
+
+    def __init__(self, logs: list[deque[tuple[float, int, bool]]], block_size: int) -> None:
+        self.logs = logs
+        self.block_size = block_size
+        self.held: list[set[int]] = [set() for _ in logs]
+
+    def catch_up(self, until_s: float) -> None:
+        """Apply every event logged before ``until_s``."""
+        for log, held in zip(self.logs, self.held, strict=True):
+            while log and log[0][0] < until_s:
+                _, block_hash, stored = log.popleft()
+                if stored:
+                    held.add(block_hash)
+                else:
+                    held.discard(block_hash)
+
+    def block_hashes(self, segments: Segments) -> list[int]:
+        """The hashes a lookup of this prompt goes through (all its full blocks but the
+        one holding its last token)."""
+        prompt_len = sum(length for _, length in segments)
+        count = (prompt_len - 1) // self.block_size
+        return BlockHasher(segments, self.block_size).hash_upto(count)[:count]
+
+    def cached_tokens(self, replica: int, hashes: list[int]) -> int:
+        """Prompt tokens ``replica`` holds, of a prompt whose lookup hashes are ``hashes``."""
+        held = self.held[replica]
+        found = 0
+        for block_hash in hashes:
+            if block_hash not in held:
+                break
+            found += 1
+        return found * self.block_size
+
+
 class Router:
     """Routes open arrivals by load and cache (``least_loaded``, ``cache_aware``,
     ``kv_aware``); ``round_robin`` needs no state and the engine assigns it up front. The
@@ -107,7 +152,8 @@ class Router:
     (:meth:`prefilled`, which only ``kv_aware`` heeds) and of every finish (:meth:`finished`),
     each at its simulated time. ``cache_slots`` is what one replica can cache (its GPU pool
     and host tier), which bounds ``cache_aware``'s memory of prefixes; ``kv_aware``'s forgets
-    a prefix ``ttl_s`` after it was last sent, as Dynamo's. ``kv_aware`` draws with
+    a prefix ``ttl_s`` after it was last sent, as Dynamo's, unless it reads the replicas' KV
+    events (:meth:`watch_caches`) and so knows what they cache. ``kv_aware`` draws with
     ``temperature`` from a generator seeded by ``seed``, one draw per route, so a run
     repeats exactly."""
 
@@ -144,6 +190,14 @@ class Router:
         self._prefilling: dict[int, tuple[int, int]] = {}  # request -> (replica, tokens)
         # (time, kind, request, replica, chain): applied in time order before each route.
         self._events: list[tuple[float, int, int, int, list[tuple[int, int]]]] = []
+        # kv_aware with KV events: what each replica caches, from its pool's log, in place
+        # of what the trees believe (see watch_caches).
+        self.caches: CacheEvents | None = None
+        self._lookups: dict[int, list[int]] = {}  # expected request -> its lookup hashes
+
+    def watch_caches(self, caches: CacheEvents) -> None:
+        """``kv_aware`` learns what each replica caches from its KV events from now on."""
+        self.caches = caches
 
     @property
     def _tracks_cache(self) -> bool:
@@ -157,7 +211,7 @@ class Router:
             chain = prefix_chain(segments)
             if self.policy == "kv_aware":
                 self._chains[request] = chain
-                self._start(request, replica, chain)
+                self._start(request, replica, chain, self._cached(replica, chain, segments))
             self.trees[replica].insert(chain, self._now_s)
 
     def expect(self, request: int, replica: int, arrival_s: float, segments: Segments) -> None:
@@ -168,13 +222,27 @@ class Router:
             chain = prefix_chain(segments)
             if self.policy == "kv_aware":
                 self._chains[request] = chain
+                if self.caches is not None:
+                    self._lookups[request] = self.caches.block_hashes(segments)
             heapq.heappush(self._events, (arrival_s, _TOUCH, request, replica, chain))
 
-    def _start(self, request: int, replica: int, chain: list[tuple[int, int]]) -> None:
-        """kv_aware: ``request`` starts on ``replica``, before its prompt joins the tree."""
+    def _cached(self, replica: int, chain: list[tuple[int, int]], segments: Segments,
+                hashes: list[int] | None = None) -> int:
+        """Prompt tokens ``replica`` caches of the prompt ``chain`` (of ``segments``), as
+        far as the router knows: from its KV events, else from what it sent there."""
+        if self.caches is None:
+            return self.trees[replica].match(chain)
+        if hashes is None:
+            hashes = self.caches.block_hashes(segments)
+        return self.caches.cached_tokens(replica, hashes)
+
+    def _start(self, request: int, replica: int, chain: list[tuple[int, int]],
+               cached: int) -> None:
+        """kv_aware: ``request`` starts on ``replica``, which caches ``cached`` tokens of its
+        prompt, before its prompt joins the tree."""
         self._hold(replica, chain, +1)
         prompt = sum(tokens for _, tokens in chain)
-        new = prompt - self.trees[replica].match(chain)
+        new = prompt - cached
         self._prefilling[request] = (replica, new)
         self.prefill_tokens[replica] += new
 
@@ -206,8 +274,11 @@ class Router:
 
     def _catch_up(self, now_s: float) -> None:
         events = self._events
+        caches = self.caches
         while events and events[0][0] < now_s:
             event_s, kind, request, replica, chain = heapq.heappop(events)
+            if caches is not None:
+                caches.catch_up(event_s)
             if kind == _ARRIVE:
                 self.load[replica] += 1
             elif kind == _PREFILLED:
@@ -220,8 +291,12 @@ class Router:
             else:
                 self.trees[replica].expire(event_s)
                 if self.policy == "kv_aware":
-                    self._start(request, replica, chain)
+                    cached = (self.trees[replica].match(chain) if caches is None
+                              else caches.cached_tokens(replica, self._lookups.pop(request)))
+                    self._start(request, replica, chain, cached)
                 self.trees[replica].insert(chain, event_s)
+        if caches is not None:
+            caches.catch_up(now_s)
         for tree in self.trees:
             tree.expire(now_s)
         self._now_s = now_s
@@ -232,7 +307,9 @@ class Router:
         self._catch_up(arrival_s)
         chain = prefix_chain(segments) if self._tracks_cache else []
         if self.policy == "kv_aware":
-            return self._cheapest(chain, prompt_len)
+            hashes = self.caches.block_hashes(segments) if self.caches is not None else None
+            cached = [self._cached(r, chain, segments, hashes) for r in range(self.replicas)]
+            return self._cheapest(chain, prompt_len, cached)
         if self.policy == "least_loaded" or self._imbalanced():
             replica = self._least_loaded()
         else:
@@ -253,17 +330,18 @@ class Router:
     def _least_loaded(self) -> int:
         return min(range(self.replicas), key=lambda r: (self.load[r], r))
 
-    def _cheapest(self, chain: list[tuple[int, int]], prompt_len: int) -> int:
+    def _cheapest(self, chain: list[tuple[int, int]], prompt_len: int,
+                  cached: list[int]) -> int:
         """Dynamo's cost, in tokens rather than blocks: the prompt tokens a replica would
-        compute (those its cache lacks, and, with ``track_prefill_tokens``, those of the
-        prompts it has yet to prefill), weighted by ``overlap_score_weight``, plus the
-        tokens it would then hold in flight (its own and this prompt's, shared prefixes
-        once). The cheapest wins, ties going to the first; or, with a temperature, one is
-        drawn (:meth:`_draw`)."""
+        compute (those its cache lacks, ``cached`` holding what each has, and, with
+        ``track_prefill_tokens``, those of the prompts it has yet to prefill), weighted by
+        ``overlap_score_weight``, plus the tokens it would then hold in flight (its own and
+        this prompt's, shared prefixes once). The cheapest wins, ties going to the first;
+        or, with a temperature, one is drawn (:meth:`_draw`)."""
         def cost(r: int) -> float:
             held = self._held[r]
             adds = sum(tokens for key, tokens in chain if key not in held)
-            prefill = prompt_len - self.trees[r].match(chain)
+            prefill = prompt_len - cached[r]
             if self.track_prefill_tokens:
                 prefill += self.prefill_tokens[r]
             return self.overlap_score_weight * prefill + self.active_tokens[r] + adds
@@ -286,4 +364,5 @@ class Router:
         return len(weights) - 1  # rounding left the point at the very end
 
 
-__all__ = ["DYNAMO_TTL_S", "ApproximateTree", "Router", "RouterPolicy", "prefix_chain"]
+__all__ = ["DYNAMO_TTL_S", "ApproximateTree", "CacheEvents", "Router", "RouterPolicy",
+           "prefix_chain"]

@@ -382,7 +382,7 @@ class RouterConfig(ConfigModel):
     with the lowest cost, ``overlap_score_weight`` × the prompt tokens it would compute (its
     queue's and this prompt's, less what its cache holds) + the prompt tokens it would then
     hold in flight, or one drawn by ``temperature``; it believes a replica caches what it
-    sent there within the last ``ttl_s``."""
+    sent there within the last ``ttl_s``, or, with ``kv_events``, knows what it caches."""
 
     policy: Literal["round_robin", "least_loaded", "cache_aware", "kv_aware"] = "round_robin"
     cache_threshold: float = Field(default=0.5, ge=0, le=1)
@@ -407,14 +407,22 @@ class RouterConfig(ConfigModel):
         default=None, description="kv_aware: how long the router believes a prefix it sent "
         "to a replica stays cached there (Dynamo's --router-ttl-secs, its mode without KV "
         "events); 120 when omitted, as Dynamo")
+    kv_events: bool | None = Field(
+        default=None, description="kv_aware: the router knows which prompt blocks each "
+        "replica's GPU cache holds, from the KV events its engine publishes (blocks stored "
+        "and removed, as vLLM sends them to Dynamo's router, Dynamo's default mode), instead "
+        "of believing what it sent for ttl_s; false when omitted")
 
     @model_validator(mode="after")
     def _settings_for_kv_aware(self):  # type: ignore[no-untyped-def]
         if self.policy != "kv_aware":
             for name in ("overlap_score_weight", "track_prefill_tokens", "temperature",
-                         "ttl_s"):
+                         "ttl_s", "kv_events"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is for policy kv_aware, not {self.policy}")
+        if self.kv_events and self.ttl_s is not None:
+            raise ValueError("ttl_s is how long a router without kv_events believes a prefix "
+                             "stays cached; with kv_events it knows: give one or the other")
         return self
 
     @property
@@ -585,6 +593,7 @@ class Scenario(ConfigModel):
             "parallel samples (workload.sampling n or beam_width > 1)":
                 lambda s: self.workload.sampling.forks > 1,
             "engine.disaggregation": lambda s: self.engine.disaggregation is not None,
+            "engine.router.kv_events": lambda s: bool(self.engine.router.kv_events),
         }
         for system in self.systems:
             if isinstance(system.allocator, PagedConfig) and system.allocator.hybrid_kv_cache:

@@ -441,9 +441,12 @@ class Scheduler:
         return max(1, min(predicted_output, most))
 
     def notice_time(self, now_s: float) -> None:
-        """The engine is at a step boundary at ``now_s``. Under aging the line's head
-        depends on the time: the earliest arrival goes ahead once it has waited
-        ``max_wait_s``, and a head blocked before may give way to one that fits."""
+        """The engine is at a step boundary at ``now_s``: what the allocator does next
+        happens then (its KV events are stamped so). Under aging the line's head depends on
+        the time: the earliest arrival goes ahead once it has waited ``max_wait_s``, and a
+        head blocked before may give way to one that fits."""
+        if self._pool is not None:
+            self._pool.clock_s = now_s
         if self.waiting.max_wait_s is None:
             return
         if self._noticed_s < self.waiting.oldest_due_s() <= now_s:
@@ -888,6 +891,8 @@ class Scheduler:
     # ------------------------------------------------------------------ after a step
     def finish_step(self, batch: Batch | None, end_s: float) -> list[Request]:
         """Complete the step that ends at ``end_s``; return the requests that finished."""
+        if self._pool is not None:
+            self._pool.clock_s = end_s
         self.steps += 1
         finished = []
         for request, chunk, history in batch.prefill if batch else ():
@@ -937,9 +942,12 @@ class Scheduler:
         context = self._tok_sync_sum + self._pending() + seqs
         grows, finishes, windows = self._events
         past, base = self._past_window, self._skip_base  # (skipped_context, inlined)
+        pool = self._pool
         steps = 0
         while True:
             clock_s += step_time(context, base + past * self.steps)
+            if pool is not None:
+                pool.clock_s = clock_s  # this step's finishes, the next one's block crossings
             steps += 1
             self.steps += 1
             context += seqs

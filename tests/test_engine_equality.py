@@ -123,6 +123,10 @@ def random_scenario(seed: int) -> dict:
                 router["temperature"] = 0.5
             else:
                 router["track_prefill_tokens"] = False
+    # Drawn last, as the above: KV events, where the hybrid manager is not in use.
+    if router["policy"] == "kv_aware" and rng.random() < 0.5 and not (
+            isinstance(model, dict) and allocator["kind"] == "paged"):
+        router["kv_events"] = True
     return {
         "name": f"random-{seed}",
         "model": model,

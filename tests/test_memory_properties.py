@@ -157,9 +157,27 @@ class PagedMachine(_AllocatorMachine):
     host_blocks = 0
     num_blocks = 24
 
+    def __init__(self) -> None:
+        super().__init__()
+        # KV events: what a router reading them believes is cached, applied as they come.
+        self.events = self.allocator.pool.log_events()
+        self.published: set[int] = set()
+
     def build(self):
         return PagedAllocator(self.num_blocks, self.block_size, enable_prefix_caching=self.caching,
                               eviction=self.eviction, host_cache_blocks=self.host_blocks)
+
+    @invariant()
+    def kv_events_tell_the_cache_map(self):
+        """Every hash that joins or leaves the prefix-cache map is logged, once."""
+        while self.events:
+            _, block_hash, stored = self.events.popleft()
+            assert (block_hash not in self.published) == stored, "an event out of turn"
+            if stored:
+                self.published.add(block_hash)
+            else:
+                self.published.remove(block_hash)
+        assert self.published == set(self.allocator.pool.cached)
 
     @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60),
           extra=st.integers(0, 30), out=st.integers(0, 60), first_chunk=st.integers(1, 60))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import pandas as pd
@@ -15,7 +15,7 @@ from conftest import kvsim_in_process
 
 from sim.engine import run_scenario, scenario_trace
 from sim.metrics import format_summary
-from sim.router import ApproximateTree, Router, prefix_chain
+from sim.router import ApproximateTree, CacheEvents, Router, prefix_chain
 from sim.scenario import ScenarioError, scenario_from_dict
 
 
@@ -103,6 +103,51 @@ def test_kv_aware_believes_a_prefix_cached_for_its_time_to_live():
     router.expect(1, 1, 200.0, first)
     router.route(201.0, first, 700)
     assert router.prefill_tokens == [0, 700]
+
+
+def test_kv_events_tell_kv_aware_what_each_replica_caches_and_when():
+    # Two replicas, 4-token blocks; prompt A (12 tokens) is looked up through its blocks 0
+    # and 1 (never the block of its last token). Both replicas logged A's blocks as stored,
+    # and replica 0 its block 1 as removed at 1.0.
+    prompt = [(7, 12)]
+    caches = CacheEvents([deque(), deque()], 4)
+    first, second = caches.block_hashes(prompt)
+    logs = ([(0.5, first, True), (0.5, second, True), (1.0, second, False)],
+            [(0.8, first, True), (0.8, second, True)])
+
+    def route_at(now_s: float, events: bool) -> int:
+        router = Router("kv_aware", 2, cache_slots=1000, track_prefill_tokens=False)
+        if events:
+            caches = CacheEvents([deque(log) for log in logs], 4)
+            router.watch_caches(caches)
+        router.route(0.0, prompt, 12)
+        router.assign(0, prompt, 0)  # sent to replica 0, and finished there
+        router.finished(0, 0, 0.1)
+        return router.route(now_s, prompt, 12)
+
+    # Without events the router believes replica 0 holds A, whatever happened there.
+    assert [route_at(t, events=False) for t in (0.9, 1.0, 2.0)] == [0, 0, 0]
+    # With them: both hold 8 tokens at 0.9 (a tie: the first); an event at the very time
+    # of the arrival is not yet known; after it, replica 1 holds more.
+    assert [route_at(t, events=True) for t in (0.9, 1.0, 2.0)] == [0, 0, 1]
+    caches.held[1] = {second}  # a prompt's cached run starts at its first block
+    assert caches.cached_tokens(1, [first, second]) == 0
+
+
+def test_kv_events_route_by_the_replicas_real_caches_in_the_engine():
+    # Pools too small for the 12 shared prefixes: the belief of a router without events
+    # (what it sent for 120 s) outlives what the pools hold, the KV events do not, so the
+    # two route differently; with events too, jumping routes exactly as stepping.
+    data = routed(3, "kv_aware", requests=300, rate=60, kv_events=True)
+    data["memory"]["kv_memory_gib"] = 0.5
+    runs = {}
+    for mode in ("jump", "step"):
+        data["engine"]["mode"] = mode
+        runs[mode] = run_scenario(scenario_from_dict(data)).systems["paged"]
+    pd.testing.assert_frame_equal(runs["jump"].requests, runs["step"].requests)
+    del data["engine"]["router"]["kv_events"]
+    believed = run_scenario(scenario_from_dict(data)).systems["paged"]
+    assert (believed.requests["replica"] != runs["jump"].requests["replica"]).any()
 
 
 def test_router_rules():
@@ -241,8 +286,9 @@ def test_kv_aware_router_temperature_draws_by_softmax_of_scaled_costs():
 def test_routing_is_the_same_in_jump_and_step_mode(policy, seed):
     rng = random.Random(seed)
     drawn: dict[str, float] = {}
-    if policy == "kv_aware":  # a draw and a time to live shorter than the run, at times
-        drawn = {"temperature": 0.5} if seed % 2 else {"ttl_s": 2.0}
+    if policy == "kv_aware":  # a draw, a time to live shorter than the run, or KV events
+        drawn = ({"temperature": 0.5} if seed % 2 else {"ttl_s": 2.0} if seed % 3
+                 else {"kv_events": True})
     data = routed(rng.choice([2, 3]), policy, seed=seed, requests=150,
                   rate=rng.choice([10, 60]), balance_abs_threshold=rng.choice([0, 3, 32]),
                   **drawn)
@@ -391,7 +437,7 @@ def test_router_settings_are_checked():
                        r"less than or equal to 1"):
         scenario_from_dict(routed(2, "cache_aware", cache_threshold=1.5))
     for name, value in (("temperature", 0.5), ("track_prefill_tokens", False),
-                        ("ttl_s", 60)):
+                        ("ttl_s", 60), ("kv_events", True)):
         with pytest.raises(ScenarioError, match=rf"engine.router: {name} is for policy "
                            r"kv_aware, not least_loaded"):
             scenario_from_dict(routed(2, "least_loaded", **{name: value}))
@@ -401,6 +447,17 @@ def test_router_settings_are_checked():
     with pytest.raises(ScenarioError, match=r"engine.router.ttl_s: Input should be "
                        r"greater than 0"):
         scenario_from_dict(routed(2, "kv_aware", ttl_s=0))
+    with pytest.raises(ScenarioError, match=r"engine.router: ttl_s is how long a router "
+                       r"without kv_events believes"):
+        scenario_from_dict(routed(2, "kv_aware", ttl_s=60, kv_events=True))
+    with pytest.raises(ScenarioError, match=r"engine.router.kv_events: Input should be a "
+                       r"valid boolean"):
+        scenario_from_dict(routed(2, "kv_aware", kv_events="often"))
+    hybrid = routed(2, "kv_aware", kv_events=True)
+    hybrid["model"] = "mistral-7b-v0.1"
+    with pytest.raises(ScenarioError, match=r"engine.router.kv_events is not modelled with "
+                       r"the hybrid KV cache manager"):
+        scenario_from_dict(hybrid)
     # An infinite weight would make every cost NaN and route by accident: refused, as is
     # any infinite number in a scenario.
     with pytest.raises(ScenarioError, match=r"engine.router.overlap_score_weight: Input "

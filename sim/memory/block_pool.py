@@ -6,13 +6,17 @@ thrown out at once: if it is a *known* coat (the block has a content hash) it st
 hook as a cached coat someone may ask for again, and an eviction policy decides which cached
 coat is taken down first when a new one must be hung. Hooks holding nothing worth keeping
 (unhashed blocks) are always used before any cached coat is taken down.
+
+A cloakroom may also keep a logbook (``events``): every known coat that joins the racks or
+is taken down, with the time, which a host at the door reads to know what hangs here, as an
+engine publishes KV events to NVIDIA Dynamo's router.
 """
 
 from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from sim.memory.base import MemorySnapshot
 from sim.memory.content import DuplicateCounter
@@ -216,6 +220,10 @@ class BlockPool:
     keeping; taken first) and the eviction policy (ref 0 but cached). Taking a cached block
     removes its hash from the map then, not when it was released — lazy eviction — and, with
     a ``host`` tier, writes its content down to host memory.
+
+    With ``events`` (:meth:`log_events`), every hash that joins the map or leaves it is
+    logged as ``(clock_s, hash, stored)``, stamped with ``clock_s``, which the scheduler keeps
+    at the simulated time of what it asks (vLLM's BlockStored and BlockRemoved KV events).
     """
 
     def __init__(self, num_blocks: int, eviction: str = "lru", enable_caching: bool = True,
@@ -230,6 +238,14 @@ class BlockPool:
         self._release_counter = 0
         self._cache_counter = 0
         self.num_evictions = 0
+        self.clock_s = 0.0  # the simulated time events are stamped with
+        self.events: deque[tuple[float, int, bool]] | None = None
+
+    def log_events(self) -> deque[tuple[float, int, bool]]:
+        """Log the cache map's changes from now on; the log, oldest first, for a reader to
+        consume from the left."""
+        self.events = deque((self.clock_s, block_hash, True) for block_hash in self.cached)
+        return self.events
 
     @property
     def num_free(self) -> int:
@@ -248,6 +264,8 @@ class BlockPool:
             block = self.evictable.pop()
             if self.cached.get(block.block_hash) is block:  # type: ignore[arg-type]
                 del self.cached[block.block_hash]  # type: ignore[arg-type]
+                if self.events is not None:
+                    self.events.append((self.clock_s, block.block_hash, False))  # type: ignore[arg-type]
             if self.host is not None:
                 self.host.offer(block.block_hash)  # type: ignore[arg-type]
             self.num_evictions += 1
@@ -274,8 +292,14 @@ class BlockPool:
             return False
         block_hash = block.block_hash if self.enable_caching else None
         # A copy computed while the registered one was live takes over an empty map entry.
-        if block_hash is not None and self.cached.setdefault(block_hash, block) is not block:
-            block_hash = None
+        if block_hash is not None:
+            entry = self.cached.get(block_hash)
+            if entry is None:
+                self.cached[block_hash] = block
+                if self.events is not None:
+                    self.events.append((self.clock_s, block_hash, True))
+            elif entry is not block:
+                block_hash = None
         if block_hash is not None:
             self._release_counter += 1
             block.release_seq = self._release_counter
@@ -292,6 +316,8 @@ class BlockPool:
         block.cached_seq = self._cache_counter
         if self.enable_caching and block_hash not in self.cached:
             self.cached[block_hash] = block
+            if self.events is not None:
+                self.events.append((self.clock_s, block_hash, True))
 
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self.cached.get(block_hash)
