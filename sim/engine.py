@@ -542,17 +542,14 @@ class _SystemRun:
     @staticmethod
     def kv_events(replicas: list[_Replica]) -> CacheEvents:
         """The KV events of ``replicas``' GPU caches, as their engines publish them (none
-        from a pool without a prefix cache: contiguous extents, or paging with caching off)."""
-        logs: list[deque[tuple[float, int, bool]]] = []
-        block_size = 1
-        for replica in replicas:
-            allocator = replica.allocator
-            if isinstance(allocator, PagedAllocator) and allocator.enable_prefix_caching:
-                logs.append(allocator.pool.log_events())
-                block_size = allocator.block_size
-            else:
-                logs.append(deque())
-        return CacheEvents(logs, block_size)
+        from a pool without a prefix cache: contiguous extents, or paging with caching off;
+        the replicas of a system are alike)."""
+        caching = [r.allocator for r in replicas if isinstance(r.allocator, PagedAllocator)
+                   and r.allocator.enable_prefix_caching]
+        if not caching:
+            return CacheEvents([deque() for _ in replicas], None)
+        return CacheEvents([allocator.pool.log_events() for allocator in caching],
+                           caching[0].block_size)
 
     def next_unrouted_s(self) -> float:
         """Arrival time of the next open arrival the router has yet to place (inf if none)."""

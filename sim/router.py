@@ -111,9 +111,10 @@ class CacheEvents:
     full blocks from block 0 that a replica holds, never the block of its last token (as
     admission looks it up)."""
 
-    def __init__(self, logs: list[deque[tuple[float, int, bool]]], block_size: int) -> None:
+    def __init__(self, logs: list[deque[tuple[float, int, bool]]],
+                 block_size: int | None) -> None:
         self.logs = logs
-        self.block_size = block_size
+        self.block_size = block_size  # None: no prefix cache to report (nothing is ever held)
         self.held: list[set[int]] = [set() for _ in logs]
 
     def catch_up(self, until_s: float) -> None:
@@ -129,6 +130,8 @@ class CacheEvents:
     def block_hashes(self, segments: Segments) -> list[int]:
         """The hashes a lookup of this prompt goes through (all its full blocks but the
         one holding its last token)."""
+        if self.block_size is None:
+            return []
         prompt_len = sum(length for _, length in segments)
         count = (prompt_len - 1) // self.block_size
         return BlockHasher(segments, self.block_size).hash_upto(count)[:count]
@@ -141,7 +144,7 @@ class CacheEvents:
             if block_hash not in held:
                 break
             found += 1
-        return found * self.block_size
+        return found * (self.block_size or 0)
 
 
 class Router:
@@ -194,6 +197,7 @@ class Router:
         # of what the trees believe (see watch_caches).
         self.caches: CacheEvents | None = None
         self._lookups: dict[int, list[int]] = {}  # expected request -> its lookup hashes
+        self._routed: tuple[Segments, list[int]] | None = None  # the last route's lookup
 
     def watch_caches(self, caches: CacheEvents) -> None:
         """``kv_aware`` learns what each replica caches from its KV events from now on."""
@@ -211,7 +215,8 @@ class Router:
             chain = prefix_chain(segments)
             if self.policy == "kv_aware":
                 self._chains[request] = chain
-                self._start(request, replica, chain, self._cached(replica, chain, segments))
+                self._start(request, replica, chain,
+                            self._cached(replica, chain, self._lookup(segments)))
             self.trees[replica].insert(chain, self._now_s)
 
     def expect(self, request: int, replica: int, arrival_s: float, segments: Segments) -> None:
@@ -226,14 +231,22 @@ class Router:
                     self._lookups[request] = self.caches.block_hashes(segments)
             heapq.heappush(self._events, (arrival_s, _TOUCH, request, replica, chain))
 
-    def _cached(self, replica: int, chain: list[tuple[int, int]], segments: Segments,
-                hashes: list[int] | None = None) -> int:
-        """Prompt tokens ``replica`` caches of the prompt ``chain`` (of ``segments``), as
-        far as the router knows: from its KV events, else from what it sent there."""
+    def _lookup(self, segments: Segments) -> list[int] | None:
+        """The prompt's lookup hashes when the router reads KV events (None else); the
+        assignment that follows a route reuses the route's."""
         if self.caches is None:
+            return None
+        if self._routed is not None and self._routed[0] is segments:
+            return self._routed[1]
+        return self.caches.block_hashes(segments)
+
+    def _cached(self, replica: int, chain: list[tuple[int, int]],
+                hashes: list[int] | None) -> int:
+        """Prompt tokens ``replica`` caches of the prompt ``chain``, as far as the router
+        knows: from its KV events (the prompt's lookup ``hashes``), else from what it sent
+        there."""
+        if self.caches is None or hashes is None:  # (both or neither)
             return self.trees[replica].match(chain)
-        if hashes is None:
-            hashes = self.caches.block_hashes(segments)
         return self.caches.cached_tokens(replica, hashes)
 
     def _start(self, request: int, replica: int, chain: list[tuple[int, int]],
@@ -291,9 +304,8 @@ class Router:
             else:
                 self.trees[replica].expire(event_s)
                 if self.policy == "kv_aware":
-                    cached = (self.trees[replica].match(chain) if caches is None
-                              else caches.cached_tokens(replica, self._lookups.pop(request)))
-                    self._start(request, replica, chain, cached)
+                    hashes = self._lookups.pop(request) if caches is not None else None
+                    self._start(request, replica, chain, self._cached(replica, chain, hashes))
                 self.trees[replica].insert(chain, event_s)
         if caches is not None:
             caches.catch_up(now_s)
@@ -307,8 +319,10 @@ class Router:
         self._catch_up(arrival_s)
         chain = prefix_chain(segments) if self._tracks_cache else []
         if self.policy == "kv_aware":
-            hashes = self.caches.block_hashes(segments) if self.caches is not None else None
-            cached = [self._cached(r, chain, segments, hashes) for r in range(self.replicas)]
+            hashes = self._lookup(segments)
+            if hashes is not None:
+                self._routed = (segments, hashes)
+            cached = [self._cached(r, chain, hashes) for r in range(self.replicas)]
             return self._cheapest(chain, prompt_len, cached)
         if self.policy == "least_loaded" or self._imbalanced():
             replica = self._least_loaded()

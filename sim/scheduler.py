@@ -793,9 +793,10 @@ class Scheduler:
                     break  # not blocked for good: a step without other prefills admits it
             # Per chunk (vLLM v1), a prompt computed here claims only its first chunk's memory
             # (a swapped or transferred one arrives whole).
-            hits = self.allocator.admit(spec, budget if self._per_chunk and not (
-                request.swapped or request.transferred) else None) if self._samples_fit(
-                request, spec) else None
+            hits = None
+            if self._samples_fit(request, spec):
+                hits = self.allocator.admit(spec, budget if self._per_chunk and not (
+                    request.swapped or request.transferred) else None)
             if hits is None:
                 if self._make_room(request, batch):
                     continue  # memory freed for a better priority: try again
@@ -942,7 +943,8 @@ class Scheduler:
         context = self._tok_sync_sum + self._pending() + seqs
         grows, finishes, windows = self._events
         past, base = self._past_window, self._skip_base  # (skipped_context, inlined)
-        pool = self._pool
+        # A pool that logs KV events stamps them with each step's time (nothing to do else).
+        pool = self._pool if self._pool is not None and self._pool.events is not None else None
         steps = 0
         while True:
             clock_s += step_time(context, base + past * self.steps)
