@@ -32,10 +32,10 @@ import simpy
 
 from sim.length_predictor import predicted_output_lengths
 from sim.memory import (
-    TAXONOMY,
     ContiguousAllocator,
     HybridPagedAllocator,
     KVAllocator,
+    MemorySnapshot,
     PagedAllocator,
     final_kv_tokens,
 )
@@ -50,7 +50,7 @@ from sim.scenario import (
     SystemConfig,
     VirtualConfig,
 )
-from sim.scheduler import Batch, Request, Scheduler
+from sim.scheduler import Batch, QuietDecode, Request, Scheduler
 from sim.timing import (
     Calibration,
     CalibrationError,
@@ -60,7 +60,7 @@ from sim.timing import (
 )
 from workloads import Trace, WorkloadError, build_trace
 
-MEMORY_COLUMNS = (*TAXONOMY, "duplicate")
+MEMORY_COLUMNS = MemorySnapshot._fields  # the taxonomy, then duplicate
 
 
 class SimulationError(RuntimeError):
@@ -251,20 +251,31 @@ class _Recorder:
         self._last_sample = -math.inf
 
     def record(self, replica: int, start_s: float, duration_s: float, steps: int, batch: Batch,
-               sched: Scheduler, snap: dict[str, int], snap_end: dict[str, int]) -> None:
+               sched: Scheduler, snap: MemorySnapshot, quiet: QuietDecode | None,
+               finished: int) -> None:
+        """One step, or a run of ``quiet`` decode steps, that began holding ``snap`` and
+        ended with ``finished`` requests done."""
         running, waiting = len(sched.running), len(sched.waiting)
         self.steps.append((replica, start_s, duration_s, steps, batch.decode_seqs,
                            batch.context_tokens, batch.prefill_tokens,
                            len(batch.prefill),
                            batch.loaded_tokens, batch.swapped_slots, batch.preempted, running,
                            waiting))
-        for key in MEMORY_COLUMNS:
-            self.weighted[key] += duration_s * (snap[key] + snap_end[key]) / 2
-        self.weighted["running"] += duration_s * running
+        # What each step held for as long as it ran, and the requests running after it.
+        last_step_s = duration_s
+        if quiet is None:
+            for key, slots in zip(MEMORY_COLUMNS, snap, strict=True):
+                self.weighted[key] += duration_s * slots
+        else:
+            for key, slot_s in zip(MEMORY_COLUMNS, quiet.slot_seconds, strict=True):
+                self.weighted[key] += slot_s
+            last_step_s = quiet.last_step_s  # the finishes came at its end
+        self.weighted["running"] += (duration_s - last_step_s) * (running + finished) + (
+            last_step_s * running)
         self.weight += duration_s
         if start_s - self._last_sample >= self.sample_interval_s:
             self._last_sample = start_s
-            self.memory.append((replica, start_s, *(snap[k] for k in MEMORY_COLUMNS), running,
+            self.memory.append((replica, start_s, *snap, running,
                                 waiting, batch.decode_seqs, sched.num_preemptions,
                                 sched.hit_tokens, sched.lookup_tokens))
 
@@ -377,7 +388,7 @@ class _Replica:
                 # Pure decode with nothing to decide: run steps until an event needs one.
                 batch = Batch()
                 sched.fill_decode(batch)
-                snap = sched.snapshot().as_dict()
+                snap = sched.snapshot()
                 # An arrival matters only to an empty queue (behind a blocked head it
                 # waits), unless its priority or its length may put it ahead of that head.
                 heeded = not sched.waiting or sched.waiting.ordered
@@ -385,9 +396,9 @@ class _Replica:
                 if self.role == "decode" and heeded:
                     stop_at = min(stop_at, sim.handover_horizon())
                 stop_at = min(stop_at, sched.next_promotion_s())
-                steps, clock, finished = sched.decode_quietly(
-                    timing.decode_step_time(batch.decode_seqs, self.rho), start, stop_at)
-                snap_end = sched.snapshot().as_dict() if steps > 1 else snap
+                quiet = sched.decode_quietly(
+                    timing.decode_step_time(batch.decode_seqs, self.rho), start, stop_at, snap)
+                steps, clock, finished = quiet.steps, quiet.clock_s, quiet.finished
             else:
                 batch = sched.schedule(start)
                 if batch.empty and self.held:
@@ -400,7 +411,8 @@ class _Replica:
                     raise SimulationError(
                         f"replica {self.index}: nothing can run although "
                         f"{len(sched.running)} requests run and {len(sched.waiting)} wait")
-                snap = snap_end = sched.snapshot().as_dict()
+                snap = sched.snapshot()
+                quiet = None
                 duration = timing.step_time(batch.decode_seqs, batch.context_tokens,
                                             batch.prefill_tokens, batch.prefill_pairs, self.rho,
                                             batch.skipped_context, batch.skipped_pairs)
@@ -415,7 +427,7 @@ class _Replica:
                 if sim.router is not None and self.role != "decode":
                     sim.tell_first_tokens(self, batch, clock)
             sim.recorder.record(self.index, start, clock - start, steps, batch, sched, snap,
-                                snap_end)
+                                quiet, len(finished))
             self.clock = clock
             for request in finished:
                 self._account_finish(request)

@@ -66,13 +66,11 @@ def _percentiles(values: np.ndarray, name: str) -> dict[str, float]:
     return out
 
 
-def _waiting_at(steps: pd.DataFrame, time_s: float) -> int:
-    """Requests queued (arrived, not admitted) at the last step starting by ``time_s``,
-    summed over replicas: how far arrivals had outrun the server when they stopped."""
-    before = steps[steps["time_s"] <= time_s]
-    if before.empty:
-        return 0
-    return int(before.groupby("replica")["waiting"].last().sum())
+def _waiting_at(requests: pd.DataFrame, time_s: float) -> int:
+    """Requests arrived by ``time_s`` and not yet seated (every replica's): how far arrivals
+    had outrun the server when they stopped. (From the requests' own times, so a run of
+    decode steps advanced at once counts the arrivals within it as stepping does.)"""
+    return int(((requests["arrival_s"] <= time_s) & ~(requests["admitted_s"] <= time_s)).sum())
 
 
 def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, float],
@@ -134,7 +132,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
             finish_alloc) else 0.0,
         "prefix_hit_rate": hit_rate,
         "preempted_hit_rate": preempted_hit_rate,
-        "waiting_at_last_arrival": _waiting_at(steps, float(requests["arrival_s"].max())
+        "waiting_at_last_arrival": _waiting_at(requests, float(requests["arrival_s"].max())
                                                if len(requests) else 0.0),
         "preemptions": int(requests["preemptions"].sum()),
         "recomputed_tokens": int(requests["recomputed_tokens"].sum()),

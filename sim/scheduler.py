@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from sim.memory import (
     ContiguousAllocator,
+    HybridPagedAllocator,
     KVAllocator,
     MemorySnapshot,
     SeqSpec,
@@ -289,6 +290,32 @@ class WaitingLine:
         return [entry[4] for entry in self._heap if entry[3] == entry[4].ticket]
 
 
+_TOKEN, _RESERVED = MemorySnapshot._fields.index("token"), MemorySnapshot._fields.index(
+    "reserved")
+
+
+@dataclass
+class QuietDecode:
+    """A run of pure-decode steps advanced at once (:meth:`Scheduler.decode_quietly`): how
+    many, when the last ended, who finished then, and the memory the steps held."""
+
+    steps: int = 0
+    clock_s: float = 0.0
+    finished: list[Request] = field(default_factory=list)
+    # Per MemorySnapshot field: slots × seconds, summed over the steps (each step's memory
+    # for as long as it ran, as stepping records it).
+    slot_seconds: list[float] = field(default_factory=list)
+    last_step_s: float = 0.0  # the last step's time (the finishes came at its end)
+
+    def add(self, memory: MemorySnapshot, duration_s: float, written_token_s: float) -> None:
+        """Steps that held ``memory`` for ``duration_s`` and, beyond it, wrote tokens worth
+        ``written_token_s`` token-seconds into reserved slots."""
+        for index, slots in enumerate(memory):
+            self.slot_seconds[index] += slots * duration_s
+        self.slot_seconds[_TOKEN] += written_token_s
+        self.slot_seconds[_RESERVED] -= written_token_s
+
+
 @dataclass
 class Batch:
     """What one engine step computes."""
@@ -381,9 +408,13 @@ class Scheduler:
         self._block_size: int | None = getattr(allocator, "block_size", None)
         # Blocks one sequence's block crossing may take: one a group of block tables.
         self._crossing_blocks: int = getattr(allocator, "groups", 1)
-        # Sliding-window tables give back what a window has passed before each write (vLLM's
-        # remove_skipped_blocks): a prompt's last chunk's, by its first decode step.
-        self._gives_back: bool = getattr(allocator, "sliding_groups", 0) > 0
+        # Sliding-window tables give back a block at the step whose first token no longer
+        # sees it (vLLM's remove_skipped_blocks, every step): a prompt's last chunk's at its
+        # first decode step, then one a table each time the window passes a block's end. The
+        # window's length in tokens; 0 where no table gives blocks back.
+        self._hybrid = allocator if isinstance(allocator, HybridPagedAllocator) else None
+        self._table_window = self._hybrid.sliding_window if (
+            self._hybrid is not None and self._hybrid.sliding_groups) else 0
         self._predicts = getattr(allocator, "reserve_policy", None) == "predicted"
         if (self._predicts or self.waiting.by_length) and predicted_output is None:
             raise ValueError("a predicted reservation, or a line by predicted length, needs "
@@ -569,11 +600,17 @@ class Scheduler:
         bs = self._block_size
         if bs is not None:
             cap = -(-request.tok_sync // bs) * bs
-            if start and (request.num_seqs > 1 or self._gives_back):
+            window = self._table_window
+            if start and (request.num_seqs > 1 or window):
                 # The first decode step writes at once: samples sharing the prompt's last
                 # block copy it (or, the block full, take one of their own), and sliding
                 # windows give back what the prompt's last chunk held and the step cannot see.
                 cap = request.tok_sync
+            elif window:
+                # Or earlier, at the token whose window first misses one more block: the
+                # last step's token (at tok_sync - 1) missed ``passed`` of them.
+                passed = max(0, request.tok_sync - window) // bs
+                cap = min(cap, (passed + 1) * bs + window - 1)
         elif self._predicts:
             # The request outgrows its extent when it writes the slot past its end.
             cap = self.allocator.allocated_slots(request.index * MAX_SAMPLES)
@@ -728,15 +765,15 @@ class Scheduler:
         due = self._due(GROW, self.steps)
         if not due:
             return True
-        need = sum(r.num_seqs for r in due) * self._crossing_blocks
-        # A first decode step giving back a prompt's window frees memory, which may seat the
-        # line's head: schedule() then tries, as stepping would.
-        first_writes = self._gives_back and any(r.tok_sync == r.prefill_target for r in due)
+        if self._table_window:
+            need, gives_back = self._window_grows(due)
+        else:
+            need, gives_back = sum(r.num_seqs for r in due) * self._crossing_blocks, False
         # A contiguous extent's end is always an overflow: schedule() preempts for it. Per
         # chunk, a blocked head's claim grows with its prefix hits, so evicting one of them
         # may let it in: schedule() then tries, as stepping would (taking only blocks that
         # hold nothing cached evicts nothing).
-        if self._block_size is None or first_writes or need > (
+        if self._block_size is None or gives_back or need > (
                 self.allocator.num_free_blocks) or (  # type: ignore[attr-defined]
                 self._per_chunk and self.waiting and self._pool is not None
                 and need > self._pool.num_free - self._pool.num_cached_free):
@@ -748,6 +785,26 @@ class Scheduler:
             assert synced  # (never inside the assert: ``python -O`` would skip the write)
             self._push_events(request)
         return True
+
+    def _window_grows(self, due: list[Request]) -> tuple[int, bool]:
+        """Blocks the sliding-window model's requests with an event this step take, and
+        whether one of them gives a block back. Giving back frees memory, which may seat the
+        line's head: schedule() then tries, as stepping would (and always at a first decode
+        step, which gives back what the prompt's last chunk held)."""
+        bs = self._block_size
+        assert bs is not None
+        window = self._table_window
+        crossing = 0
+        gives_back = False
+        for request in due:
+            token = request.tok_sync + self.steps - request.g_sync  # this step's
+            if token % bs == 0:
+                crossing += 1
+            passed = token - window + 1
+            if request.tok_sync == request.prefill_target or (
+                    self.waiting and passed > 0 and passed % bs == 0):
+                gives_back = True
+        return crossing * self._crossing_blocks, gives_back
 
     def schedule(self, now_s: float) -> Batch:
         """Choose this step's work (starting at ``now_s``) and claim its memory."""
@@ -923,21 +980,42 @@ class Scheduler:
             finished.append(request)
         if self.debug:
             self.allocator.check_invariants()
+            if self._table_window:
+                self._check_windows()
             for events in self._events:  # every step is visited: nothing may be left behind
                 assert all(step >= self.steps for step in events), "an event was missed"
             assert self.swap_used == sum(r.swap_slots for r in self.waiting.requests()) <= (
                 self.swap_slots), "swap space held by no parked request"
         return finished
 
+    def _check_windows(self) -> None:
+        """Debug: each decoding sequence's sliding-window tables have given back exactly the
+        blocks the last step's token cannot see (before its first decode step, the last
+        chunk's first token's)."""
+        bs = self._block_size
+        assert bs is not None
+        hybrid = self._hybrid
+        assert hybrid is not None
+        for request in self.running.values():
+            if not request.decoding or request.tok_sync == request.prefill_target:
+                continue
+            token = request.tok_sync + self.steps - 1 - request.g_sync
+            passed = max(0, token - self._table_window + 1) // bs
+            for table in hybrid.block_tables(request.index * MAX_SAMPLES)[hybrid.full_groups:]:
+                assert table[:passed] == [None] * passed and None not in table[passed:], (
+                    f"request {request.index}: a window gave back the wrong blocks")
+
     def decode_quietly(self, step_time: Callable[[int, int], float], clock_s: float,
-                       stop_at_s: float) -> tuple[int, float, list[Request]]:
+                       stop_at_s: float, memory: MemorySnapshot) -> QuietDecode:
         """Run pure-decode steps (the first one's block crossings already claimed by
-        :meth:`fast_step`) until a step ends with a finish, the clock reaches ``stop_at_s``,
-        or the next step's crossings would need a preemption.
+        :meth:`fast_step`, after which the pool holds ``memory``, this :meth:`snapshot`)
+        until a step ends with a finish, the clock reaches ``stop_at_s``, or the next step's
+        crossings would need a preemption.
 
         Exactly :meth:`finish_step` and :meth:`fast_step` step after step, without the
         per-step calls: context tokens grow by the batch each step (syncing only moves
-        tokens from pending to synced). Returns (steps run, clock, finished requests).
+        tokens from pending to synced), and so do the token slots of the memory each step
+        holds, at the expense of reserved ones, until a crossing's claim changes it.
         """
         seqs = self.decode_seqs
         context = self._tok_sync_sum + self._pending() + seqs
@@ -945,12 +1023,21 @@ class Scheduler:
         past, base = self._past_window, self._skip_base  # (skipped_context, inlined)
         # A pool that logs KV events stamps them with each step's time (nothing to do else).
         pool = self._pool if self._pool is not None and self._pool.events is not None else None
-        steps = 0
+        run = QuietDecode(slot_seconds=[0.0] * len(memory))
+        # Since the last claim (or the run's start), steps take segment_s; a step's memory is
+        # ``memory`` with ``seqs`` tokens more a step before it, which ramp_s weighs.
+        segment_s = ramp_s = 0.0
+        since = 0
+        finished: list[Request] = []
         while True:
-            clock_s += step_time(context, base + past * self.steps)
+            step_s = step_time(context, base + past * self.steps)
+            clock_s += step_s
+            segment_s += step_s
+            ramp_s += since * step_s
+            since += 1
             if pool is not None:
                 pool.clock_s = clock_s  # this step's finishes, the next one's block crossings
-            steps += 1
+            run.steps += 1
             self.steps += 1
             context += seqs
             if windows and self.steps in windows:
@@ -959,11 +1046,22 @@ class Scheduler:
             if self.steps in finishes or self.debug:
                 finished = self._finish_due(clock_s)
                 if finished:
-                    return steps, clock_s, finished
+                    break
             if clock_s >= stop_at_s:
-                return steps, clock_s, []
-            if self.steps in grows and not self.fast_step():
-                return steps, clock_s, []
+                break
+            if self.steps in grows:
+                if not self.fast_step():
+                    break
+                # Claimed: from the next step on, the memory holds what it took.
+                run.add(memory, segment_s, seqs * ramp_s)
+                memory = self.snapshot()
+                segment_s = ramp_s = 0.0
+                since = 0
+        run.add(memory, segment_s, seqs * ramp_s)
+        run.clock_s = clock_s
+        run.finished = finished
+        run.last_step_s = step_s
+        return run
 
     def _finish(self, request: Request, end_s: float) -> None:
         request.finished_s = end_s

@@ -448,6 +448,41 @@ def test_sliding_layers_skip_the_context_past_their_window(users):
         assert skipped_pairs == 0 and pairs == prefill * 30
 
 
+@pytest.mark.parametrize("mode", ["step", "jump"])
+def test_a_window_gives_a_block_back_at_the_step_whose_token_cannot_see_it(mode):
+    # vLLM's remove_skipped_blocks runs before every step: the step computing token p keeps
+    # blocks from (p - W + 1) // 16 on. A 40-token window over 16-token blocks passes a
+    # block 8 steps before the table needs its next one, so block crossings alone would give
+    # each back 8 steps late.
+    window, prompt, output = 40, 30, 60
+    data = {
+        "name": "window-steps",
+        "model": {"name": "swa", "num_layers": 8, "num_heads": 8, "head_dim": 64,
+                  "num_params": 1e9, "max_model_len": 4096, "sliding_window": window,
+                  "num_sliding_layers": 8},
+        "memory": {"kv_memory_gib": 1},
+        "workload": {"arrival": {"process": "constant", "rate": 1},
+                     "prompt_len": {"dist": "constant", "value": prompt},
+                     "output_len": {"dist": "constant", "value": output}},
+        "systems": [{"name": "s", "allocator": {"kind": "paged", "block_size": 16,
+                                                "prefix_caching": False}}],
+        "stop": {"num_requests": 1}, "engine": {"mode": mode, "debug_invariants": True}}
+    result = run(data).systems["s"]
+    steps = result.steps
+    assert steps["steps"].sum() == output  # the prefill and 59 decode steps
+    # Each step's blocks (the memory it began with) against vLLM's rule, token by token.
+    memory = result.memory
+    held = (memory["token"] + memory["reserved"] + memory["internal"]) // 16
+    first_step = steps["steps"].cumsum().shift(fill_value=0).to_numpy()
+    expected = [2] + [-(-(p + 1) // 16) - max(0, p - window + 1) // 16
+                      for p in range(prompt, prompt + output - 1)]
+    assert held.tolist() == [expected[i] for i in first_step]
+    # (The case the test is for: blocks given back between crossings, 8 steps before them.)
+    drops = [p for p in range(prompt + 1, prompt + output - 1)
+             if expected[p - prompt + 1] < expected[p - prompt]]
+    assert drops and all(p % 16 == window % 16 - 1 for p in drops)
+
+
 def test_gpt_oss_a_mixture_of_experts_with_a_128_token_window_runs_as_stepping():
     # GPT-OSS-20B: every other layer sees 128 tokens, 4 of 32 experts a token. Its sliding
     # group holds at most a window and a chunk of every request, so the hybrid manager seats
