@@ -378,7 +378,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if scenario.sweep:  # every point must be valid too, as kvsim sweep checks before running
         _, points = load_sweep_points(path, overrides=overrides)
         sweep = f"; sweep: {len(points)} runs, each valid"
-    memory = memory_summary(scenario)  # a pool the weights leave no room for is an error
+    try:  # a pool the weights leave no room for, or less than a block, is an error
+        memory = memory_summary(scenario)
+    except _bad_input_types() as exc:
+        raise BadInput(f"{path}: {exc}") from None
     print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}{sweep}")
     print(memory)
     for note in scenario.idle_settings():
@@ -676,7 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a scenario and print the systems side by side")
     run.add_argument("scenario", help="scenario YAML file")
-    run.add_argument("--out", help="run folder (default: the scenario's output_dir or "
+    run.add_argument("-o", "--out", help="run folder (default: the scenario's output_dir or "
                      "runs/NAME)")
     run.add_argument("--seed", type=int, help="override the scenario's seed")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -691,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where the runs execute: local processes (default) or Ray")
     sweep.add_argument("--address", help="Ray cluster address ('auto', 'ray://host:10001'); "
                        "default: start a local Ray")
-    sweep.add_argument("--out", help="sweep folder (default: output_dir or runs/NAME)")
+    sweep.add_argument("-o", "--out", help="sweep folder (default: output_dir or runs/NAME)")
     sweep.add_argument("--quick", action="store_true",
                        help="a quarter of the requests, ≤3 values per numeric axis, one seed")
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -733,7 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("--address", help="--sweep --executor ray: a Ray cluster address")
     capacity.add_argument("--quick", action="store_true",
                           help="--sweep: a quarter of the requests, ≤3 values per axis")
-    capacity.add_argument("--out", help="results folder (default: runs/NAME-capacity)")
+    capacity.add_argument("-o", "--out", help="results folder (default: runs/NAME-capacity)")
     capacity.add_argument("--quiet", action="store_true", help="no line per run")
     _add_overrides(capacity)
     capacity.set_defaults(func=cmd_capacity)

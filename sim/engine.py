@@ -804,6 +804,20 @@ def scenario_pool_slots(scenario: Scenario) -> int:
                          tensor_parallel_size=scenario.parallel.tensor_parallel_size)
 
 
+def check_pool(scenario: Scenario, system: SystemConfig, pool_slots: int) -> None:
+    """Refuse a pool of ``pool_slots`` that holds not one token, or not one block (or page)
+    of ``system``."""
+    if pool_slots < 1:
+        model = scenario.model_spec()
+        raise SizingError(f"memory: the KV pool holds not one token ({model.name} takes "
+                          f"{model.kv_bytes_per_token:,} bytes a token)")
+    unit = allocation_unit(scenario, system)
+    if pool_slots < unit:
+        what = "page" if isinstance(system.allocator, VirtualConfig) else "block"
+        raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than one {what} "
+                          f"({unit} slots) of system {system.name!r}")
+
+
 def memory_summary(scenario: Scenario) -> str:
     """How a replica's GPU memory divides, in the figures vLLM logs as it starts ("GPU KV
     cache size", "Maximum concurrency for N tokens per request"), to check a scenario
@@ -811,6 +825,8 @@ def memory_summary(scenario: Scenario) -> str:
     model, gpu = scenario.model_spec(), scenario.gpu_spec()
     tp = scenario.parallel.tensor_parallel_size
     slots = scenario_pool_slots(scenario)
+    for system in scenario.systems:  # (refused here too, so that kvsim validate says so)
+        check_pool(scenario, system, slots)
     per_gpu = model.kv_bytes_per_token_per_gpu(tp)
     gpus = gpu.name if tp == 1 else f"{tp} × {gpu.name}"
     each = "" if tp == 1 else " a GPU"
@@ -832,21 +848,14 @@ def memory_summary(scenario: Scenario) -> str:
 def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: StepTimeModel,
                progress: Callable[[int], None] | None = None) -> RunResult:
     """Simulate one system on ``trace``."""
-    model = scenario.model_spec()
     pool_slots = scenario_pool_slots(scenario)
-    if pool_slots < 1:
-        raise SizingError(f"memory: the KV pool holds not one token ({model.name} takes "
-                          f"{model.kv_bytes_per_token:,} bytes a token)")
-    unit = allocation_unit(scenario, system)
-    if pool_slots < unit:
-        what = "page" if isinstance(system.allocator, VirtualConfig) else "block"
-        raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than one {what} "
-                          f"({unit} slots) of system {system.name!r}")
+    check_pool(scenario, system, pool_slots)
     smallest = int(final_kv_tokens(trace.prompt_len, trace.output_len).min())
     if pool_slots < smallest:
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than the "
                           f"smallest request ({smallest} tokens)")
-    return _SystemRun(scenario, system, trace, timing, pool_slots, unit, progress).run()
+    return _SystemRun(scenario, system, trace, timing, pool_slots,
+                      allocation_unit(scenario, system), progress).run()
 
 
 def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) -> Trace:

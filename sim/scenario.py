@@ -38,7 +38,7 @@ from sim.presets import (
 from sim.router import DYNAMO_TTL_S
 from sim.timing import DEFAULT_ALLREDUCE_LATENCY_S
 from workloads.distributions import ConfigModel
-from workloads.spec import Workload
+from workloads.spec import SyntheticWorkload, Workload
 
 
 class ScenarioError(ValueError):
@@ -573,6 +573,14 @@ class Scenario(ConfigModel):
                              f"boards; use at most {joined}, or engine.replicas for more GPUs, "
                              "or give gpu explicitly with the interconnect_gbps you have")
         return value
+
+    @model_validator(mode="after")
+    def _shared_prefixes_fit_the_context(self):  # type: ignore[no-untyped-def]
+        if isinstance(self.workload, SyntheticWorkload):
+            problem = self.workload.context_problem(_model_spec(self.model).max_model_len)
+            if problem:
+                raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _disaggregation_has_one_sample(self):  # type: ignore[no-untyped-def]

@@ -103,6 +103,9 @@ BAD = [
                                      "gpu: h100-80g").replace("block_size: 16",
                                                               "block_size: 16, host_cache_gib: 1"),
      "bad.yaml: system 'paged': a host tier (allocator.host_cache_gib) is not modelled"),
+    ("prefix past the context", GOOD.replace("length: 64", "length: 4095"),
+     "bad.yaml: workload.prefix_groups.length 4095: shared prefixes of 4095 tokens leave no "
+     "room in the model's context of 4096; expected fewer than 4095"),
 ]
 
 
@@ -117,6 +120,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path, label, text, expected):
     assert "Traceback" not in proc.stderr
     assert str(path) in lines[0]
     assert expected in lines[0], lines[0]
+    # Checking the file says the same, without running it.
+    checked = kvsim("validate", str(path))
+    assert checked.returncode == 2 and checked.stderr == proc.stderr, checked.stderr
 
 
 @pytest.mark.parametrize(("old", "new", "expected"), [

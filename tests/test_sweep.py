@@ -344,15 +344,18 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         hit = outcome.table.groupby("param:engine.router.policy")["prefix_hit_rate"].min()
         assert hit["cache_aware"] > hit[["round_robin", "least_loaded"]].max() + 0.3
         assert hit["kv_aware"] > hit[["round_robin", "least_loaded"]].max() + 0.1
-        # A line per policy and setting, kv_aware's five apart (each setting is null in most
+        # A line per policy and setting, kv_aware's seven apart (each setting is null in most
         # runs: once, such runs were drawn as one line, averaged).
         knees = figures["rate_sweep"].kvsim_data["knees"]
-        assert len(knees) == 8
+        assert len(knees) == 10
         assert [label for label in knees.index if "kv_aware" in label] == [
             "paged-16, policy=kv_aware", "paged-16, overlap_score_weight=4.0, policy=kv_aware",
             "paged-16, policy=kv_aware, track_prefill_tokens=False",
             "paged-16, overlap_score_weight=4.0, policy=kv_aware, track_prefill_tokens=False",
-            "paged-16, policy=kv_aware, temperature=0.1"]
+            "paged-16, policy=kv_aware, temperature=0.1",
+            "paged-16, kv_events=True, policy=kv_aware",
+            "paged-16, kv_events=True, overlap_score_weight=4.0, policy=kv_aware, "
+            "track_prefill_tokens=False"]
         # At the highest rate, Dynamo's queue term spreads prompts away from their cache:
         # without it, at weight 4, kv_aware follows the cache as SGLang's router does.
         rate = outcome.table["param:workload.arrival.rate"]
@@ -361,14 +364,16 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         assert top.loc[6, "prefix_hit_rate"] > top.loc[2, "prefix_hit_rate"] - 0.02
         # At one rate, a bar per policy and setting.
         swept = ["engine.router.policy", "engine.router.overlap_score_weight",
-                 "engine.router.track_prefill_tokens", "engine.router.temperature"]
+                 "engine.router.track_prefill_tokens", "engine.router.temperature",
+                 "engine.router.kv_events"]
         bars = category_figures(top, swept, ["workload.arrival.rate"], ["throughput_tok_s"])
         series = bars["by_engine_router_policy"].kvsim_data["series"]
         assert list(series["value"]) == [
             "round_robin", "least_loaded", "cache_aware", "kv_aware",
             "kv_aware\noverlap_score_weight=4.0", "kv_aware\ntrack_prefill_tokens=False",
             "kv_aware\noverlap_score_weight=4.0\ntrack_prefill_tokens=False",
-            "kv_aware\ntemperature=0.1"]
+            "kv_aware\ntemperature=0.1", "kv_aware\nkv_events=True",
+            "kv_aware\noverlap_score_weight=4.0\ntrack_prefill_tokens=False\nkv_events=True"]
     if name == "disaggregation_chat":  # decode placement is part of the swept section
         assert outcome.table["param:engine.disaggregation"].str.contains(
             '"decode_router": "least_loaded"').sum() == 2

@@ -92,6 +92,22 @@ class SyntheticWorkload(ConfigModel):
             raise ValueError("sessions and a closed_loop arrival process cannot be combined")
         return self
 
+    def context_problem(self, max_model_len: int) -> str | None:
+        """Why the shared prefixes leave a request no room in the model's context, or None
+        (a request needs a token of its own and one generated)."""
+        shared = [(f"prefix_groups.length {self.prefix_groups.length}",
+                   self.prefix_groups.length)] if self.prefix_groups else []
+        if self.few_shot:
+            shared.append((f"few_shot.shots × shot_len {self.few_shot.shots} × "
+                           f"{self.few_shot.shot_len}",
+                           self.few_shot.shots * self.few_shot.shot_len))
+        shared_len = sum(tokens for _, tokens in shared)
+        if shared_len < max_model_len - 1:
+            return None
+        return (f"workload.{' + '.join(what for what, _ in shared)}: shared prefixes of "
+                f"{shared_len} tokens leave no room in the model's context of "
+                f"{max_model_len}; expected fewer than {max_model_len - 1}")
+
 
 class ColumnMap(ConfigModel):
     """Which columns of a generic CSV/JSONL file hold what."""

@@ -77,14 +77,9 @@ def generate(
     """
     if num_requests < 1:
         raise WorkloadError("num_requests must be >= 1")
-    shared_len = (spec.prefix_groups.length if spec.prefix_groups else 0) + (
-        spec.few_shot.shots * spec.few_shot.shot_len if spec.few_shot else 0
-    )
-    if shared_len >= max_model_len - 1:
-        raise WorkloadError(
-            f"shared prefixes ({shared_len} tokens) leave no room in the model's context "
-            f"limit ({max_model_len})"
-        )
+    problem = spec.context_problem(max_model_len)
+    if problem:
+        raise WorkloadError(problem)
     if spec.sessions is not None:
         # A conversation that reaches the context limit ends early; draw more sessions
         # until there are enough turns (each attempt from the same seed: deterministic).
