@@ -836,6 +836,9 @@ def memory_summary(scenario: Scenario) -> str:
             f"{each}, KV pool {slots * per_gpu / GIB:.1f} GiB{each}{source}; GPU KV cache size "
             f"{slots:,} tokens of {per_gpu / 1024:,.1f} KiB{each}; maximum concurrency for "
             f"{model.max_model_len:,} tokens per request: {slots / model.max_model_len:.2f}x")
+    if slots < model.max_model_len:
+        text += (" (under 1x: vLLM would refuse to start, as the pool cannot hold one request "
+                 "of the whole context; set max_model_len lower, or give the pool more memory)")
     if model.sliding_window:
         layers, full, sliding = model.kv_cache_groups()
         text += (f"; a {model.sliding_window:,}-token sliding window in "

@@ -526,6 +526,10 @@ class Scenario(ConfigModel):
     name: str = Field(min_length=1)
     description: str = ""
     model: str | ModelConfig = "llama-2-7b"
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="the context limit, as vLLM's --max-model-len: the "
+        "most tokens (prompt and output) a request may reach, and what a contiguous "
+        "max_model_len reservation reserves; at most the model's context (the default)")
     gpu: str | GpuConfig = "a100-80g"
     memory: MemoryConfig = MemoryConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -574,10 +578,23 @@ class Scenario(ConfigModel):
                              "or give gpu explicitly with the interconnect_gbps you have")
         return value
 
+    @field_validator("max_model_len")
+    @classmethod
+    def _within_the_models_context(cls, value: int | None, info: ValidationInfo
+                                   ) -> int | None:
+        if value is None or "model" not in info.data:
+            return value  # the model's own, or the model already refused
+        model = _model_spec(info.data["model"])
+        if value > model.max_model_len:
+            raise ValueError(f"{value:,} exceeds {model.name}'s context of "
+                             f"{model.max_model_len:,} tokens; expected at most that (vLLM "
+                             "refuses a longer --max-model-len too)")
+        return value
+
     @model_validator(mode="after")
     def _shared_prefixes_fit_the_context(self):  # type: ignore[no-untyped-def]
         if isinstance(self.workload, SyntheticWorkload):
-            problem = self.workload.context_problem(_model_spec(self.model).max_model_len)
+            problem = self.workload.context_problem(self.model_spec().max_model_len)
             if problem:
                 raise ValueError(problem)
         return self
@@ -662,10 +679,16 @@ class Scenario(ConfigModel):
         return notes
 
     def model_spec(self) -> ModelSpec:
-        """The model, with its KV cache stored as ``memory.kv_cache_dtype`` says."""
+        """The model, with its KV cache stored as ``memory.kv_cache_dtype`` says and its
+        context limited to ``max_model_len``."""
         model = _model_spec(self.model)
+        changes: dict[str, Any] = {}
         kv_bytes = KV_CACHE_DTYPE_BYTES.get(self.memory.kv_cache_dtype)
-        return dataclasses.replace(model, kv_dtype_bytes=kv_bytes) if kv_bytes else model
+        if kv_bytes:
+            changes["kv_dtype_bytes"] = kv_bytes
+        if self.max_model_len is not None:
+            changes["max_model_len"] = self.max_model_len
+        return dataclasses.replace(model, **changes) if changes else model
 
     def gpu_spec(self) -> GpuSpec:
         if isinstance(self.gpu, str):
