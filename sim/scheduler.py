@@ -608,9 +608,9 @@ class Scheduler:
                 cap = request.tok_sync
             elif window:
                 # Or earlier, at the token whose window first misses one more block: the
-                # last step's token (at tok_sync - 1) missed ``passed`` of them.
-                passed = max(0, request.tok_sync - window) // bs
-                cap = min(cap, (passed + 1) * bs + window - 1)
+                # last step's token (at tok_sync - 1) missed ``missed`` of them.
+                missed = max(0, request.tok_sync - window) // bs
+                cap = min(cap, (missed + 1) * bs + window - 1)
         elif self._predicts:
             # The request outgrows its extent when it writes the slot past its end.
             cap = self.allocator.allocated_slots(request.index * MAX_SAMPLES)
@@ -800,9 +800,9 @@ class Scheduler:
             token = request.tok_sync + self.steps - request.g_sync  # this step's
             if token % bs == 0:
                 crossing += 1
-            passed = token - window + 1
+            unseen = token - window + 1  # tokens before its window
             if request.tok_sync == request.prefill_target or (
-                    self.waiting and passed > 0 and passed % bs == 0):
+                    self.waiting and unseen > 0 and unseen % bs == 0):
                 gives_back = True
         return crossing * self._crossing_blocks, gives_back
 
@@ -1000,9 +1000,9 @@ class Scheduler:
             if not request.decoding or request.tok_sync == request.prefill_target:
                 continue
             token = request.tok_sync + self.steps - 1 - request.g_sync
-            passed = max(0, token - self._table_window + 1) // bs
+            missed = max(0, token - self._table_window + 1) // bs
             for table in hybrid.block_tables(request.index * MAX_SAMPLES)[hybrid.full_groups:]:
-                assert table[:passed] == [None] * passed and None not in table[passed:], (
+                assert table[:missed] == [None] * missed and None not in table[missed:], (
                     f"request {request.index}: a window gave back the wrong blocks")
 
     def decode_quietly(self, step_time: Callable[[int, int], float], clock_s: float,
