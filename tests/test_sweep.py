@@ -240,13 +240,19 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
                                   "disaggregation_chat", "preemption_mode",
                                   "priority_classes", "length_prediction",
                                   "virtual_memory", "shortest_first", "attention_kinds",
-                                  "sliding_window", "prefill_allocation"])
+                                  "sliding_window", "prefill_allocation", "max_model_len"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
     assert outcome.failed == 0 and outcome.ran > 0
     figures = sweep_figures(outcome.out_dir)
     assert figures
+    if name == "max_model_len":  # the same requests; only the max_model_len reservation moves
+        table = outcome.table.pivot_table(index="param:max_model_len", columns="system",
+                                          values="mean_batch")
+        assert table["contiguous-max"].is_monotonic_decreasing
+        assert table["contiguous-max"].iloc[0] > 4 * table["contiguous-max"].iloc[-1]
+        assert table["paged-16"].nunique() == table["contiguous-req"].nunique() == 1
     if name == "block_size_sweep":
         data = figures["block_size_tradeoff"].kvsim_data["tradeoff"]
         assert data["internal_waste_pct"].is_monotonic_increasing
