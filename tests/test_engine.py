@@ -69,6 +69,18 @@ def test_queue_at_last_arrival_and_the_saturation_note():
     t = requests["arrival_s"].max()
     queued = ((requests["arrival_s"] <= t) & ~(requests["admitted_s"] <= t)).sum()
     assert run.summary["waiting_at_last_arrival"] == queued >= 10
+    # Requests turned away on arrival (longer than the pool's 1,024 tokens) never queue.
+    refused = run_scenario(scenario_from_dict(small(
+        memory={"kv_memory_gib": 0.5},
+        workload={"arrival": {"process": "poisson", "rate": 40},
+                  "prompt_len": {"dist": "uniform", "low": 20, "high": 1500},
+                  "output_len": {"dist": "uniform", "low": 5, "high": 200}},
+        systems=[{"name": "paged", "allocator": {"kind": "paged"}}]))).systems["paged"]
+    requests = refused.requests
+    t = requests["arrival_s"].max()
+    arrived = (requests["arrival_s"] <= t) & ~(requests["admitted_s"] <= t)
+    assert requests["rejected"].sum() > 0 and (arrived & requests["rejected"]).sum() > 0
+    assert refused.summary["waiting_at_last_arrival"] == (arrived & ~requests["rejected"]).sum()
     note = saturation_note({n: r.summary for n, r in heavy.systems.items()})
     assert note is not None and f"contiguous {queued:,}" in note
 
