@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from sim import CORE, __version__
 from sim.bench import DEFAULT_SIZES, request_counts
-from sim.metrics import format_summary
+from sim.metrics import format_comparison, format_summary
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -362,6 +362,28 @@ def cmd_report(args: argparse.Namespace) -> int:
                        "(a sweep folder holds sweep.json)")
     report = write_any_report(path, x=args.x, y=args.y)
     print(f"report: {report}")
+    return EXIT_OK
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from sim.results import load_summaries
+
+    paths = [Path(p) for p in args.run_dirs]
+    if len(paths) < 2:
+        raise BadInput(f"compare needs two run folders or more, got {len(paths)}")
+    for path in paths:
+        if (path / "sweep.json").is_file() and not (path / "summary.json").is_file():
+            raise BadInput(f"{path}: a sweep folder; compare its runs (folders under "
+                           f"{path / 'runs'}) or see kvsim report {path}")
+        if not (path / "summary.json").is_file():
+            raise BadInput(f"{path}: not a kvsim run folder (no summary.json)")
+    # Each run by its folder's name, or by the path given where two names are alike.
+    names = [p.name or str(p) for p in paths]
+    labels = names if len(set(names)) == len(names) else [str(p) for p in paths]
+    if len(set(labels)) < len(labels):
+        raise BadInput(f"the same run folder is given twice: {' '.join(args.run_dirs)}")
+    print(format_comparison({label: load_summaries(path)
+                             for label, path in zip(labels, paths, strict=True)}))
     return EXIT_OK
 
 
@@ -748,6 +770,12 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--y", help="sweep: summary metric for the y axis (e.g. "
                         "throughput_tok_s)")
     report.set_defaults(func=cmd_report)
+
+    compare = sub.add_parser("compare", help="run folders side by side, with the change "
+                             "from one to another")
+    compare.add_argument("run_dirs", metavar="RUN_DIR", nargs="+",
+                         help="two or more kvsim run folders (the first is the baseline)")
+    compare.set_defaults(func=cmd_compare)
 
     validate = sub.add_parser("validate", help="check a scenario file without running it")
     validate.add_argument("scenario")

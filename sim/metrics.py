@@ -155,6 +155,51 @@ def format_summary(summaries: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_comparison(runs: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Runs side by side, system by system (``runs``: run label -> system -> summary), in
+    the rows :func:`format_summary` prints; with two runs, each system's change from the
+    first to the second."""
+    labels = list(runs)
+    systems = list(dict.fromkeys(name for summaries in runs.values() for name in summaries))
+    rows = summary_rows(s for summaries in runs.values() for s in summaries.values())
+    # Each column: its header and a cell per row.
+    columns: list[tuple[str, list[str]]] = []
+    for system in systems:
+        found = [runs[label].get(system) for label in labels]
+        for label, summary in zip(labels, found, strict=True):
+            columns.append((f"{label}: {system}", [
+                format_metric(summary.get(key), fmt) if summary is not None else "—"
+                for key, _, fmt in rows]))
+        if len(labels) == 2:
+            first, second = found
+            columns.append(("change", [
+                _change(first.get(key), second.get(key)) if first and second else "—"
+                for key, _, _ in rows]))
+    label_width = max(len(label) for _, label, _ in rows) + 2
+    widths = [max(len(header), 10) + 2 for header, _ in columns]
+    lines = ["".ljust(label_width) + "".join(
+        header.rjust(w) for (header, _), w in zip(columns, widths, strict=True))]
+    lines.append("-" * len(lines[0]))
+    for index, (_, label, _) in enumerate(rows):
+        lines.append(label.ljust(label_width) + "".join(
+            cells[index].rjust(w) for (_, cells), w in zip(columns, widths, strict=True)))
+    return "\n".join(lines)
+
+
+def _change(first: Any, second: Any) -> str:
+    """``second`` against ``first`` in percent ("—" where either is no number, or the
+    first is 0 and the second not)."""
+    numbers = [v for v in (first, second) if isinstance(v, int | float) and not isinstance(
+        v, bool) and not math.isnan(v)]
+    if len(numbers) < 2:
+        return "—"
+    if first == second:
+        return "0.0%"
+    if first == 0:
+        return "—"
+    return f"{(second - first) / abs(first) * 100:+.1f}%"
+
+
 def gpu_counts_differ(table: pd.DataFrame) -> bool:
     """Whether a sweep's runs use different numbers of GPUs (tensor parallelism, replicas);
     results written before GPUs were counted have no such column."""

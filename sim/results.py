@@ -298,6 +298,12 @@ def write_run(result: ScenarioResult, out_dir: Path) -> Path:
     return out_dir
 
 
+def load_summaries(out_dir: Path) -> dict[str, dict[str, Any]]:
+    """A run folder's summary metrics per system (its summary.json), nothing else."""
+    summaries: dict[str, dict[str, Any]] = read_back(out_dir, "summary.json", _read_summary)[0]
+    return summaries
+
+
 def load_run(out_dir: Path) -> ScenarioResult:
     """Read a run folder back (the inverse of :func:`write_run`)."""
     summaries, trace_notes = read_back(out_dir, "summary.json", _read_summary)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -323,6 +324,30 @@ def test_a_damaged_run_folder_is_named_in_one_line(seed_run, tmp_path, damage, e
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"kvsim: error: {expected.format(run=run)}")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_compare_puts_runs_side_by_side_with_the_change(seed_run, tmp_path):
+    other = tmp_path / "smaller"  # the same requests, half the pool: 4 seated at a time
+    proc = kvsim("run", "scenarios/seed_63_percent.yaml", "--out", str(other), "--quiet",
+                 "--no-report", "--set", "memory.kv_memory_gib=8")
+    assert proc.returncode == 0, proc.stderr
+    proc = kvsim("compare", str(seed_run), str(other))
+    assert proc.returncode == 0, proc.stderr
+    header, _, *rows = proc.stdout.splitlines()
+    assert header.split() == ["run:", "contiguous-4096", "smaller:", "contiguous-4096",
+                              "change", "run:", "paged-16", "smaller:", "paged-16", "change"]
+    row = next(r for r in rows if r.startswith("mean decode batch")).split()[3:]
+    before = json.loads((seed_run / "summary.json").read_text())["systems"]
+    after = json.loads((other / "summary.json").read_text())["systems"]
+    change = (after["contiguous-4096"]["mean_batch"] / before["contiguous-4096"]["mean_batch"]
+              - 1) * 100
+    assert row[:3] == ["8.0", "4.0", f"{change:+.1f}%"] and change < 0
+    # A folder that is no run is named in one line; so is a single folder.
+    for args, expected in [((str(seed_run), str(tmp_path)),
+                            f"{tmp_path}: not a kvsim run folder (no summary.json)"),
+                           ((str(seed_run),), "compare needs two run folders or more, got 1")]:
+        proc = kvsim("compare", *args)
+        assert proc.returncode == 2 and proc.stderr == f"kvsim: error: {expected}\n"
 
 
 def test_version_and_calibrate_speak_as_kvsim(tmp_path):
