@@ -122,6 +122,7 @@ class HybridPagedAllocator(KVAllocator):
         self._duplicates = DuplicateCounter()
         self.num_hit_blocks = 0
         self.last_loaded_tokens = 0  # no host tier: always 0
+        self._refused: tuple[SeqSpec, BlockHasher] | None = None  # the last admission refused
 
     # ------------------------------------------------------------------ queries
     @property
@@ -225,7 +226,11 @@ class HybridPagedAllocator(KVAllocator):
         if spec.seq_id in self._seqs:
             raise AllocatorError(f"sequence {spec.seq_id} is already admitted")
         bs = self.block_size
-        hasher = BlockHasher(spec.segments, bs)
+        # A head of the line refused for memory asks again, often: its hashes are the same.
+        if self._refused is not None and self._refused[0] is spec:
+            hasher = self._refused[1]
+        else:
+            hasher = BlockHasher(spec.segments, bs)
         length = self._hit_length(spec, hasher)
         hashes = hasher.hashes
         claim = claim_end(spec, length * bs, max_new_tokens)
@@ -251,7 +256,9 @@ class HybridPagedAllocator(KVAllocator):
         grown = sum(p - seq.promised for seq, p in repromised.items())
         reserve = self.watermark_blocks if self._seqs else 0
         if need + promised + grown > self.pool.num_free - self._promised - revived - reserve:
+            self._refused = (spec, hasher)
             return None
+        self._refused = None
         for seq, p in repromised.items():
             self._promised += p - seq.promised
             seq.promised = p
