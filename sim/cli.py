@@ -366,7 +366,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from sim.results import load_summaries
+    from sim.results import load_summaries, sweep_run_label
 
     paths = [Path(p) for p in args.run_dirs]
     if len(paths) < 2:
@@ -377,8 +377,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
                            f"{path / 'runs'}) or see kvsim report {path}")
         if not (path / "summary.json").is_file():
             raise BadInput(f"{path}: not a kvsim run folder (no summary.json)")
-    # Each run by its folder's name, or by the path given where two names are alike.
-    names = [p.name or str(p) for p in paths]
+    # Each run by what its sweep set, or its folder's name, or by the path given where two
+    # names are alike.
+    names = [sweep_run_label(p) or p.name or str(p) for p in paths]
     labels = names if len(set(names)) == len(names) else [str(p) for p in paths]
     if len(set(labels)) < len(labels):
         raise BadInput(f"the same run folder is given twice: {' '.join(args.run_dirs)}")

@@ -304,6 +304,22 @@ def load_summaries(out_dir: Path) -> dict[str, dict[str, Any]]:
     return summaries
 
 
+def sweep_run_label(out_dir: Path) -> str | None:
+    """The swept values of a sweep's run folder (``SWEEP/runs/KEY``), as
+    "max_model_len=4096, seed 0"; None for a folder no sweep's table lists."""
+    results = out_dir.parent.parent / "results.parquet"
+    if out_dir.parent.name != "runs" or not results.is_file():
+        return None
+    table = read_back(out_dir.parent.parent, "results.parquet", read_table)
+    rows = table[table["key"] == out_dir.name]
+    if rows.empty:
+        return None
+    row = rows.iloc[0]
+    values = [f"{column.removeprefix('param:')}={row[column]}" for column in table.columns
+              if column.startswith("param:")]
+    return ", ".join([*values, f"seed {row['seed']}"])
+
+
 def load_run(out_dir: Path) -> ScenarioResult:
     """Read a run folder back (the inverse of :func:`write_run`)."""
     summaries, trace_notes = read_back(out_dir, "summary.json", _read_summary)

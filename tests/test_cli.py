@@ -350,6 +350,22 @@ def test_compare_puts_runs_side_by_side_with_the_change(seed_run, tmp_path):
         assert proc.returncode == 2 and proc.stderr == f"kvsim: error: {expected}\n"
 
 
+def test_compare_names_a_sweeps_runs_by_what_the_sweep_set(tmp_path):
+    from sim.sweep import run_sweep
+
+    scenario = tmp_path / "swept.yaml"
+    scenario.write_text(GOOD + "sweep: {grid: {memory.kv_memory_gib: [1, 2]}}\n")
+    outcome = run_sweep(scenario, out_dir=tmp_path / "sweep", jobs=1)
+    assert outcome.failed == 0
+    keys = list(outcome.table.drop_duplicates("key").sort_values("param:memory.kv_memory_gib")[
+        "key"])
+    proc = kvsim("compare", *(str(tmp_path / "sweep" / "runs" / key) for key in keys))
+    assert proc.returncode == 0, proc.stderr
+    header = proc.stdout.splitlines()[0]
+    assert "memory.kv_memory_gib=1, seed 0: paged" in header
+    assert "memory.kv_memory_gib=2, seed 0: paged" in header
+
+
 def test_version_and_calibrate_speak_as_kvsim(tmp_path):
     proc = kvsim("--version")
     assert proc.returncode == 0
