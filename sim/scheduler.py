@@ -411,10 +411,9 @@ class Scheduler:
         # Sliding-window tables give back a block at the step whose first token no longer
         # sees it (vLLM's remove_skipped_blocks, every step): a prompt's last chunk's at its
         # first decode step, then one a table each time the window passes a block's end. The
-        # window's length in tokens; 0 where no table gives blocks back.
-        self._hybrid = allocator if isinstance(allocator, HybridPagedAllocator) else None
-        self._table_window = self._hybrid.sliding_window if (
-            self._hybrid is not None and self._hybrid.sliding_groups) else 0
+        # hybrid manager that knows where (None where no table gives blocks back).
+        self._windowed = allocator if isinstance(allocator, HybridPagedAllocator) and (
+            allocator.sliding_groups) else None
         self._predicts = getattr(allocator, "reserve_policy", None) == "predicted"
         if (self._predicts or self.waiting.by_length) and predicted_output is None:
             raise ValueError("a predicted reservation, or a line by predicted length, needs "
@@ -600,17 +599,16 @@ class Scheduler:
         bs = self._block_size
         if bs is not None:
             cap = -(-request.tok_sync // bs) * bs
-            window = self._table_window
-            if start and (request.num_seqs > 1 or window):
+            windowed = self._windowed
+            if start and (request.num_seqs > 1 or windowed is not None):
                 # The first decode step writes at once: samples sharing the prompt's last
                 # block copy it (or, the block full, take one of their own), and sliding
                 # windows give back what the prompt's last chunk held and the step cannot see.
                 cap = request.tok_sync
-            elif window:
-                # Or earlier, at the token whose window first misses one more block: the
-                # last step's token (at tok_sync - 1) missed ``missed`` of them.
-                missed = max(0, request.tok_sync - window) // bs
-                cap = min(cap, (missed + 1) * bs + window - 1)
+            elif windowed is not None:
+                # Or earlier, at the token whose window first misses one more block than
+                # the last step's (at tok_sync - 1).
+                cap = min(cap, windowed.next_release(request.tok_sync - 1))
         elif self._predicts:
             # The request outgrows its extent when it writes the slot past its end.
             cap = self.allocator.allocated_slots(request.index * MAX_SAMPLES)
@@ -765,8 +763,8 @@ class Scheduler:
         due = self._due(GROW, self.steps)
         if not due:
             return True
-        if self._table_window:
-            need, gives_back = self._window_grows(due)
+        if self._windowed is not None:
+            need, gives_back = self._window_grows(self._windowed, due)
         else:
             need, gives_back = sum(r.num_seqs for r in due) * self._crossing_blocks, False
         # A contiguous extent's end is always an overflow: schedule() preempts for it. Per
@@ -786,23 +784,21 @@ class Scheduler:
             self._push_events(request)
         return True
 
-    def _window_grows(self, due: list[Request]) -> tuple[int, bool]:
+    def _window_grows(self, windowed: HybridPagedAllocator, due: list[Request]
+                      ) -> tuple[int, bool]:
         """Blocks the sliding-window model's requests with an event this step take, and
         whether one of them gives a block back. Giving back frees memory, which may seat the
         line's head: schedule() then tries, as stepping would (and always at a first decode
         step, which gives back what the prompt's last chunk held)."""
-        bs = self._block_size
-        assert bs is not None
-        window = self._table_window
+        bs = windowed.block_size
         crossing = 0
         gives_back = False
         for request in due:
             token = request.tok_sync + self.steps - request.g_sync  # this step's
             if token % bs == 0:
                 crossing += 1
-            unseen = token - window + 1  # tokens before its window
-            if request.tok_sync == request.prefill_target or (
-                    self.waiting and unseen > 0 and unseen % bs == 0):
+            if request.tok_sync == request.prefill_target or (self.waiting and (
+                    windowed.release_point(token) > windowed.release_point(token - 1))):
                 gives_back = True
         return crossing * self._crossing_blocks, gives_back
 
@@ -980,28 +976,25 @@ class Scheduler:
             finished.append(request)
         if self.debug:
             self.allocator.check_invariants()
-            if self._table_window:
-                self._check_windows()
+            if self._windowed is not None:
+                self._check_windows(self._windowed)
             for events in self._events:  # every step is visited: nothing may be left behind
                 assert all(step >= self.steps for step in events), "an event was missed"
             assert self.swap_used == sum(r.swap_slots for r in self.waiting.requests()) <= (
                 self.swap_slots), "swap space held by no parked request"
         return finished
 
-    def _check_windows(self) -> None:
+    def _check_windows(self, windowed: HybridPagedAllocator) -> None:
         """Debug: each decoding sequence's sliding-window tables have given back exactly the
         blocks the last step's token cannot see (before its first decode step, the last
         chunk's first token's)."""
-        bs = self._block_size
-        assert bs is not None
-        hybrid = self._hybrid
-        assert hybrid is not None
         for request in self.running.values():
             if not request.decoding or request.tok_sync == request.prefill_target:
                 continue
             token = request.tok_sync + self.steps - 1 - request.g_sync
-            missed = max(0, token - self._table_window + 1) // bs
-            for table in hybrid.block_tables(request.index * MAX_SAMPLES)[hybrid.full_groups:]:
+            missed = windowed.release_point(token)
+            for table in windowed.block_tables(request.index * MAX_SAMPLES)[
+                    windowed.full_groups:]:
                 assert table[:missed] == [None] * missed and None not in table[missed:], (
                     f"request {request.index}: a window gave back the wrong blocks")
 
@@ -1027,7 +1020,7 @@ class Scheduler:
         # Since the last claim (or the run's start), steps take segment_s; a step's memory is
         # ``memory`` with ``seqs`` tokens more a step before it, which ramp_s weighs.
         segment_s = ramp_s = 0.0
-        since = 0
+        since = steps = 0
         finished: list[Request] = []
         while True:
             step_s = step_time(context, base + past * self.steps)
@@ -1037,7 +1030,7 @@ class Scheduler:
             since += 1
             if pool is not None:
                 pool.clock_s = clock_s  # this step's finishes, the next one's block crossings
-            run.steps += 1
+            steps += 1
             self.steps += 1
             context += seqs
             if windows and self.steps in windows:
@@ -1058,6 +1051,7 @@ class Scheduler:
                 segment_s = ramp_s = 0.0
                 since = 0
         run.add(memory, segment_s, seqs * ramp_s)
+        run.steps = steps
         run.clock_s = clock_s
         run.finished = finished
         run.last_step_s = step_s

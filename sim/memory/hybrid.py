@@ -150,10 +150,15 @@ class HybridPagedAllocator(KVAllocator):
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _release_point(self, first_computed: int) -> int:
+    def release_point(self, first_computed: int) -> int:
         """Leading blocks that no token from ``first_computed`` on can see (it sees the
-        ``sliding_window`` tokens up to itself)."""
+        ``sliding_window`` tokens up to itself): a sliding-window table gives them back
+        before the step computing that token."""
         return max(0, first_computed - self.sliding_window + 1) // self.block_size
+
+    def next_release(self, token: int) -> int:
+        """The first token after ``token`` whose step gives one more block back."""
+        return (self.release_point(token) + 1) * self.block_size + self.sliding_window - 1
 
     def _prefill_peak(self, spec: SeqSpec, start: int, end: int | None = None) -> int:
         """The most blocks a sliding-window table holds while the tokens from ``start`` to
@@ -163,7 +168,7 @@ class HybridPagedAllocator(KVAllocator):
             end = spec.prompt_len
         chunk = self.prefill_chunk_tokens or end
         bound = self.blocks_for(self.sliding_window - 1 + chunk) + 1
-        return min(bound, self.blocks_for(end) - self._release_point(start))
+        return min(bound, self.blocks_for(end) - self.release_point(start))
 
     def _decode_peak(self) -> int:
         """The most blocks a sliding-window table holds once decoding: the window's, and the
@@ -234,7 +239,7 @@ class HybridPagedAllocator(KVAllocator):
         length = self._hit_length(spec, hasher)
         hashes = hasher.hashes
         claim = claim_end(spec, length * bs, max_new_tokens)
-        released = self._release_point(length * bs)  # what the first new token cannot see
+        released = self.release_point(length * bs)  # what the first new token cannot see
         hits: list[list[KVBlock]] = []
         for group in range(self.groups):
             start = 0 if group < self.full_groups else released
@@ -362,7 +367,7 @@ class HybridPagedAllocator(KVAllocator):
         last_step_start = self._last_step_start(seq, end)
         # As each step does: give back what its first token cannot see, then take blocks for
         # what it writes.
-        first = min(self._release_point(start), self.blocks_for(start))
+        first = min(self.release_point(start), self.blocks_for(start))
         target = self.blocks_for(end)
         grow = sum(max(0, target - len(t)) for t in seq.tables)
         if grow:
@@ -400,7 +405,7 @@ class HybridPagedAllocator(KVAllocator):
         self._token_slots += num_tokens * self.groups
         seq.num_tokens = end
         # Decode tokens were computed one a step: the last step gave back more.
-        self._release(seq, min(self._release_point(last_step_start), target))
+        self._release(seq, min(self.release_point(last_step_start), target))
         self._promised -= seq.promised
         seq.promised = self._promise(seq, end)
         self._promised += seq.promised
@@ -434,7 +439,7 @@ class HybridPagedAllocator(KVAllocator):
                 target = self.blocks_for(end)
                 grow = sum(max(0, target - len(t)) for t in seq.tables)
                 freed = self._freed_by_release(seq, min(
-                    self._release_point(self._last_step_start(seq, end)), target))
+                    self.release_point(self._last_step_start(seq, end)), target))
                 if grow > available + seq.promised + freed:
                     break
                 available += freed - grow
@@ -463,7 +468,7 @@ class HybridPagedAllocator(KVAllocator):
                     assert all(b is None for b in table[:seq.released]), "released block kept"
                     assert None not in table[seq.released:], "block in the window given back"
                     if seq.num_tokens:
-                        last = self._release_point(max(0, seq.num_tokens - 1))
+                        last = self.release_point(max(0, seq.num_tokens - 1))
                         assert seq.released <= min(last + 1, len(table)), "window given back"
                 for idx, block in enumerate(table):
                     if block is None:
