@@ -188,6 +188,37 @@ def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
     return with_sliding_window(replace(base, paged_alpha=scenario.timing.paged_alpha), model)
 
 
+def with_speculation(timing: StepTimeModel, system: SystemConfig, model: ModelSpec
+                     ) -> StepTimeModel:
+    """The step-time model of a system that decodes speculatively: its drafts in every
+    decode step, and its drafter's passes (a share of the target's layers)."""
+    spec = system.speculative
+    if spec is None:
+        return timing
+    return replace(timing, speculative_tokens=spec.num_speculative_tokens,
+                   draft_share=spec.drafter_layers / model.num_layers)
+
+
+def system_pool_slots(scenario: Scenario, system: SystemConfig) -> int:
+    """Token slots in one replica's KV pool for ``system``: the scenario's, less what a
+    speculative drafter takes. Its layers, each one of the target's, hold their weights out
+    of GPU memory (unless the pool's size is given) and their KV in every slot (vLLM keeps
+    the drafter's layers in the same KV cache)."""
+    slots = scenario_pool_slots(scenario)
+    spec = system.speculative
+    layers = spec.drafter_layers if spec else 0
+    if not layers:
+        return slots
+    model = scenario.model_spec()
+    tp = scenario.parallel.tensor_parallel_size
+    pool_bytes: float = slots * model.kv_bytes_per_token_per_gpu(tp)
+    if scenario.memory.kv_memory_gib is None:
+        pool_bytes -= layers / model.num_layers * model.weight_bytes / tp
+    per_slot = model.kv_bytes_per_token_per_gpu(tp) * (model.num_layers + layers) / (
+        model.num_layers)
+    return max(0, int(pool_bytes // per_slot))
+
+
 def with_sliding_window(timing: StepTimeModel, model: ModelSpec) -> StepTimeModel:
     """The step-time model for ``model``'s sliding-window layers, which read at most a
     window of each context (roofline or calibration alike: those layers do less)."""
@@ -299,7 +330,7 @@ class _Replica:
         self.scheduler = Scheduler(
             allocator, sim.system.scheduler, sim.debug, sim.swap_slots, sim.predicted_output,
             overflow_to_max=getattr(sim.system.allocator, "on_overflow", None) == "request_max",
-            sliding_window=sim.sliding_window)
+            sliding_window=sim.sliding_window, speculative=sim.system.speculative)
         # Only a block table costs attention its indirection: contiguous extents and
         # contiguous virtual memory are read directly.
         self.rho = sim.timing.rho(sim.unit_slots if sim.block_table else None)
@@ -453,7 +484,7 @@ class _SystemRun:
                  progress: Callable[[int], None] | None) -> None:
         self.system = system
         self.trace = trace
-        self.timing = timing
+        self.timing = with_speculation(timing, system, scenario.model_spec())
         self.block_table = isinstance(system.allocator, PagedConfig)
         model = scenario.model_spec()
         self.sliding_window = model.sliding_window  # 0: none
@@ -825,8 +856,12 @@ def memory_summary(scenario: Scenario) -> str:
     model, gpu = scenario.model_spec(), scenario.gpu_spec()
     tp = scenario.parallel.tensor_parallel_size
     slots = scenario_pool_slots(scenario)
+    drafted = {}
     for system in scenario.systems:  # (refused here too, so that kvsim validate says so)
-        check_pool(scenario, system, slots)
+        system_slots = system_pool_slots(scenario, system)
+        check_pool(scenario, system, system_slots)
+        if system_slots != slots:
+            drafted[system] = system_slots
     per_gpu = model.kv_bytes_per_token_per_gpu(tp)
     gpus = gpu.name if tp == 1 else f"{tp} × {gpu.name}"
     each = "" if tp == 1 else " a GPU"
@@ -845,13 +880,19 @@ def memory_summary(scenario: Scenario) -> str:
                  f"{model.num_sliding_layers} of {model.num_layers} layers: the hybrid KV cache "
                  f"manager keeps {full} full-attention and {sliding} sliding-window group"
                  f"{'s' if sliding > 1 else ''} of {layers} layers")
+    for system, system_slots in drafted.items():
+        spec = system.speculative
+        assert spec is not None
+        layers = spec.drafter_layers
+        text += (f"; system {system.name!r}: its {spec.method} drafter's {layers} layer"
+                 f"{'s' if layers > 1 else ''} (weights and KV) leave {system_slots:,} tokens")
     return text
 
 
 def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: StepTimeModel,
                progress: Callable[[int], None] | None = None) -> RunResult:
     """Simulate one system on ``trace``."""
-    pool_slots = scenario_pool_slots(scenario)
+    pool_slots = system_pool_slots(scenario, system)
     check_pool(scenario, system, pool_slots)
     smallest = int(final_kv_tokens(trace.prompt_len, trace.output_len).min())
     if pool_slots < smallest:

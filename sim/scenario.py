@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -307,6 +308,78 @@ class SchedulerConfig(ConfigModel):
         return self
 
 
+class SpeculativeConfig(ConfigModel):
+    """Speculative decoding, as vLLM's ``--speculative-config``: each decode step verifies
+    ``num_speculative_tokens`` drafted tokens after the request's last one and keeps the
+    accepted ones, ``mean_acceptance_length`` tokens a step on average (vLLM logs it), bonus
+    token included.
+
+    The drafts' acceptance is not drawn per request: every decoding request of a replica
+    advances ⌊s·τ⌋ tokens by its step s (τ the mean acceptance length as a fraction), so that
+    the lazy accounting stays exact and runs are deterministic. A step claims memory for
+    its last token, the k drafts and, for an EAGLE or MTP drafter, k lookahead slots more
+    (vLLM's ``num_lookahead_tokens``); an EAGLE or MTP drafter is ``draft_layers`` decoder
+    layers of the target's shape, whose weights and KV take memory and whose k passes take
+    time; n-gram drafting (prompt lookup) costs neither.
+    """
+
+    method: Literal["ngram", "eagle", "eagle3", "mtp"] = Field(
+        description="ngram: drafts looked up in the prompt (no model, no KV, no lookahead); "
+        "eagle / eagle3 / mtp: a small drafter that runs k times a step")
+    num_speculative_tokens: int = Field(ge=1, le=64, description="k: drafts a step verifies")
+    mean_acceptance_length: float | None = Field(
+        default=None, ge=1, description="τ: tokens a decode step keeps for a request, the "
+        "bonus token included (vLLM's 'Mean acceptance length'); 1 to k + 1")
+    acceptance_rate: float | None = Field(
+        default=None, ge=0, le=1, description="instead of mean_acceptance_length: the chance "
+        "that each draft is accepted once those before it were (i.i.d.), which gives "
+        "τ = (1 − α^(k+1)) / (1 − α)")
+    draft_layers: int | None = Field(
+        default=None, ge=0, le=16, description="decoder layers of the drafter, each the size "
+        "of one of the target's (default: 1 for eagle, eagle3 and mtp, 0 for ngram)")
+
+    @model_validator(mode="after")
+    def _one_acceptance(self):  # type: ignore[no-untyped-def]
+        given = [name for name in ("mean_acceptance_length", "acceptance_rate")
+                 if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of mean_acceptance_length (tokens a step "
+                             "keeps, as vLLM logs it) and acceptance_rate (per draft)")
+        k = self.num_speculative_tokens
+        if self.mean_acceptance_length is not None and self.mean_acceptance_length > k + 1:
+            raise ValueError(f"mean_acceptance_length {self.mean_acceptance_length:g}: a step "
+                             f"keeps at most num_speculative_tokens + 1 = {k + 1} tokens; "
+                             f"expected 1 to {k + 1}")
+        if self.method == "ngram" and self.draft_layers:
+            raise ValueError("draft_layers: n-gram drafting uses no model; expected 0")
+        return self
+
+    @property
+    def tokens_per_step(self) -> Fraction:
+        """τ as an exact fraction (of denominator at most 1,000), the rate of the token
+        clock the scheduler advances decoding requests by."""
+        if self.mean_acceptance_length is not None:
+            tau = self.mean_acceptance_length
+        else:
+            alpha, k = self.acceptance_rate or 0.0, self.num_speculative_tokens
+            tau = float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        return min(max(Fraction(tau).limit_denominator(1000), Fraction(1)),
+                   Fraction(self.num_speculative_tokens + 1))
+
+    @property
+    def lookahead_slots(self) -> int:
+        """Slots claimed past the drafts (vLLM's num_lookahead_tokens: k for a drafter model
+        that writes its drafts' KV, 0 for n-gram lookup)."""
+        return 0 if self.method == "ngram" else self.num_speculative_tokens
+
+    @property
+    def drafter_layers(self) -> int:
+        """Decoder layers of the drafter (0: n-gram, no model)."""
+        if self.draft_layers is not None:
+            return self.draft_layers
+        return 0 if self.method == "ngram" else 1
+
+
 class SystemConfig(ConfigModel):
     """One system to compare: a name, an allocator and scheduler settings."""
 
@@ -316,6 +389,8 @@ class SystemConfig(ConfigModel):
     predictor: PredictorConfig | None = Field(
         default=None, description="the output-length predictor reserve_policy predicted and "
         "scheduler.policy shortest_predicted consult (default: source model, sigma 0.5)")
+    speculative: SpeculativeConfig | None = Field(
+        default=None, description="speculative decoding (default: none, a token a step)")
 
     @model_validator(mode="after")
     def _predictor_is_consulted(self):  # type: ignore[no-untyped-def]
@@ -619,6 +694,7 @@ class Scenario(ConfigModel):
                 lambda s: self.workload.sampling.forks > 1,
             "engine.disaggregation": lambda s: self.engine.disaggregation is not None,
             "engine.router.kv_events": lambda s: bool(self.engine.router.kv_events),
+            "speculative decoding": lambda s: s.speculative is not None,
         }
         for system in self.systems:
             if isinstance(system.allocator, PagedConfig) and system.allocator.hybrid_kv_cache:

@@ -22,10 +22,13 @@ by the prefill, each generated token's by the step after the one that sampled it
 token's never is.
 
 Decoding is accounted lazily, like interest on a bank account: a decoding request's token
-count is ``tok_sync + (steps - g_sync)``, and the allocator is only told ("synced") when the
-request crosses into a block it does not have yet, finishes, or is preempted. Those moments
-sit in a heap keyed by step, so a step costs work only for the requests that have an event
-in it — never a loop over the whole batch.
+count is ``tok_sync + (clock(steps) - c_sync)``, where the token clock reads the tokens every
+decoding request has kept by a step (``steps`` itself, a token a step, or ⌊steps·τ⌋ under
+speculative decoding, τ tokens a step on average) and ``c_sync`` its reading when the
+allocator was last told ("synced"): when the request crosses into a block it does not have
+yet, finishes, or is preempted. Those moments sit in buckets keyed by step (the clock's
+inverse finds them), so a step costs work only for the requests that have an event in it —
+never a loop over the whole batch.
 
 No SimPy here: the engine asks for a :class:`Batch`, times it, and reports it done.
 """
@@ -47,7 +50,7 @@ from sim.memory import (
     final_kv_tokens,
 )
 from sim.memory.block_pool import BlockPool
-from sim.scenario import SchedulerConfig
+from sim.scenario import SchedulerConfig, SpeculativeConfig
 from workloads.trace import Trace, output_segment_id
 
 MAX_SAMPLES = 256  # sequences per request (n / beam width); seq id = request × 256 + sample
@@ -63,12 +66,12 @@ class Request:
         "admit_seq",
         "admitted_s",
         "arrival_s",
+        "c_sync",
         "computed",
         "computed_tokens",
         "decoding",
         "finished_s",
         "first_token_s",
-        "g_sync",
         "gen_sync",
         "hit_tokens",
         "index",
@@ -110,13 +113,13 @@ class Request:
         # and what a line by predicted length orders by.
         self.predicted_output = 0
         self.prompt_segments = tuple(trace.prompt_segments(index))
-        self.gen_sync = 0  # generated tokens as of step g_sync (exact unless decoding)
+        self.gen_sync = 0  # generated tokens as of clock c_sync (exact unless decoding)
         self.prefilled = 0  # tokens of the current admission's prompt already in KV
         self.prefill_target = 0  # prompt tokens (+ regenerated output) to prefill this time
         self.num_seqs = 0
         self.admit_seq = -1
         self.decoding = False
-        self.g_sync = 0
+        self.c_sync = 0
         self.tok_sync = 0
         self.version = 0
         self.admitted_s = -1.0
@@ -343,13 +346,25 @@ class Scheduler:
 
     ``predicted_output`` (per trace request, for a contiguous ``predicted`` reservation or a
     line by predicted length) is what the engine's length predictor says each request will
-    generate.
+    generate. Under ``speculative`` decoding, each decode step verifies k drafts for every
+    decoding request and keeps τ tokens of it on average (the token clock's rate).
     """
 
     def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,
                  swap_slots: int = 0, predicted_output: list[int] | None = None,
-                 overflow_to_max: bool = False, sliding_window: int = 0) -> None:
+                 overflow_to_max: bool = False, sliding_window: int = 0,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.allocator = allocator
+        # The token clock (see the module's docstring): ⌊step·num/den⌋ tokens by a step.
+        rate = speculative.tokens_per_step if speculative else None
+        self._rate_num = rate.numerator if rate else 1
+        self._rate_den = rate.denominator if rate else 1
+        drafts = speculative.num_speculative_tokens if speculative else 0
+        # Tokens a decoding request feeds a step (its last and the drafts, each read and
+        # written), and the slots past its tokens the step claims (those and the lookahead).
+        self.step_tokens = 1 + drafts
+        self._step_claim = self.step_tokens + (speculative.lookahead_slots if speculative
+                                               else 0)
         self.predicted_output = predicted_output
         # A request that outgrew its predicted reservation is seated again with its
         # max_tokens (True) or twice the predicted output (False).
@@ -388,11 +403,11 @@ class Scheduler:
         # Lazy decode sums over decoding requests (each weighted by its sequences).
         self.decode_seqs = 0
         self._tok_sync_sum = 0
-        self._g_sync_sum = 0
+        self._c_sync_sum = 0
         # Sliding-window layers (a model's; 0: none) read at most the last sliding_window
-        # tokens. A decoding sequence's context past the window is k + steps, where
-        # k = tok_sync - g_sync + 1 - window never changes while it decodes (syncing moves
-        # both), so over the sequences past it the sum is _skip_base + _past_window × steps.
+        # tokens. A decoding sequence's context past the window is k + clock(steps), where
+        # k = tok_sync - c_sync + 1 - window never changes while it decodes (syncing moves
+        # both), so over the sequences past it the sum is _skip_base + _past_window × clock.
         self.sliding_window = sliding_window
         self._past_window = 0
         self._skip_base = 0
@@ -497,13 +512,26 @@ class Scheduler:
 
     def generated(self, request: Request) -> int:
         if request.decoding:
-            return request.gen_sync + self.steps - request.g_sync
+            return request.gen_sync + self._clock(self.steps) - request.c_sync
         return request.gen_sync
 
     # ------------------------------------------------------------------ lazy decode
+    def _clock(self, step: int) -> int:
+        """The token clock: tokens each decoding request has kept by ``step`` (a token a step,
+        or ⌊step·τ⌋ under speculative decoding)."""
+        return step * self._rate_num // self._rate_den
+
+    def _step_reaching(self, tokens: int) -> int:
+        """The first step by which the token clock reads ``tokens`` (its inverse)."""
+        return -(-tokens * self._rate_den // self._rate_num)
+
+    def _written(self, request: Request) -> int:
+        """Tokens a decoding request has written before this step (its computed context)."""
+        return request.tok_sync + self._clock(self.steps) - request.c_sync
+
     def _pending(self) -> int:
         """Decode tokens written but not yet told to the allocator (all sequences)."""
-        return self.decode_seqs * self.steps - self._g_sync_sum
+        return self.decode_seqs * self._clock(self.steps) - self._c_sync_sum
 
     def snapshot(self) -> MemorySnapshot:
         """The allocator's taxonomy with lazily-written decode tokens moved to ``token``."""
@@ -516,55 +544,72 @@ class Scheduler:
 
     def _sync(self, request: Request, include_current: bool) -> bool:
         """Tell the allocator the request's lazily written tokens (and, with
-        ``include_current``, the one this step writes); False if memory is short."""
-        target = self.steps + 1 if include_current else self.steps
-        count = target - request.g_sync
+        ``include_current``, those this step keeps, claiming what the step writes past them:
+        its drafts and lookahead); False if memory is short."""
+        now = self._clock(self.steps)
+        target = self._clock(self.steps + 1) if include_current else now
+        # A request's last step keeps no more than it has left to generate.
+        count = min(target - request.c_sync, request.output_len - request.gen_sync)
         if count <= 0:
             return True
+        lookahead = 0
+        if include_current and self._step_claim > 1:
+            # The step claims slots for what it reads past the tokens before it.
+            before = request.tok_sync + now - request.c_sync
+            lookahead = before + self._step_claim - request.tok_sync - count
         if request.num_seqs == 1:
-            if not self._append(request.index * MAX_SAMPLES, count):
+            if not self._append(request.index * MAX_SAMPLES, count, lookahead):
                 return False
         else:
             seq_ids = request.seq_ids()
-            if self.allocator.max_uniform_append(seq_ids, count) < count:
+            claim = min(count + lookahead, request.final_len - request.tok_sync)
+            if self.allocator.max_uniform_append(seq_ids, claim) < claim:
                 return False
             for seq_id in seq_ids:
-                self.allocator.append(seq_id, count)
+                self.allocator.append(seq_id, count, lookahead)
+        # Tokens and clock move together: where a last step keeps less than the clock says,
+        # the request still reads its tokens before the step exactly, and finishes at its end.
         if request.decoding:
             seqs = request.num_seqs
             self._tok_sync_sum += seqs * count
-            self._g_sync_sum += seqs * count
+            self._c_sync_sum += seqs * count
         request.tok_sync += count
         request.gen_sync += count
-        request.g_sync = target
+        request.c_sync += count
         return True
 
     def _start_decoding(self, request: Request) -> None:
         """After its prefill step: decode lazily from now on."""
         request.decoding = True
-        request.g_sync = self.steps
+        request.c_sync = self._clock(self.steps)
         request.tok_sync = self.allocator.num_tokens(request.index * MAX_SAMPLES)
         seqs = request.num_seqs
         self.decode_seqs += seqs
         self._tok_sync_sum += seqs * request.tok_sync
-        self._g_sync_sum += seqs * request.g_sync
+        self._c_sync_sum += seqs * request.c_sync
         request.version += 1
         self._push_events(request, start=True)
         if self.sliding_window:
             past = self._past_window_offset(request)
-            if past + self.steps > 0:
+            if past + request.c_sync > 0:
                 self._leave_window(request)
-            elif 1 - past < request.g_sync + request.output_len - request.gen_sync:
+            elif (reaching := self._step_reaching(1 - past)) < self._finish_step(request):
                 # The step whose context first holds a token past the window, before it ends.
                 entry = (request.admit_seq, request.version, request)
-                self._events[WINDOW].setdefault(1 - past, []).append(entry)
+                self._events[WINDOW].setdefault(reaching, []).append(entry)
+
+    def _finish_step(self, request: Request) -> int:
+        """The step at whose end a decoding request has generated all its output (syncing
+        moves tokens, generated count and clock reading together, so that step holds)."""
+        return self._step_reaching(request.c_sync + request.output_len - request.gen_sync)
 
     def _past_window_offset(self, request: Request) -> int:
-        """k: a decoding request's context holds k + steps tokens past the sliding window."""
-        return request.tok_sync - request.g_sync + 1 - self.sliding_window
+        """k: a decoding request's context holds k + clock(steps) tokens past the sliding
+        window."""
+        return request.tok_sync - request.c_sync + 1 - self.sliding_window
 
     def _leave_window(self, request: Request) -> None:
-        """From now on the request's context grows past the window, a token a step."""
+        """From now on the request's context grows past the window, as the clock does."""
         request.past_window = True
         self._past_window += request.num_seqs
         self._skip_base += request.num_seqs * self._past_window_offset(request)
@@ -575,13 +620,15 @@ class Scheduler:
 
     def skipped_context(self) -> int:
         """Context tokens of this step past the sliding window, over every sequence."""
-        return self._skip_base + self._past_window * self.steps if self._past_window else 0
+        if not self._past_window:
+            return 0
+        return self._skip_base + self._past_window * self._clock(self.steps)
 
     def _stop_decoding(self, request: Request) -> None:
         seqs = request.num_seqs
         self.decode_seqs -= seqs
         self._tok_sync_sum -= seqs * request.tok_sync
-        self._g_sync_sum -= seqs * request.g_sync
+        self._c_sync_sum -= seqs * request.c_sync
         if request.past_window:
             request.past_window = False
             self._past_window -= seqs
@@ -590,9 +637,9 @@ class Scheduler:
         request.version += 1
 
     def _push_events(self, request: Request, *, start: bool = False) -> None:
-        """Queue the request's next block crossing (and, when it starts decoding, its
-        finish: syncing moves tokens and generated count together, so that step holds)."""
-        finish = request.g_sync + request.output_len - request.gen_sync
+        """Queue the request's next block crossing: the first step that claims a slot past
+        the memory it holds (and, when it starts decoding, its finish)."""
+        finish = self._finish_step(request)
         entry = (request.admit_seq, request.version, request)
         if start:
             self._events[FINISH].setdefault(finish, []).append(entry)
@@ -614,7 +661,13 @@ class Scheduler:
             cap = self.allocator.allocated_slots(request.index * MAX_SAMPLES)
         else:
             return  # a contiguous extent is reserved to the final length: it never grows
-        grow = request.g_sync + cap - request.tok_sync
+        if cap >= request.final_len:
+            return  # it holds all it will ever claim (a step claims no slot past the end)
+        # The step at s claims its tokens before it + _step_claim slots; the first step not
+        # yet synced is this one (a request just seated), or the next.
+        first = self.steps + (request.c_sync > self._clock(self.steps))
+        grow = max(first, self._step_reaching(
+            request.c_sync + cap - request.tok_sync - self._step_claim + 1))
         if grow < finish:
             self._events[GROW].setdefault(grow, []).append(entry)
 
@@ -666,9 +719,10 @@ class Scheduler:
             self._stop_decoding(request)
         elif request.in_prefill:
             self.prefilling -= 1
-        if request.g_sync > self.steps:
-            request.gen_sync -= request.g_sync - self.steps  # this step's token never happens
-            request.g_sync = self.steps
+        now = self._clock(self.steps)
+        if request.c_sync > now:
+            request.gen_sync -= request.c_sync - now  # this step's tokens never happen
+            request.c_sync = now
         if decoding:
             request.computed_tokens = final_kv_tokens(request.prompt_len, request.gen_sync)
         if decoding and request.n == 1 and self.swap_slots:
@@ -765,6 +819,8 @@ class Scheduler:
             return True
         if self._windowed is not None:
             need, gives_back = self._window_grows(self._windowed, due)
+        elif self._step_claim > 1 and self._block_size is not None:
+            need, gives_back = sum(r.num_seqs * self._claim_blocks(r) for r in due), False
         else:
             need, gives_back = sum(r.num_seqs for r in due) * self._crossing_blocks, False
         # A contiguous extent's end is always an overflow: schedule() preempts for it. Per
@@ -784,6 +840,15 @@ class Scheduler:
             self._push_events(request)
         return True
 
+    def _claim_blocks(self, request: Request) -> int:
+        """Blocks, at most, one sequence of a speculating request takes at its block
+        crossing: those its claim reaches past its table, and a copy of a shared tail."""
+        bs = self._block_size
+        assert bs is not None
+        claim = min(self._written(request) + self._step_claim, request.final_len)
+        held = self.allocator.allocated_slots(request.index * MAX_SAMPLES) // bs
+        return max(1, -(-claim // bs) - held) + (request.num_seqs > 1)
+
     def _window_grows(self, windowed: HybridPagedAllocator, due: list[Request]
                       ) -> tuple[int, bool]:
         """Blocks the sliding-window model's requests with an event this step take, and
@@ -794,7 +859,7 @@ class Scheduler:
         crossing = 0
         gives_back = False
         for request in due:
-            token = request.tok_sync + self.steps - request.g_sync  # this step's
+            token = self._written(request)  # this step's
             if token % bs == 0:
                 crossing += 1
             if request.tok_sync == request.prefill_target or (self.waiting and (
@@ -812,7 +877,7 @@ class Scheduler:
         for request in self._due(GROW, self.steps):
             if request.decoding:  # not preempted meanwhile
                 self._grow_now(request, batch)
-        budget -= self.decode_seqs
+        budget -= self.decode_seqs * self.step_tokens  # (vLLM counts drafts as new tokens)
         # Prompts still being read (chunked prefill), in admission order.
         if self.prefilling:
             for request in [r for r in self.running.values() if r.in_prefill]:
@@ -833,7 +898,8 @@ class Scheduler:
                 # Blocked for as long as pure decode lasts, unless this step's prefills used
                 # the budget (the next step has a fresh one).
                 self.head_blocked = (len(self.running) >= self.config.max_num_seqs
-                                     or self.decode_seqs >= self.config.max_num_batched_tokens)
+                                     or self.decode_seqs * self.step_tokens
+                                     >= self.config.max_num_batched_tokens)
                 break
             request = self.waiting.head()
             spec = request.spec()
@@ -910,7 +976,8 @@ class Scheduler:
     def fill_decode(self, batch: Batch) -> None:
         """Decode shape of the step about to run: sequences and context tokens read."""
         batch.decode_seqs = self.decode_seqs
-        batch.context_tokens = self._tok_sync_sum + self._pending() + self.decode_seqs
+        batch.context_tokens = (self._tok_sync_sum + self._pending()
+                                + self.decode_seqs * self.step_tokens)
         batch.skipped_context = self.skipped_context()
 
     def _prefill(self, request: Request, chunk: int, batch: Batch) -> bool:
@@ -938,7 +1005,7 @@ class Scheduler:
                     assert forked, "admission found every sample's memory"
                     request.num_seqs += 1
             request.gen_sync += 1  # sampled at the end of this step
-            request.g_sync = self.steps + 1
+            request.c_sync = self._clock(self.steps) + 1
         batch.prefill.append((request, chunk, history))
         return True
 
@@ -991,7 +1058,7 @@ class Scheduler:
         for request in self.running.values():
             if not request.decoding or request.tok_sync == request.prefill_target:
                 continue
-            token = request.tok_sync + self.steps - 1 - request.g_sync
+            token = request.tok_sync + self._clock(self.steps - 1) - request.c_sync
             missed = windowed.release_point(token)
             for table in windowed.block_tables(request.index * MAX_SAMPLES)[
                     windowed.full_groups:]:
@@ -1006,33 +1073,37 @@ class Scheduler:
         crossings would need a preemption.
 
         Exactly :meth:`finish_step` and :meth:`fast_step` step after step, without the
-        per-step calls: context tokens grow by the batch each step (syncing only moves
-        tokens from pending to synced), and so do the token slots of the memory each step
-        holds, at the expense of reserved ones, until a crossing's claim changes it.
+        per-step calls: context tokens grow by the batch each tick of the token clock
+        (syncing only moves tokens from pending to synced), and so do the token slots of the
+        memory each step holds, at the expense of reserved ones, until a crossing's claim
+        changes it.
         """
         seqs = self.decode_seqs
-        context = self._tok_sync_sum + self._pending() + seqs
+        context = self._tok_sync_sum + self._pending() + seqs * self.step_tokens
         grows, finishes, windows = self._events
         past, base = self._past_window, self._skip_base  # (skipped_context, inlined)
         # A pool that logs KV events stamps them with each step's time (nothing to do else).
         pool = self._pool if self._pool is not None and self._pool.events is not None else None
         run = QuietDecode(slot_seconds=[0.0] * len(memory))
         # Since the last claim (or the run's start), steps take segment_s; a step's memory is
-        # ``memory`` with ``seqs`` tokens more a step before it, which ramp_s weighs.
+        # ``memory`` with ``seqs`` tokens more for each the clock moved on since, which
+        # ramp_s weighs.
         segment_s = ramp_s = 0.0
-        since = steps = 0
+        clock = segment_clock = self._clock(self.steps)
+        steps = 0
         finished: list[Request] = []
         while True:
-            step_s = step_time(context, base + past * self.steps)
+            step_s = step_time(context, base + past * clock)
             clock_s += step_s
             segment_s += step_s
-            ramp_s += since * step_s
-            since += 1
+            ramp_s += (clock - segment_clock) * step_s
             if pool is not None:
                 pool.clock_s = clock_s  # this step's finishes, the next one's block crossings
             steps += 1
             self.steps += 1
-            context += seqs
+            ticked = self._clock(self.steps)
+            context += seqs * (ticked - clock)
+            clock = ticked
             if windows and self.steps in windows:
                 self._windows_due()
                 past, base = self._past_window, self._skip_base
@@ -1049,7 +1120,7 @@ class Scheduler:
                 run.add(memory, segment_s, seqs * ramp_s)
                 memory = self.snapshot()
                 segment_s = ramp_s = 0.0
-                since = 0
+                segment_clock = clock
         run.add(memory, segment_s, seqs * ramp_s)
         run.steps = steps
         run.clock_s = clock_s

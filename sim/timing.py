@@ -13,6 +13,14 @@ A model's sliding-window layers read at most a window of each context: a share `
 layers skips the context past it, so C becomes C − w·X and S becomes S − w·Y, where X and Y
 are the context tokens and token pairs past the window (the scheduler counts them).
 
+Under speculative decoding each decoding sequence feeds the step its k drafts too: they pass
+through the model as prefill tokens do (``d`` each, in the batch ``a`` reads the experts
+for), and the context C counts them; a drafter of a share ``w`` of the target's layers
+(EAGLE, MTP: one layer) runs k passes over the batch, each ``w`` of a decode step, and
+reads the step's new prompt tokens once, ``w`` of their prefill::
+
+    T += d·B·k + k·w·(a + b·B + ρ(bs)·c·C) + w·(d·P + e·S)
+
 Defaults are a roofline of the model on the GPU preset; a calibration YAML written by
 ``gpu_validate`` (format in :class:`Calibration`) replaces them with measured values.
 """
@@ -60,6 +68,10 @@ class StepTimeModel:
     # The share of the layers that attend to a sliding window only (their reads past it are
     # skipped); 0: every layer attends to every token.
     sliding_share: float = 0.0
+    # Speculative decoding: drafts each decoding sequence adds to a step, and the drafter's
+    # size as a share of the target's layers (0: n-gram lookup, no model).
+    speculative_tokens: int = 0
+    draft_share: float = 0.0
 
     def fixed_s(self, tokens: int) -> float:
         """``a`` for a step that passes ``tokens`` tokens through the model: all of it, but
@@ -101,16 +113,40 @@ class StepTimeModel:
         if self.sliding_share:
             read -= self.sliding_share * skipped_context
             pairs -= self.sliding_share * skipped_pairs
-        return (self.fixed_s(decode_seqs + prefill_tokens) + self.b * decode_seqs
-                + rho * self.c * read + self.d * prefill_tokens + self.e * pairs)
+        drafts = decode_seqs * self.speculative_tokens
+        step_s = (self.fixed_s(decode_seqs + drafts + prefill_tokens) + self.b * decode_seqs
+                  + rho * self.c * read + self.d * prefill_tokens + self.e * pairs)
+        if not self.speculative_tokens:
+            return step_s
+        return step_s + self._speculation_s(decode_seqs, read, rho) + self.draft_share * (
+            self.d * prefill_tokens + self.e * pairs)
+
+    def _speculation_s(self, decode_seqs: int, read: float, rho: float) -> float:
+        """What drafts add to a step that decodes ``decode_seqs`` sequences reading ``read``
+        context tokens: their pass through the target's GEMMs, and the drafter's k passes."""
+        if not decode_seqs:
+            return 0.0
+        drafter_s = self.draft_share * (self.fixed_s(decode_seqs) + self.b * decode_seqs
+                                        + rho * self.c * read)
+        return self.speculative_tokens * (self.d * decode_seqs + drafter_s)
 
     def decode_step_time(self, decode_seqs: int, rho: float) -> Callable[[int, int], float]:
         """``step_time`` of a pure-decode step as a function of its context tokens and
         those past a sliding window, with bit-identical results (adding the zero prefill
         terms changes no float)."""
-        fixed = self.fixed_s(decode_seqs) + self.b * decode_seqs
+        fixed = (self.fixed_s(decode_seqs * (1 + self.speculative_tokens))
+                 + self.b * decode_seqs)
         per_context = rho * self.c
         share = self.sliding_share
+        if self.speculative_tokens:
+            # (Term by term as step_time adds them: the same floats.)
+            spec = self._speculation_s
+            if not share:
+                return lambda context_tokens, skipped: fixed + per_context * context_tokens \
+                    + spec(decode_seqs, context_tokens, rho)
+            return lambda context_tokens, skipped: (
+                fixed + per_context * (read := context_tokens - share * skipped)
+                + spec(decode_seqs, read, rho))
         if not share:
             return lambda context_tokens, skipped: fixed + per_context * context_tokens
         return lambda context_tokens, skipped: fixed + per_context * (

@@ -104,6 +104,15 @@ BAD = [
                                      "gpu: h100-80g").replace("block_size: 16",
                                                               "block_size: 16, host_cache_gib: 1"),
      "bad.yaml: system 'paged': a host tier (allocator.host_cache_gib) is not modelled"),
+    ("acceptance past the drafts", GOOD.replace(
+        "block_size: 16}", "block_size: 16}\n    speculative: {method: eagle, "
+        "num_speculative_tokens: 2, mean_acceptance_length: 3.5}"),
+     "systems[1].speculative: mean_acceptance_length 3.5: a step keeps at most "
+     "num_speculative_tokens + 1 = 3 tokens; expected 1 to 3"),
+    ("two acceptances", GOOD.replace(
+        "block_size: 16}", "block_size: 16}\n    speculative: {method: ngram, "
+        "num_speculative_tokens: 2, mean_acceptance_length: 2, acceptance_rate: 0.5}"),
+     "systems[1].speculative: give exactly one of mean_acceptance_length"),
     ("prefix past the context", GOOD.replace("length: 64", "length: 4095"),
      "bad.yaml: workload.prefix_groups.length 4095: shared prefixes of 4095 tokens leave no "
      "room in the model's context of 4096; expected fewer than 4095"),

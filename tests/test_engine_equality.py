@@ -128,6 +128,14 @@ def random_scenario(seed: int) -> dict:
     if router["policy"] == "kv_aware" and rng.random() < 0.5 and not (
             isinstance(model, dict) and allocator["kind"] == "paged"):
         router["kv_events"] = True
+    # Drawn last, as the above: speculative decoding (a token clock of τ a step, drafts and
+    # lookahead claimed), where the hybrid manager is not in use.
+    if rng.random() < 0.3 and not (isinstance(model, dict) and allocator["kind"] == "paged"):
+        k = rng.choice([1, 3, 5, 20])
+        system["speculative"] = {"method": rng.choice(["ngram", "eagle", "mtp"]),
+                                 "num_speculative_tokens": k,
+                                 "mean_acceptance_length": min(k + 1.0, rng.choice(
+                                     [1.0, 1.37, 2.5, 21.0]))}
     return {
         "name": f"random-{seed}",
         "model": model,

@@ -198,6 +198,7 @@ class HybridMachine(PagedMachine):
     chunk: int | None = 12
     num_blocks = 70
     caching = True
+    holds_lookahead = False  # (speculative decoding is refused with the hybrid manager)
 
     def build(self):
         # First token of each sequence's last step (freed ones stay: ids are never reused).

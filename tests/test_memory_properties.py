@@ -26,6 +26,7 @@ class _AllocatorMachine(RuleBasedStateMachine):
 
     per_chunk = False  # admissions claim a first prompt chunk only (vLLM v1's allocation)
     claims_hold = True  # appends within an admission's claim never fail
+    holds_lookahead = True  # appends may hold slots past their tokens (speculative drafts)
 
     def __init__(self) -> None:
         super().__init__()
@@ -37,6 +38,7 @@ class _AllocatorMachine(RuleBasedStateMachine):
         self.freed: list[SeqSpec] = []
         self.forked_at: dict[int, int] = {}  # child -> tokens copied from its parent
         self.claims: dict[int, int] = {}  # admitted sequence -> tokens its memory covers
+        self.looked_ahead: set[int] = set()  # sequences that held lookahead slots (no fork)
 
     def build(self):
         raise NotImplementedError
@@ -82,6 +84,27 @@ class _AllocatorMachine(RuleBasedStateMachine):
         if written:
             self.tokens[seq_id] += n
 
+    @precondition(lambda self: self.specs and self.holds_lookahead)
+    @rule(data=st.data(), frac=st.floats(0, 1), lookahead=st.integers(1, 40))
+    def append_with_lookahead(self, data, frac, lookahead):
+        """Slots held past the written tokens (a speculative step's drafts): the memory
+        covers them after, as far as the final length; a refused claim changes nothing."""
+        seq_id = data.draw(st.sampled_from(sorted(self.specs)))
+        spec = self.specs[seq_id]
+        n = max(1, int((spec.final_len - self.tokens[seq_id]) * frac))
+        if self.tokens[seq_id] + n > spec.final_len:
+            return
+        held, snap = self.allocator.allocated_slots(seq_id), self.allocator.snapshot()
+        if self.allocator.append(seq_id, n, lookahead):
+            self.tokens[seq_id] += n
+            self.looked_ahead.add(seq_id)
+            end = min(self.tokens[seq_id] + lookahead, spec.final_len)
+            assert self.allocator.allocated_slots(seq_id) >= end
+            self.claims[seq_id] = max(self.claims.get(seq_id, 0), end)
+        else:
+            assert self.allocator.allocated_slots(seq_id) == held
+            assert self.allocator.snapshot() == snap
+
     @precondition(lambda self: self.specs)
     @rule(data=st.data(), limit=st.integers(1, 40))
     def append_to_several(self, data, limit):
@@ -111,10 +134,12 @@ class _AllocatorMachine(RuleBasedStateMachine):
         self.freed.append(self.specs[seq_id])
         del self.specs[seq_id], self.tokens[seq_id]
 
-    @precondition(lambda self: any(self.tokens[s] >= self.specs[s].prompt_len for s in self.specs))
+    @precondition(lambda self: any(self.tokens[s] >= self.specs[s].prompt_len
+                                   and s not in self.looked_ahead for s in self.specs))
     @rule(data=st.data(), out=st.integers(1, 40))  # a sample generates at least one token
     def fork(self, data, out):
-        ready = sorted(s for s in self.specs if self.tokens[s] >= self.specs[s].prompt_len)
+        ready = sorted(s for s in self.specs if self.tokens[s] >= self.specs[s].prompt_len
+                       and s not in self.looked_ahead)
         parent = self.specs[data.draw(st.sampled_from(ready))]
         written = self.tokens[parent.seq_id]
         child = SeqSpec(self.next_id, (*_prefix_of(parent.segments, written),

@@ -134,8 +134,11 @@ class KVAllocator(ABC):
         chunk, and an append may then find memory short. None claims the whole prompt."""
 
     @abstractmethod
-    def append(self, seq_id: int, num_tokens: int) -> bool:
-        """Record ``num_tokens`` more written tokens; False (and no change) if memory is short."""
+    def append(self, seq_id: int, num_tokens: int, lookahead: int = 0) -> bool:
+        """Record ``num_tokens`` more written tokens, and hold slots for ``lookahead`` more
+        past them (as far as the final length: speculative decoding's drafts, written by the
+        step and overwritten by the next where rejected); False (and no change) if memory
+        is short."""
 
     @abstractmethod
     def free(self, seq_id: int) -> None:

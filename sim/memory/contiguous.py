@@ -212,14 +212,14 @@ class ContiguousAllocator(KVAllocator):
             raise AllocatorError(f"sequence {spec.seq_id} is already admitted")
         return None if self._place(spec) is None else 0
 
-    def append(self, seq_id: int, num_tokens: int) -> bool:
+    def append(self, seq_id: int, num_tokens: int, lookahead: int = 0) -> bool:
         ext = self._seq(seq_id)
         if num_tokens <= 0:
             return num_tokens == 0
         end = ext.num_tokens + num_tokens
         if end > ext.spec.final_len:
             raise write_past_end(seq_id, end, ext.spec.final_len)
-        if end > ext.size:
+        if min(end + lookahead, ext.spec.final_len) > ext.size:
             return False  # outgrew a predicted reservation: an extent cannot grow in place
         self._write(ext, end)
         return True

@@ -355,7 +355,10 @@ class HybridPagedAllocator(KVAllocator):
         peak = self.sliding_groups * self._prefill_peak(seq.spec, start, seq.claim_end)
         return max(0, peak - self._exclusive(seq, taken))
 
-    def append(self, seq_id: int, num_tokens: int) -> bool:
+    def append(self, seq_id: int, num_tokens: int, lookahead: int = 0) -> bool:
+        if lookahead:
+            raise AllocatorError("lookahead slots (speculative decoding) are not modelled by "
+                                 "the hybrid manager")
         seq = self._seq(seq_id)
         if num_tokens <= 0:
             return num_tokens == 0

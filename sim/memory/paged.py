@@ -41,8 +41,8 @@ from sim.memory.host_cache import HostCache
 class _PagedSeq:
     """One sequence's view: its block table and how far it has written."""
 
-    __slots__ = ("blocks", "final_len", "hasher", "internal", "num_tokens", "per_chunk",
-                 "shared_blocks", "spec")
+    __slots__ = ("blocks", "claimed", "final_len", "hasher", "internal", "num_tokens",
+                 "per_chunk", "shared_blocks", "spec")
 
     def __init__(self, spec: SeqSpec, blocks: list[KVBlock], hasher: BlockHasher,
                  block_size: int) -> None:
@@ -55,6 +55,7 @@ class _PagedSeq:
         self.blocks = blocks
         self.hasher = hasher
         self.num_tokens = 0
+        self.claimed = 0  # the furthest slot an append's lookahead held (0: none)
         self.internal = 0  # this sequence's share of `internal` slots while its tail is its own
         self.per_chunk = False  # admitted with blocks for its first prompt chunk only
 
@@ -211,7 +212,7 @@ class PagedAllocator(KVAllocator):
         self.last_loaded_tokens = loaded * bs
         return seq.num_tokens
 
-    def append(self, seq_id: int, num_tokens: int) -> bool:
+    def append(self, seq_id: int, num_tokens: int, lookahead: int = 0) -> bool:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise AllocatorError(f"unknown sequence {seq_id}")
@@ -222,13 +223,19 @@ class PagedAllocator(KVAllocator):
         end = start + num_tokens
         if end > seq.final_len:
             raise write_past_end(seq_id, end, seq.final_len)
+        # Lookahead slots are held, not written: blocks past the tokens count as reserved.
+        claim = end
+        if lookahead > 0:
+            claim = min(end + lookahead, seq.final_len)
+            if claim > seq.claimed:
+                seq.claimed = claim
         blocks = seq.blocks
         pool = self.pool
         first = start // bs
         nblocks = len(blocks)
         # Copy-on-write: the block we write into first is shared with a fork.
         cow = first < nblocks and blocks[first].ref_cnt > 1
-        grow = -(-end // bs) - nblocks
+        grow = -(-claim // bs) - nblocks
         if grow > 0 or cow:
             if grow + cow > pool.num_free:
                 return False
@@ -299,11 +306,16 @@ class PagedAllocator(KVAllocator):
             raise AllocatorError(f"sequence {parent_id} cannot fork before its prompt is written")
         if child.seq_id in self._seqs:
             raise AllocatorError(f"sequence {child.seq_id} is already admitted")
+        if len(parent.blocks) > self.blocks_for(max(parent.num_tokens, parent.spec.prompt_len)):
+            # Its blocks past the tokens would be shared empty, and written by both.
+            raise AllocatorError(f"sequence {parent_id} holds lookahead slots; fork it before "
+                                 "it claims any (samples fork at the prompt's end)")
         for block in parent.blocks:
             self.pool.touch(block)
         seq = _PagedSeq(child, list(parent.blocks), parent.hasher.copy(child.segments),
                         self.block_size)
         seq.num_tokens = parent.num_tokens
+        seq.claimed = parent.claimed
         self._seqs[child.seq_id] = seq
         if parent.num_tokens < len(parent.blocks) * self.block_size:
             # The partial tail is shared now: its unwritten slots are accounted per block.
@@ -385,6 +397,7 @@ class PagedAllocator(KVAllocator):
         refs = [0] * self.num_blocks
         for seq in self._seqs.values():
             least, most = table_token_bounds(seq.spec, seq.num_tokens, seq.per_chunk)
+            most = max(most, seq.claimed)
             assert self.blocks_for(least) <= len(seq.blocks) <= self.blocks_for(most), (
                 "block table length does not match the tokens written")
             for block in seq.blocks:

@@ -1,0 +1,198 @@
+"""Speculative decoding: a token clock of τ tokens a step, drafts and lookahead slots claimed
+by each step, the drafts' and the drafter's time, and the drafter's memory."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+
+from sim.engine import memory_summary, run_scenario, scenario_pool_slots, system_pool_slots
+from sim.memory import AllocatorError, PagedAllocator, SeqSpec
+from sim.presets import MODEL_PRESETS
+from sim.scenario import ScenarioError, SpeculativeConfig, scenario_from_dict
+from sim.timing import StepTimeModel
+
+
+def one_request(prompt: int, output: int, speculative: dict | None, block_size: int = 16,
+                mode: str = "step") -> dict:
+    system: dict = {"name": "s", "allocator": {"kind": "paged", "block_size": block_size}}
+    if speculative:
+        system["speculative"] = speculative
+    return {
+        "name": "one", "model": "llama-2-7b", "memory": {"kv_memory_gib": 2},
+        "workload": {"arrival": {"process": "poisson", "rate": 1},
+                     "prompt_len": {"dist": "constant", "value": prompt},
+                     "output_len": {"dist": "constant", "value": output},
+                     "max_tokens": output},
+        "systems": [system], "stop": {"num_requests": 1},
+        "engine": {"mode": mode, "debug_invariants": mode == "step"},
+    }
+
+
+@pytest.mark.parametrize(("tau", "k"), [(1.0, 3), (2.5, 3), (1.37, 2), (4.0, 3)])
+def test_a_request_takes_as_many_steps_as_the_token_clock_needs(tau, k):
+    # The replica's clock reads ⌊s·τ⌋ after s steps. Step 0 is the prefill, which samples
+    # the first token; the request has kept ⌊s·τ⌋ − ⌊τ⌋ more after step s − 1, and finishes
+    # with the first s at which that reaches 99.
+    spec = {"method": "ngram", "num_speculative_tokens": k, "mean_acceptance_length": tau}
+    run = run_scenario(scenario_from_dict(one_request(200, 100, spec))).systems["s"]
+    rate = Fraction(tau).limit_denominator(1000)
+    steps = next(s for s in range(1, 200) if math.floor(s * rate) - math.floor(rate) >= 99)
+    assert int(run.steps["steps"].sum()) == steps
+    assert run.requests["output_len"].iloc[0] == 100
+
+
+@pytest.mark.parametrize(("method", "claim"), [("ngram", 1 + 3), ("eagle", 1 + 3 + 3)])
+def test_each_step_holds_blocks_for_its_drafts_and_lookahead(method, claim):
+    # vLLM v1 claims slots for the step's input token and its k drafts, and for an EAGLE
+    # drafter k lookahead slots more: a step that read t tokens before it holds
+    # ⌈min(t + claim, final) / 16⌉ blocks. The memory rows (one a step) say both.
+    spec = {"method": method, "num_speculative_tokens": 3, "mean_acceptance_length": 2.2}
+    run = run_scenario(scenario_from_dict(one_request(32, 300, spec))).systems["s"]
+    memory = run.memory
+    final = 32 + 300 - 1
+    decoding = memory[memory["decode_seqs"] == 1]
+    assert len(decoding) > 100
+    held = decoding["token"] + decoding["reserved"] + decoding["internal"]
+    expected = [16 * -(-min(t + claim, final) // 16) for t in decoding["token"]]
+    assert held.tolist() == expected
+
+
+def test_drafts_that_are_never_accepted_cost_time_and_change_nothing_else():
+    plain = run_scenario(scenario_from_dict(one_request(200, 100, None))).systems["s"]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "mean_acceptance_length": 1}
+    wasted = run_scenario(scenario_from_dict(one_request(200, 100, spec))).systems["s"]
+    assert wasted.steps["steps"].sum() == plain.steps["steps"].sum()
+    assert wasted.summary["tpot_p50_s"] > plain.summary["tpot_p50_s"]
+
+
+def test_accepted_drafts_shorten_the_time_per_token():
+    results = {}
+    for tau in (1.0, 2.0, 3.0):
+        spec = {"method": "eagle", "num_speculative_tokens": 3, "mean_acceptance_length": tau}
+        run = run_scenario(scenario_from_dict(one_request(200, 400, spec))).systems["s"]
+        results[tau] = run.summary["tpot_p50_s"]
+    assert results[1.0] > results[2.0] > results[3.0]
+    # Memory-bound single-request decode: a step costs about the same, so the time per
+    # token falls nearly as 1/τ.
+    assert results[1.0] / results[3.0] == pytest.approx(3.0, rel=0.1)
+
+
+def test_jump_equals_step_with_a_queue_and_preemptions():
+    data = {
+        "name": "busy", "model": "llama-2-7b", "memory": {"kv_memory_gib": 0.4},
+        "workload": {"arrival": {"process": "poisson", "rate": 40},
+                     "prompt_len": {"dist": "lognormal", "mean": 120, "sigma": 1, "max": 600},
+                     "output_len": {"dist": "uniform", "low": 1, "high": 300},
+                     "prefix_groups": {"groups": 2, "length": 40, "fraction": 0.6}},
+        "systems": [{"name": "eagle", "allocator": {"kind": "paged", "block_size": 16},
+                     "speculative": {"method": "eagle", "num_speculative_tokens": 4,
+                                     "acceptance_rate": 0.7}},
+                    {"name": "predicted", "allocator": {"kind": "contiguous",
+                                                        "reserve_policy": "predicted"},
+                     "speculative": {"method": "mtp", "num_speculative_tokens": 2,
+                                     "mean_acceptance_length": 2.6}}],
+        "stop": {"num_requests": 150}, "seed": 3,
+    }
+    runs = {}
+    for mode in ("jump", "step"):
+        data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
+        runs[mode] = run_scenario(scenario_from_dict(data)).systems
+    for name in ("eagle", "predicted"):
+        jump, step = runs["jump"][name], runs["step"][name]
+        assert jump.requests.equals(step.requests)
+        assert len(jump.steps) < len(step.steps)
+    assert runs["step"]["eagle"].summary["preemptions"] > 0
+    assert runs["step"]["predicted"].summary["preemptions"] > 0  # outgrown reservations
+
+
+def test_acceptance_rate_gives_the_geometric_mean_acceptance_length():
+    spec = SpeculativeConfig(method="eagle", num_speculative_tokens=3, acceptance_rate=0.6)
+    assert float(spec.tokens_per_step) == pytest.approx((1 - 0.6 ** 4) / 0.4, abs=1e-3)
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                             acceptance_rate=1.0).tokens_per_step == 4
+    assert spec.lookahead_slots == 3 and spec.drafter_layers == 1
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=5,
+                              mean_acceptance_length=2.4)
+    assert ngram.tokens_per_step == Fraction(12, 5)
+    assert ngram.lookahead_slots == 0 and ngram.drafter_layers == 0
+
+
+@pytest.mark.parametrize(("speculative", "expected"), [
+    ({"method": "eagle", "num_speculative_tokens": 2, "mean_acceptance_length": 3.5},
+     "mean_acceptance_length 3.5: a step keeps at most num_speculative_tokens + 1 = 3"),
+    ({"method": "eagle", "num_speculative_tokens": 2},
+     "give exactly one of mean_acceptance_length"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_rate": 0.5,
+      "draft_layers": 1}, "draft_layers: n-gram drafting uses no model"),
+    ({"method": "medusa", "num_speculative_tokens": 2, "acceptance_rate": 0.5},
+     "speculative.method"),
+])
+def test_bad_settings_are_refused(speculative, expected):
+    with pytest.raises(ScenarioError, match=expected.replace("+", r"\+").replace(".", r"\.")):
+        scenario_from_dict(one_request(10, 10, speculative))
+
+
+def test_the_hybrid_manager_refuses_speculation():
+    data = one_request(10, 10, {"method": "ngram", "num_speculative_tokens": 2,
+                                "acceptance_rate": 0.5})
+    data["model"], data["gpu"] = "gemma-3-27b", "h100-80g"
+    with pytest.raises(ScenarioError, match="speculative decoding is not modelled with the "
+                                            "hybrid KV cache manager"):
+        scenario_from_dict(data)
+
+
+def test_a_drafter_takes_its_layers_weights_and_kv_out_of_the_pool():
+    data = one_request(10, 10, {"method": "eagle", "num_speculative_tokens": 2,
+                                "acceptance_rate": 0.5})
+    del data["memory"]  # 90 % of the GPU less the weights
+    data["systems"].append({"name": "ngram", "allocator": {"kind": "paged"},
+                            "speculative": {"method": "ngram", "num_speculative_tokens": 2,
+                                            "acceptance_rate": 0.5}})
+    scenario = scenario_from_dict(data)
+    model = MODEL_PRESETS["llama-2-7b"]
+    slots = scenario_pool_slots(scenario)
+    eagle, ngram = scenario.systems
+    # One more layer of KV a token (33 of 32), and one layer's weights less pool.
+    pool_bytes = slots * model.kv_bytes_per_token - model.weight_bytes / 32
+    assert system_pool_slots(scenario, eagle) == int(pool_bytes // (model.kv_bytes_per_token
+                                                                     * 33 / 32))
+    assert system_pool_slots(scenario, ngram) == slots
+    line = memory_summary(scenario)
+    assert (f"system 's': its eagle drafter's 1 layer (weights and KV) leave "
+            f"{system_pool_slots(scenario, eagle):,} tokens") in line
+    assert "'ngram'" not in line
+
+
+def test_the_step_time_counts_drafts_as_tokens_and_the_drafters_passes():
+    base = StepTimeModel(a=5e-3, b=1e-5, c=2e-7, d=1e-5, e=1e-9)
+    spec = StepTimeModel(a=5e-3, b=1e-5, c=2e-7, d=1e-5, e=1e-9, speculative_tokens=3,
+                         draft_share=1 / 32)
+    decode, context, rho = 8, 4000, 1.125
+    drafter = (5e-3 + 1e-5 * decode + rho * 2e-7 * context) / 32
+    assert spec.step_time(decode, context, 0, 0, rho) == pytest.approx(
+        base.step_time(decode, context, 0, 0, rho) + 3 * (1e-5 * decode + drafter))
+    # The drafter reads a prefill once too.
+    assert spec.step_time(0, 0, 100, 100 * 100, rho) == pytest.approx(
+        base.step_time(0, 0, 100, 100 * 100, rho) * (1 + 1 / 32) - 5e-3 / 32)
+    # A pure-decode run advanced at once costs the same floats as steps one at a time.
+    for skipped in (0, 700):
+        sliding = StepTimeModel(a=5e-3, b=1e-5, c=2e-7, d=1e-5, e=1e-9, speculative_tokens=3,
+                                draft_share=1 / 32, sliding_share=0.5)
+        for model in (spec, sliding):
+            assert model.decode_step_time(decode, rho)(context, skipped) == model.step_time(
+                decode, context, 0, 0, rho, skipped)
+
+
+def test_a_paged_sequence_holding_lookahead_slots_cannot_fork():
+    allocator = PagedAllocator(10, 4)
+    spec = SeqSpec(0, ((1, 20),), 6, 20, 20)
+    assert allocator.admit(spec) == 0
+    assert allocator.append(0, 6)
+    assert allocator.append(0, 1, lookahead=5)  # 7 tokens, slots to 12: 3 blocks
+    assert allocator.allocated_slots(0) == 12
+    with pytest.raises(AllocatorError, match="holds lookahead slots"):
+        allocator.fork(0, SeqSpec(1, ((1, 7), (2, 5)), 6, 12, 12))
+    allocator.check_invariants()
