@@ -188,35 +188,61 @@ def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
     return with_sliding_window(replace(base, paged_alpha=scenario.timing.paged_alpha), model)
 
 
-def with_speculation(timing: StepTimeModel, system: SystemConfig, model: ModelSpec
+def with_speculation(timing: StepTimeModel, scenario: Scenario, system: SystemConfig
                      ) -> StepTimeModel:
     """The step-time model of a system that decodes speculatively: its drafts in every
-    decode step, and its drafter's passes (a share of the target's layers)."""
+    decode step, and its drafter's passes: a share of the target's layers (EAGLE, MTP), or
+    a draft model's roofline on the same GPUs (no step overhead of its own: its passes run
+    inside the step)."""
     spec = system.speculative
     if spec is None:
         return timing
-    return replace(timing, speculative_tokens=spec.num_speculative_tokens,
-                   draft_share=spec.drafter_layers / model.num_layers)
+    drafter: StepTimeModel | None = None
+    draft = spec.drafter_spec()
+    if draft is not None:
+        drafter = roofline(draft, scenario.gpu_spec(), 0.0,
+                           tensor_parallel_size=scenario.parallel.tensor_parallel_size,
+                           allreduce_latency_s=scenario.parallel.allreduce_latency_s)
+    elif spec.drafter_layers:
+        model = scenario.model_spec()
+        drafter = timing.share(spec.drafter_layers / model.num_layers,
+                               f"{spec.method} drafter: {spec.drafter_layers} of "
+                               f"{model.num_layers} layers of {timing.source}")
+    return replace(timing, speculative_tokens=spec.num_speculative_tokens, drafter=drafter)
+
+
+def drafter_memory(scenario: Scenario, system: SystemConfig) -> tuple[float, float]:
+    """What a system's speculative drafter holds on each GPU: its weights' bytes, and the
+    bytes of KV it keeps for every token (0, 0 for n-gram lookup or no speculation)."""
+    spec = system.speculative
+    if spec is None:
+        return 0.0, 0.0
+    model = scenario.model_spec()
+    tp = scenario.parallel.tensor_parallel_size
+    draft = spec.drafter_spec()
+    if draft is not None:
+        kv_dtype = scenario.memory.kv_cache_dtype
+        if KV_CACHE_DTYPE_BYTES.get(kv_dtype):  # the cache's dtype is the drafter's too
+            draft = replace(draft, kv_dtype_bytes=KV_CACHE_DTYPE_BYTES[kv_dtype])
+        return draft.weight_bytes / tp, float(draft.kv_bytes_per_token_per_gpu(tp))
+    share = spec.drafter_layers / model.num_layers
+    return (share * model.weight_bytes / tp, share * model.kv_bytes_per_token_per_gpu(tp))
 
 
 def system_pool_slots(scenario: Scenario, system: SystemConfig) -> int:
     """Token slots in one replica's KV pool for ``system``: the scenario's, less what a
-    speculative drafter takes. Its layers, each one of the target's, hold their weights out
-    of GPU memory (unless the pool's size is given) and their KV in every slot (vLLM keeps
-    the drafter's layers in the same KV cache)."""
+    speculative drafter takes: its weights out of GPU memory (unless the pool's size is
+    given), and its KV in every slot (vLLM keeps the drafter's layers in the same cache)."""
     slots = scenario_pool_slots(scenario)
-    spec = system.speculative
-    layers = spec.drafter_layers if spec else 0
-    if not layers:
+    weight_bytes, kv_bytes = drafter_memory(scenario, system)
+    if not kv_bytes:
         return slots
-    model = scenario.model_spec()
-    tp = scenario.parallel.tensor_parallel_size
-    pool_bytes: float = slots * model.kv_bytes_per_token_per_gpu(tp)
+    per_token = scenario.model_spec().kv_bytes_per_token_per_gpu(
+        scenario.parallel.tensor_parallel_size)
+    pool_bytes: float = slots * per_token
     if scenario.memory.kv_memory_gib is None:
-        pool_bytes -= layers / model.num_layers * model.weight_bytes / tp
-    per_slot = model.kv_bytes_per_token_per_gpu(tp) * (model.num_layers + layers) / (
-        model.num_layers)
-    return max(0, int(pool_bytes // per_slot))
+        pool_bytes -= weight_bytes
+    return max(0, int(pool_bytes // (per_token + kv_bytes)))
 
 
 def with_sliding_window(timing: StepTimeModel, model: ModelSpec) -> StepTimeModel:
@@ -484,7 +510,7 @@ class _SystemRun:
                  progress: Callable[[int], None] | None) -> None:
         self.system = system
         self.trace = trace
-        self.timing = with_speculation(timing, system, scenario.model_spec())
+        self.timing = with_speculation(timing, scenario, system)
         self.block_table = isinstance(system.allocator, PagedConfig)
         model = scenario.model_spec()
         self.sliding_window = model.sliding_window  # 0: none
@@ -883,9 +909,12 @@ def memory_summary(scenario: Scenario) -> str:
     for system, system_slots in drafted.items():
         spec = system.speculative
         assert spec is not None
+        draft = spec.drafter_spec()
         layers = spec.drafter_layers
-        text += (f"; system {system.name!r}: its {spec.method} drafter's {layers} layer"
-                 f"{'s' if layers > 1 else ''} (weights and KV) leave {system_slots:,} tokens")
+        drafter = (f"draft model {draft.name}" if draft is not None else
+                   f"{spec.method} drafter's {layers} layer{'s' if layers > 1 else ''}")
+        text += (f"; system {system.name!r}: its {drafter} (weights and KV) leave "
+                 f"{system_slots:,} tokens")
     return text
 
 

@@ -239,6 +239,8 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("llama-3-8b", 32, 32, 8, 128, 8.03e9, 8192),
         # Llama-3.1-8B: Llama-3-8B's shapes with a 128K context (long traces such as Mooncake).
         ModelSpec("llama-3.1-8b", 32, 32, 8, 128, 8.03e9, 131072),
+        # Llama-3.2-1B: Llama-3.1's tokenizer, often the draft model of Llama-3.1-8B or -70B.
+        ModelSpec("llama-3.2-1b", 16, 32, 8, 64, 1.24e9, 131072),
         ModelSpec("mistral-7b", 32, 32, 8, 128, 7.24e9, 32768),
         # OPT-13B: 800 KB per token, the figure the vLLM paper (SOSP'23, §3) quotes.
         ModelSpec("opt-13b", 40, 40, 40, 128, 12.85e9, 2048),

@@ -317,15 +317,20 @@ class SpeculativeConfig(ConfigModel):
     The drafts' acceptance is not drawn per request: every decoding request of a replica
     advances ⌊s·τ⌋ tokens by its step s (τ the mean acceptance length as a fraction), so that
     the lazy accounting stays exact and runs are deterministic. A step claims memory for
-    its last token, the k drafts and, for an EAGLE or MTP drafter, k lookahead slots more
-    (vLLM's ``num_lookahead_tokens``); an EAGLE or MTP drafter is ``draft_layers`` decoder
-    layers of the target's shape, whose weights and KV take memory and whose k passes take
-    time; n-gram drafting (prompt lookup) costs neither.
+    its last token, the k drafts and, for a drafter model, k lookahead slots more (vLLM's
+    ``num_lookahead_tokens``). An EAGLE or MTP drafter is ``draft_layers`` decoder layers of
+    the target's shape, a draft model (``draft_model``) a model of its own: their weights and
+    KV take memory and their k passes take time; n-gram drafting (prompt lookup) costs
+    neither.
     """
 
-    method: Literal["ngram", "eagle", "eagle3", "mtp"] = Field(
+    method: Literal["ngram", "eagle", "eagle3", "mtp", "draft_model"] = Field(
         description="ngram: drafts looked up in the prompt (no model, no KV, no lookahead); "
-        "eagle / eagle3 / mtp: a small drafter that runs k times a step")
+        "eagle / eagle3 / mtp: a head of the target's layers that runs k times a step; "
+        "draft_model: a smaller model of the same tokenizer (draft_model), run k times a step")
+    draft_model: str | ModelConfig | None = Field(
+        default=None, description="method draft_model: the drafting model, a preset name or "
+        "its shape (as the scenario's model)")
     num_speculative_tokens: int = Field(ge=1, le=64, description="k: drafts a step verifies")
     mean_acceptance_length: float | None = Field(
         default=None, ge=1, description="τ: tokens a decode step keeps for a request, the "
@@ -352,7 +357,23 @@ class SpeculativeConfig(ConfigModel):
                              f"expected 1 to {k + 1}")
         if self.method == "ngram" and self.draft_layers:
             raise ValueError("draft_layers: n-gram drafting uses no model; expected 0")
+        if (self.method == "draft_model") != (self.draft_model is not None):
+            raise ValueError("draft_model: give it with method draft_model, and only then "
+                             "(the drafting model, e.g. llama-3.2-1b)")
+        if self.method == "draft_model" and self.draft_layers is not None:
+            raise ValueError("draft_layers: a draft model has its own layers (draft_layers is "
+                             "for eagle, eagle3 and mtp)")
+        if isinstance(self.draft_model, str) and self.draft_model.lower() not in MODEL_PRESETS:
+            raise ValueError(f"draft_model: unknown preset {self.draft_model!r}; known: "
+                             f"{', '.join(MODEL_PRESETS)} (or give the model's shape)")
+        if self.draft_model is not None and _model_spec(self.draft_model).sliding_window:
+            raise ValueError("draft_model: a draft model with sliding-window layers is not "
+                             "modelled")
         return self
+
+    def drafter_spec(self) -> ModelSpec | None:
+        """The draft model's shape (method draft_model), else None."""
+        return None if self.draft_model is None else _model_spec(self.draft_model)
 
     @property
     def tokens_per_step(self) -> Fraction:
@@ -374,10 +395,11 @@ class SpeculativeConfig(ConfigModel):
 
     @property
     def drafter_layers(self) -> int:
-        """Decoder layers of the drafter (0: n-gram, no model)."""
+        """Decoder layers of an EAGLE or MTP drafter, of the target's shape (0: n-gram
+        lookup, or a draft model, which has its own)."""
         if self.draft_layers is not None:
             return self.draft_layers
-        return 0 if self.method == "ngram" else 1
+        return 1 if self.method in ("eagle", "eagle3", "mtp") else 0
 
 
 class SystemConfig(ConfigModel):
@@ -705,6 +727,17 @@ class Scenario(ConfigModel):
                             f"KV cache manager that {model.name}'s sliding-window layers "
                             "use; set allocator.hybrid_kv_cache: false (every layer keeps "
                             "every token)")
+        return self
+
+    @model_validator(mode="after")
+    def _draft_models_split_evenly(self):  # type: ignore[no-untyped-def]
+        tp = self.parallel.tensor_parallel_size
+        for system in self.systems:
+            draft = system.speculative.drafter_spec() if system.speculative else None
+            problem = draft.tensor_parallel_problem(tp) if draft and tp > 1 else None
+            if problem:
+                raise ValueError(f"system {system.name!r}: speculative.draft_model on "
+                                 f"tensor_parallel_size {tp}: {problem}")
         return self
 
     @field_validator("systems")

@@ -15,11 +15,11 @@ are the context tokens and token pairs past the window (the scheduler counts the
 
 Under speculative decoding each decoding sequence feeds the step its k drafts too: they pass
 through the model as prefill tokens do (``d`` each, in the batch ``a`` reads the experts
-for), and the context C counts them; a drafter of a share ``w`` of the target's layers
-(EAGLE, MTP: one layer) runs k passes over the batch, each ``w`` of a decode step, and
-reads the step's new prompt tokens once, ``w`` of their prefill::
+for), and the context C counts them; a drafter with coefficients of its own (a′ … e′: an
+EAGLE or MTP head is a share of the target's layers, a draft model its own roofline) runs k
+decode passes over the batch, and reads the step's new prompt tokens once::
 
-    T += d·B·k + k·w·(a + b·B + ρ(bs)·c·C) + w·(d·P + e·S)
+    T += d·B·k + k·(a′ + b′·B + ρ(bs)·c′·C) + d′·P + e′·S
 
 Defaults are a roofline of the model on the GPU preset; a calibration YAML written by
 ``gpu_validate`` (format in :class:`Calibration`) replaces them with measured values.
@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -69,9 +69,9 @@ class StepTimeModel:
     # skipped); 0: every layer attends to every token.
     sliding_share: float = 0.0
     # Speculative decoding: drafts each decoding sequence adds to a step, and the drafter's
-    # size as a share of the target's layers (0: n-gram lookup, no model).
+    # own coefficients (None: n-gram lookup, no model).
     speculative_tokens: int = 0
-    draft_share: float = 0.0
+    drafter: StepTimeModel | None = None
 
     def fixed_s(self, tokens: int) -> float:
         """``a`` for a step that passes ``tokens`` tokens through the model: all of it, but
@@ -118,17 +118,31 @@ class StepTimeModel:
                   + rho * self.c * read + self.d * prefill_tokens + self.e * pairs)
         if not self.speculative_tokens:
             return step_s
-        return step_s + self._speculation_s(decode_seqs, read, rho) + self.draft_share * (
-            self.d * prefill_tokens + self.e * pairs)
+        step_s += self._speculation_s(decode_seqs, read, rho)
+        drafter = self.drafter
+        if drafter is not None and prefill_tokens:  # it reads the new prompts too
+            step_s += drafter.d * prefill_tokens + drafter.e * pairs
+        return step_s
 
     def _speculation_s(self, decode_seqs: int, read: float, rho: float) -> float:
         """What drafts add to a step that decodes ``decode_seqs`` sequences reading ``read``
         context tokens: their pass through the target's GEMMs, and the drafter's k passes."""
         if not decode_seqs:
             return 0.0
-        drafter_s = self.draft_share * (self.fixed_s(decode_seqs) + self.b * decode_seqs
-                                        + rho * self.c * read)
-        return self.speculative_tokens * (self.d * decode_seqs + drafter_s)
+        drafts_s = self.d * decode_seqs
+        drafter = self.drafter
+        if drafter is not None:
+            drafts_s += (drafter.fixed_s(decode_seqs) + drafter.b * decode_seqs
+                         + rho * drafter.c * read)
+        return self.speculative_tokens * drafts_s
+
+    def share(self, fraction: float, source: str) -> StepTimeModel:
+        """A model of ``fraction`` of this one's layers (an EAGLE or MTP drafter): every
+        coefficient scaled, none of its own speculation."""
+        return replace(self, a=self.a * fraction, b=self.b * fraction, c=self.c * fraction,
+                       d=self.d * fraction, e=self.e * fraction,
+                       expert_s=self.expert_s * fraction, source=source, sliding_share=0.0,
+                       speculative_tokens=0, drafter=None)
 
     def decode_step_time(self, decode_seqs: int, rho: float) -> Callable[[int, int], float]:
         """``step_time`` of a pure-decode step as a function of its context tokens and

@@ -132,10 +132,13 @@ def random_scenario(seed: int) -> dict:
     # lookahead claimed), where the hybrid manager is not in use.
     if rng.random() < 0.3 and not (isinstance(model, dict) and allocator["kind"] == "paged"):
         k = rng.choice([1, 3, 5, 20])
-        system["speculative"] = {"method": rng.choice(["ngram", "eagle", "mtp"]),
+        system["speculative"] = {"method": rng.choice(["ngram", "eagle", "mtp",
+                                                       "draft_model"]),
                                  "num_speculative_tokens": k,
                                  "mean_acceptance_length": min(k + 1.0, rng.choice(
                                      [1.0, 1.37, 2.5, 21.0]))}
+        if system["speculative"]["method"] == "draft_model":
+            system["speculative"]["draft_model"] = "llama-3.2-1b"
     return {
         "name": f"random-{seed}",
         "model": model,

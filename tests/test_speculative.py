@@ -4,13 +4,22 @@ by each step, the drafts' and the drafter's time, and the drafter's memory."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
-from sim.engine import memory_summary, run_scenario, scenario_pool_slots, system_pool_slots
+from sim.engine import (
+    build_timing,
+    memory_summary,
+    run_scenario,
+    scenario_pool_slots,
+    system_pool_slots,
+    with_speculation,
+)
 from sim.memory import AllocatorError, PagedAllocator, SeqSpec
-from sim.presets import MODEL_PRESETS
+from sim.presets import GPU_PRESETS, MODEL_PRESETS
 from sim.scenario import ScenarioError, SpeculativeConfig, scenario_from_dict
 from sim.timing import StepTimeModel
 
@@ -168,8 +177,8 @@ def test_a_drafter_takes_its_layers_weights_and_kv_out_of_the_pool():
 
 def test_the_step_time_counts_drafts_as_tokens_and_the_drafters_passes():
     base = StepTimeModel(a=5e-3, b=1e-5, c=2e-7, d=1e-5, e=1e-9)
-    spec = StepTimeModel(a=5e-3, b=1e-5, c=2e-7, d=1e-5, e=1e-9, speculative_tokens=3,
-                         draft_share=1 / 32)
+    head = base.share(1 / 32, "one layer")
+    spec = replace(base, speculative_tokens=3, drafter=head)
     decode, context, rho = 8, 4000, 1.125
     drafter = (5e-3 + 1e-5 * decode + rho * 2e-7 * context) / 32
     assert spec.step_time(decode, context, 0, 0, rho) == pytest.approx(
@@ -177,13 +186,60 @@ def test_the_step_time_counts_drafts_as_tokens_and_the_drafters_passes():
     # The drafter reads a prefill once too.
     assert spec.step_time(0, 0, 100, 100 * 100, rho) == pytest.approx(
         base.step_time(0, 0, 100, 100 * 100, rho) * (1 + 1 / 32) - 5e-3 / 32)
+    # n-gram lookup: the drafts' GEMM tokens only.
+    ngram = replace(base, speculative_tokens=3)
+    assert ngram.step_time(decode, context, 0, 0, rho) == pytest.approx(
+        base.step_time(decode, context, 0, 0, rho) + 3 * 1e-5 * decode)
     # A pure-decode run advanced at once costs the same floats as steps one at a time.
     for skipped in (0, 700):
-        sliding = StepTimeModel(a=5e-3, b=1e-5, c=2e-7, d=1e-5, e=1e-9, speculative_tokens=3,
-                                draft_share=1 / 32, sliding_share=0.5)
-        for model in (spec, sliding):
+        for model in (spec, ngram, replace(spec, sliding_share=0.5)):
             assert model.decode_step_time(decode, rho)(context, skipped) == model.step_time(
                 decode, context, 0, 0, rho, skipped)
+
+
+def draft_model_scenario(draft: str | dict = "llama-3.2-1b", **memory) -> dict:
+    data = one_request(10, 10, {"method": "draft_model", "draft_model": draft,
+                                "num_speculative_tokens": 4, "acceptance_rate": 0.7})
+    data["model"], data["gpu"], data["memory"] = "llama-3.1-8b", "h100-80g", memory
+    return data
+
+
+def test_a_draft_model_takes_its_weights_and_kv_and_runs_its_own_roofline():
+    scenario = scenario_from_dict(draft_model_scenario())
+    target, draft = MODEL_PRESETS["llama-3.1-8b"], MODEL_PRESETS["llama-3.2-1b"]
+    slots = scenario_pool_slots(scenario)
+    system = scenario.systems[0]
+    pool_bytes = slots * target.kv_bytes_per_token - draft.weight_bytes
+    assert system_pool_slots(scenario, system) == int(
+        pool_bytes // (target.kv_bytes_per_token + draft.kv_bytes_per_token))
+    assert (f"its draft model llama-3.2-1b (weights and KV) leave "
+            f"{system_pool_slots(scenario, system):,} tokens") in memory_summary(scenario)
+    # An explicit pool holds the weights elsewhere: only the KV shares it.
+    sized = scenario_from_dict(draft_model_scenario(kv_memory_gib=4))
+    assert system_pool_slots(sized, sized.systems[0]) == int(
+        scenario_pool_slots(sized) * target.kv_bytes_per_token
+        // (target.kv_bytes_per_token + draft.kv_bytes_per_token))
+    timing = with_speculation(build_timing(scenario, Path()), scenario, system)
+    assert timing.drafter is not None
+    assert timing.drafter.a == pytest.approx(draft.weight_bytes / GPU_PRESETS["h100-80g"]
+                                             .hbm_bandwidth_bytes_per_s)
+    assert timing.speculative_tokens == 4
+    run = run_scenario(scenario).systems["s"]
+    assert run.requests["finished_s"].notna().all()
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"draft_model": "llama-9b"}, "draft_model: unknown preset 'llama-9b'"),
+    ({"draft_model": None}, "draft_model: give it with method draft_model"),
+    ({"method": "eagle"}, "draft_model: give it with method draft_model"),
+    ({"draft_layers": 2}, "draft_layers: a draft model has its own layers"),
+    ({"draft_model": "gemma-2-9b"}, "sliding-window layers is not modelled"),
+])
+def test_bad_draft_models_are_refused(change, expected):
+    data = draft_model_scenario()
+    data["systems"][0]["speculative"].update(change)
+    with pytest.raises(ScenarioError, match=expected):
+        scenario_from_dict(data)
 
 
 def test_a_paged_sequence_holding_lookahead_slots_cannot_fork():
