@@ -341,7 +341,8 @@ class SpeculativeConfig(ConfigModel):
         "τ = (1 − α^(k+1)) / (1 − α)")
     draft_layers: int | None = Field(
         default=None, ge=0, le=16, description="decoder layers of the drafter, each the size "
-        "of one of the target's (default: 1 for eagle, eagle3 and mtp, 0 for ngram)")
+        "of one of the target's (default: 1 for eagle, eagle3 and mtp; ngram has none, and a "
+        "draft model its own)")
 
     @model_validator(mode="after")
     def _one_acceptance(self):  # type: ignore[no-untyped-def]
