@@ -17,9 +17,10 @@ Under speculative decoding each decoding sequence feeds the step its k drafts to
 through the model as prefill tokens do (``d`` each, in the batch ``a`` reads the experts
 for), and the context C counts them; a drafter with coefficients of its own (a′ … e′: an
 EAGLE or MTP head is a share of the target's layers, a draft model its own roofline) runs k
-decode passes over the batch, and reads the step's new prompt tokens once::
+decode passes over the batch, and reads the step's new prompt tokens once (its weights too,
+a′, where no pass of its own read them)::
 
-    T += d·B·k + k·(a′ + b′·B + ρ(bs)·c′·C) + d′·P + e′·S
+    T += d·B·k + k·(a′ + b′·B + ρ(bs)·c′·C) + d′·P + e′·S     (+ a′ if B = 0 < P)
 
 Defaults are a roofline of the model on the GPU preset; a calibration YAML written by
 ``gpu_validate`` (format in :class:`Calibration`) replaces them with measured values.
@@ -122,6 +123,8 @@ class StepTimeModel:
         drafter = self.drafter
         if drafter is not None and prefill_tokens:  # it reads the new prompts too
             step_s += drafter.d * prefill_tokens + drafter.e * pairs
+            if not decode_seqs:  # (else its decode passes read its weights already)
+                step_s += drafter.fixed_s(prefill_tokens)
         return step_s
 
     def _speculation_s(self, decode_seqs: int, read: float, rho: float) -> float:

@@ -183,9 +183,13 @@ def test_the_step_time_counts_drafts_as_tokens_and_the_drafters_passes():
     drafter = (5e-3 + 1e-5 * decode + rho * 2e-7 * context) / 32
     assert spec.step_time(decode, context, 0, 0, rho) == pytest.approx(
         base.step_time(decode, context, 0, 0, rho) + 3 * (1e-5 * decode + drafter))
-    # The drafter reads a prefill once too.
+    # The drafter reads a prefill once too, a 32nd of the target's work, weights included
+    # where no decode pass of its own read them.
     assert spec.step_time(0, 0, 100, 100 * 100, rho) == pytest.approx(
-        base.step_time(0, 0, 100, 100 * 100, rho) * (1 + 1 / 32) - 5e-3 / 32)
+        base.step_time(0, 0, 100, 100 * 100, rho) * (1 + 1 / 32))
+    assert spec.step_time(decode, context, 100, 100 * 100, rho) == pytest.approx(
+        spec.step_time(decode, context, 0, 0, rho) + (1e-5 * 100 + 1e-9 * 100 * 100)
+        * (1 + 1 / 32))
     # n-gram lookup: the drafts' GEMM tokens only.
     ngram = replace(base, speculative_tokens=3)
     assert ngram.step_time(decode, context, 0, 0, rho) == pytest.approx(
