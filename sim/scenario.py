@@ -314,9 +314,10 @@ class SpeculativeConfig(ConfigModel):
     accepted ones, ``mean_acceptance_length`` tokens a step on average (vLLM logs it), bonus
     token included.
 
-    The drafts' acceptance is not drawn per request: every decoding request of a replica
-    advances ⌊s·τ⌋ tokens by its step s (τ the mean acceptance length as a fraction), so that
-    the lazy accounting stays exact and runs are deterministic. A step claims memory for
+    The drafts' acceptance is not drawn per request: a replica's token clock reads ⌊s·τ⌋
+    after s steps (τ the mean acceptance length as a fraction), and every request decoding
+    there keeps what the clock moves on by, so that the lazy accounting stays exact and runs
+    are deterministic. A step claims memory for
     its last token, the k drafts and, for a drafter model, k lookahead slots more (vLLM's
     ``num_lookahead_tokens``). An EAGLE or MTP drafter is ``draft_layers`` decoder layers of
     the target's shape, a draft model (``draft_model``) a model of its own: their weights and

@@ -4,6 +4,7 @@ by each step, the drafts' and the drafter's time, and the drafter's memory."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -244,6 +245,20 @@ def test_bad_draft_models_are_refused(change, expected):
     data["systems"][0]["speculative"].update(change)
     with pytest.raises(ScenarioError, match=expected):
         scenario_from_dict(data)
+
+
+def test_a_draft_model_must_split_over_the_targets_gpus():
+    data = draft_model_scenario({"name": "tiny-draft", "num_layers": 4, "num_heads": 6,
+                                 "num_kv_heads": 2, "head_dim": 64, "num_params": 1e8,
+                                 "max_model_len": 131072})
+    data["parallel"] = {"tensor_parallel_size": 4}
+    with pytest.raises(ScenarioError, match=re.escape(
+            "system 's': speculative.draft_model on tensor_parallel_size 4: tiny-draft's 6 "
+            "attention heads do not divide over 4 GPUs")):
+        scenario_from_dict(data)
+    data["parallel"] = {"tensor_parallel_size": 2}  # 6 heads and 2 KV heads split in two
+    scenario = scenario_from_dict(data)
+    assert system_pool_slots(scenario, scenario.systems[0]) < scenario_pool_slots(scenario)
 
 
 def test_a_paged_sequence_holding_lookahead_slots_cannot_fork():
