@@ -54,6 +54,13 @@ def metric_label(metric: str) -> str:
     return METRIC_LABELS.get(metric) or (row[1] if row else metric)
 
 
+def metric_scale(metric: str) -> float:
+    """What a metric's values are multiplied by on an axis its label names: 1000 for a
+    time in seconds that the label (as the summary table) gives in ms, else 1."""
+    row = metric_row(metric)
+    return 1000.0 if row is not None and row[2] == "ms" and metric not in METRIC_LABELS else 1.0
+
+
 class SweepReportError(ValueError):
     """A figure that cannot be drawn from this sweep (unknown field or metric)."""
 
@@ -146,13 +153,15 @@ def metric_vs_field(table: pd.DataFrame, field: str, metric: str, *,
     others = _other_swept(table, x, by)
     data = table.groupby([by, *others, x], sort=False, dropna=False)[metric].agg(
         ["mean", "min", "max"]).reset_index()
+    scale = metric_scale(metric)  # (the series keeps the metric's own unit)
     lines = _series(data, by, others)
     fig, (ax,) = new_figure(1, 1, height=3.6 if len(lines) <= 5 else 4.6)
     for label, style, part in lines:
         part = part.sort_values(x)
         xs = part[x].to_numpy(dtype=float)
-        ax.errorbar(xs, part["mean"], yerr=[part["mean"] - part["min"],
-                                            part["max"] - part["mean"]],
+        mean = part["mean"] * scale
+        ax.errorbar(xs, mean, yerr=[mean - part["min"] * scale,
+                                    part["max"] * scale - mean],
                     markersize=4, capsize=2, label=label, **style)
     values = data[x].to_numpy(dtype=float)
     if logx if logx is not None else (values.min() > 0 and values.max() / values.min() >= 16):

@@ -186,3 +186,23 @@ def test_figures_from_replica_0_say_so(result, tmp_path):
             titles = [a.get_title(loc="left") for a in fig.axes if a.get_title(loc="left")]
             assert titles and all(t.endswith(" (replica 0)") == note for t in titles), titles
             close(fig)
+
+
+def test_a_sweep_figure_draws_a_metric_in_its_labels_unit():
+    # TPOT is kept in seconds and labelled in ms, as the summary table shows it: the axis
+    # must show ms too (it once drew 0.005 under "TPOT p50 (ms)").
+    from reports.sweep_report import metric_vs_field
+
+    table = pd.DataFrame({"param:workload.arrival.rate": [1, 2, 1, 2],
+                          "system": ["a", "a", "b", "b"], "seed": [0] * 4,
+                          "tpot_p50_s": [0.005, 0.010, 0.004, 0.020],
+                          "throughput_tok_s": [100.0, 200.0, 90.0, 150.0]})
+    fig = metric_vs_field(table, "workload.arrival.rate", "tpot_p50_s")
+    (ax,) = fig.axes
+    assert ax.get_ylabel() == "TPOT p50 (ms)"
+    drawn = sorted({tuple(line.get_ydata()) for line in ax.get_lines()})
+    assert drawn == [(4.0, 20.0), (5.0, 10.0)]
+    # A metric in its own unit is drawn as it is.
+    fig = metric_vs_field(table, "workload.arrival.rate", "throughput_tok_s")
+    drawn = sorted({tuple(line.get_ydata()) for line in fig.axes[0].get_lines()})
+    assert drawn == [(90.0, 150.0), (100.0, 200.0)]
