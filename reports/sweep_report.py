@@ -58,7 +58,7 @@ def metric_scale(metric: str) -> float:
     """What a metric's values are multiplied by on an axis its label names: 1000 for a
     time in seconds that the label (as the summary table) gives in ms, else 1."""
     row = metric_row(metric)
-    return 1000.0 if row is not None and row[2] == "ms" and metric not in METRIC_LABELS else 1.0
+    return 1000.0 if row is not None and row[2] == "ms" else 1.0
 
 
 class SweepReportError(ValueError):

@@ -546,8 +546,7 @@ class Scheduler:
         """Tell the allocator the request's lazily written tokens (and, with
         ``include_current``, those this step keeps, claiming what the step writes past them:
         its drafts and lookahead); False if memory is short."""
-        now = self._clock(self.steps)
-        target = self._clock(self.steps + 1) if include_current else now
+        target = self._clock(self.steps + 1 if include_current else self.steps)
         # A request's last step keeps no more than it has left to generate.
         count = min(target - request.c_sync, request.output_len - request.gen_sync)
         if count <= 0:
@@ -555,8 +554,7 @@ class Scheduler:
         lookahead = 0
         if include_current and self._step_claim > 1:
             # The step claims slots for what it reads past the tokens before it.
-            before = request.tok_sync + now - request.c_sync
-            lookahead = before + self._step_claim - request.tok_sync - count
+            lookahead = self._written(request) + self._step_claim - request.tok_sync - count
         if request.num_seqs == 1:
             if not self._append(request.index * MAX_SAMPLES, count, lookahead):
                 return False

@@ -151,19 +151,12 @@ class StepTimeModel:
         """``step_time`` of a pure-decode step as a function of its context tokens and
         those past a sliding window, with bit-identical results (adding the zero prefill
         terms changes no float)."""
-        fixed = (self.fixed_s(decode_seqs * (1 + self.speculative_tokens))
-                 + self.b * decode_seqs)
+        if self.speculative_tokens:  # (drafts and drafter: step_time itself)
+            return lambda context_tokens, skipped: self.step_time(
+                decode_seqs, context_tokens, 0, 0, rho, skipped)
+        fixed = self.fixed_s(decode_seqs) + self.b * decode_seqs
         per_context = rho * self.c
         share = self.sliding_share
-        if self.speculative_tokens:
-            # (Term by term as step_time adds them: the same floats.)
-            spec = self._speculation_s
-            if not share:
-                return lambda context_tokens, skipped: fixed + per_context * context_tokens \
-                    + spec(decode_seqs, context_tokens, rho)
-            return lambda context_tokens, skipped: (
-                fixed + per_context * (read := context_tokens - share * skipped)
-                + spec(decode_seqs, read, rho))
         if not share:
             return lambda context_tokens, skipped: fixed + per_context * context_tokens
         return lambda context_tokens, skipped: fixed + per_context * (
