@@ -297,9 +297,9 @@ class _Recorder:
 
     def __post_init__(self) -> None:
         self.steps = _RowBuffer([
-            "replica", "time_s", "duration_s", "steps", "decode_seqs", "context_tokens",
-            "prefill_tokens", "prefill_requests", "loaded_tokens", "swapped_slots", "preempted",
-            "running", "waiting"])
+            "replica", "time_s", "duration_s", "steps", "decode_seqs", "draft_tokens",
+            "context_tokens", "prefill_tokens", "prefill_requests", "loaded_tokens",
+            "swapped_slots", "preempted", "running", "waiting"])
         self.memory = _RowBuffer([
             "replica", "time_s", *MEMORY_COLUMNS, "running", "waiting", "decode_seqs",
             "preemptions", "hit_tokens", "lookup_tokens"])
@@ -314,7 +314,7 @@ class _Recorder:
         ended with ``finished`` requests done."""
         running, waiting = len(sched.running), len(sched.waiting)
         self.steps.append((replica, start_s, duration_s, steps, batch.decode_seqs,
-                           batch.context_tokens, batch.prefill_tokens,
+                           batch.draft_tokens, batch.context_tokens, batch.prefill_tokens,
                            len(batch.prefill),
                            batch.loaded_tokens, batch.swapped_slots, batch.preempted, running,
                            waiting))
@@ -420,7 +420,6 @@ class _Replica:
         """SimPy process: schedule → step → advance, until no work is left."""
         sim = self.sim
         sched = self.scheduler
-        timing = sim.timing
         while True:
             sched.notice_time(self.clock)
             self.pull_arrivals()
@@ -453,6 +452,7 @@ class _Replica:
                 if self.role == "decode" and heeded:
                     stop_at = min(stop_at, sim.handover_horizon())
                 stop_at = min(stop_at, sched.next_promotion_s())
+                timing = sim.timings[batch.draft_tokens]
                 quiet = sched.decode_quietly(
                     timing.decode_step_time(batch.decode_seqs, self.rho), start, stop_at, snap)
                 steps, clock, finished = quiet.steps, quiet.clock_s, quiet.finished
@@ -470,6 +470,7 @@ class _Replica:
                         f"{len(sched.running)} requests run and {len(sched.waiting)} wait")
                 snap = sched.snapshot()
                 quiet = None
+                timing = sim.timings[batch.draft_tokens]
                 duration = timing.step_time(batch.decode_seqs, batch.context_tokens,
                                             batch.prefill_tokens, batch.prefill_pairs, self.rho,
                                             batch.skipped_context, batch.skipped_pairs)
@@ -511,6 +512,11 @@ class _SystemRun:
         self.system = system
         self.trace = trace
         self.timing = with_speculation(timing, scenario, system)
+        # The model of a step that verifies K drafts, for every K a step may (one, unless K
+        # goes by batch size).
+        spec = system.speculative
+        self.timings = {drafts: replace(self.timing, speculative_tokens=drafts)
+                        for drafts in (spec.draft_counts if spec else [0])}
         self.block_table = isinstance(system.allocator, PagedConfig)
         model = scenario.model_spec()
         self.sliding_window = model.sliding_window  # 0: none

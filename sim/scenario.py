@@ -9,6 +9,7 @@ the field path and what was expected.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import difflib
 import re
@@ -19,6 +20,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     Field,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     ValidationError,
@@ -323,6 +325,12 @@ class SpeculativeConfig(ConfigModel):
     the target's shape, a draft model (``draft_model``) a model of its own: their weights and
     KV take memory and their k passes take time; n-gram drafting (prompt lookup) costs
     neither.
+
+    ``num_speculative_tokens_per_batch_size`` makes it dynamic (vLLM's dynamic speculative
+    decoding): after a step of B requests, the next verifies K(B) drafts, keeping τ(K) tokens
+    (from ``acceptance_rate`` where K is not k), so that large batches, whose verify GEMMs
+    are no longer free, may speculate less or not at all. Memory is still claimed for k
+    drafts (vLLM sizes its lookahead and CUDA graphs for the most).
     """
 
     method: Literal["ngram", "eagle", "eagle3", "mtp", "draft_model"] = Field(
@@ -344,6 +352,12 @@ class SpeculativeConfig(ConfigModel):
         default=None, ge=0, le=16, description="decoder layers of the drafter, each the size "
         "of one of the target's (default: 1 for eagle, eagle3 and mtp; ngram has none, and a "
         "draft model its own)")
+    num_speculative_tokens_per_batch_size: list[tuple[PositiveInt, PositiveInt,
+                                                      NonNegativeInt]] | None = Field(
+        default=None, description="dynamic speculative decoding (vLLM's, as its config "
+        "writes it): [[bs_lo, bs_hi, K], ...], K drafts a step after a step of bs_lo to "
+        "bs_hi requests (K 0: none); ranges sorted, the first from 1, a gap or beyond the "
+        "last keeps the K before it; K at most num_speculative_tokens (default: always k)")
 
     @model_validator(mode="after")
     def _one_acceptance(self):  # type: ignore[no-untyped-def]
@@ -371,7 +385,39 @@ class SpeculativeConfig(ConfigModel):
         if self.draft_model is not None and _model_spec(self.draft_model).sliding_window:
             raise ValueError("draft_model: a draft model with sliding-window layers is not "
                              "modelled")
+        self._check_batch_size_schedule()
         return self
+
+    def _check_batch_size_schedule(self) -> None:
+        schedule = self.num_speculative_tokens_per_batch_size
+        if schedule is None:
+            return
+        field = "num_speculative_tokens_per_batch_size"
+        if not schedule:
+            raise ValueError(f"{field}: expected [[bs_lo, bs_hi, K], ...], got an empty list")
+        end = 0
+        for lo, hi, drafts in schedule:
+            entry = f"[{lo}, {hi}, {drafts}]"
+            if lo > hi:
+                raise ValueError(f"{field}: {entry} ends before it starts; expected "
+                                 "bs_lo <= bs_hi")
+            if lo <= end:
+                raise ValueError(f"{field}: {entry} starts at or before the end of the "
+                                 f"range before it ({end}); expected sorted ranges that "
+                                 "do not overlap")
+            if drafts > self.num_speculative_tokens:
+                raise ValueError(f"{field}: {entry} drafts more than num_speculative_tokens "
+                                 f"= {self.num_speculative_tokens}; expected K 0 to "
+                                 f"{self.num_speculative_tokens}")
+            if (self.mean_acceptance_length is not None
+                    and drafts not in (0, self.num_speculative_tokens)):
+                raise ValueError(f"{field}: {entry}: mean_acceptance_length is for "
+                                 f"{self.num_speculative_tokens} drafts; for K = {drafts} "
+                                 "give acceptance_rate instead (per draft)")
+            end = hi
+        if schedule[0][0] != 1:
+            raise ValueError(f"{field}: the first range starts at {schedule[0][0]}; expected 1, "
+                             "so that every batch size has a K")
 
     def drafter_spec(self) -> ModelSpec | None:
         """The draft model's shape (method draft_model), else None."""
@@ -381,13 +427,39 @@ class SpeculativeConfig(ConfigModel):
     def tokens_per_step(self) -> Fraction:
         """τ as an exact fraction (of denominator at most 1,000), the rate of the token
         clock the scheduler advances decoding requests by."""
+        return self.tokens_per_step_with(self.num_speculative_tokens)
+
+    def tokens_per_step_with(self, drafts: int) -> Fraction:
+        """τ of a step that verifies ``drafts`` drafts (1 for none), as :attr:`tokens_per_step`
+        (for fewer than k drafts, from the acceptance rate)."""
+        if not drafts:
+            return Fraction(1)
         if self.mean_acceptance_length is not None:
+            assert drafts == self.num_speculative_tokens, "checked at validation"
             tau = self.mean_acceptance_length
         else:
-            alpha, k = self.acceptance_rate or 0.0, self.num_speculative_tokens
-            tau = float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+            alpha = self.acceptance_rate or 0.0
+            tau = float(drafts + 1) if alpha == 1 else (
+                1 - alpha ** (drafts + 1)) / (1 - alpha)
         return min(max(Fraction(tau).limit_denominator(1000), Fraction(1)),
-                   Fraction(self.num_speculative_tokens + 1))
+                   Fraction(drafts + 1))
+
+    def drafts_after(self, batch_size: int) -> int:
+        """K: drafts a step verifies after a step of ``batch_size`` requests (vLLM proposes
+        a step's drafts by the size of that step's batch)."""
+        schedule = self.num_speculative_tokens_per_batch_size
+        if schedule is None:
+            return self.num_speculative_tokens
+        index = bisect.bisect_right([lo for lo, _, _ in schedule], max(batch_size, 1)) - 1
+        return schedule[index][2]
+
+    @property
+    def draft_counts(self) -> list[int]:
+        """Every K a step may verify, ascending."""
+        schedule = self.num_speculative_tokens_per_batch_size
+        if schedule is None:
+            return [self.num_speculative_tokens]
+        return sorted({drafts for _, _, drafts in schedule})
 
     @property
     def lookahead_slots(self) -> int:

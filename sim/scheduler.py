@@ -24,11 +24,11 @@ token's never is.
 Decoding is accounted lazily, like interest on a bank account: a decoding request's token
 count is ``tok_sync + (clock(steps) - c_sync)``, where the token clock reads the tokens every
 decoding request has kept by a step (``steps`` itself, a token a step, or ⌊steps·τ⌋ under
-speculative decoding, τ tokens a step on average) and ``c_sync`` its reading when the
-allocator was last told ("synced"): when the request crosses into a block it does not have
-yet, finishes, or is preempted. Those moments sit in buckets keyed by step (the clock's
-inverse finds them), so a step costs work only for the requests that have an event in it —
-never a loop over the whole batch.
+speculative decoding, τ tokens a step on average; with K drafts by batch size, τ of each
+step's K summed) and ``c_sync`` its reading when the allocator was last told ("synced"):
+when the request crosses into a block it does not have yet, finishes, or is preempted. Those
+moments sit in buckets keyed by the clock reading at which they fall due, so a step costs
+work only for the requests that have an event in it — never a loop over the whole batch.
 
 No SimPy here: the engine asks for a :class:`Batch`, times it, and reports it done.
 """
@@ -40,6 +40,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from sim.memory import (
     ContiguousAllocator,
@@ -325,6 +326,7 @@ class Batch:
 
     prefill: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, new, history)
     decode_seqs: int = 0
+    draft_tokens: int = 0  # K: drafts each decoding sequence feeds the step
     context_tokens: int = 0
     prefill_tokens: int = 0
     prefill_pairs: int = 0
@@ -347,7 +349,9 @@ class Scheduler:
     ``predicted_output`` (per trace request, for a contiguous ``predicted`` reservation or a
     line by predicted length) is what the engine's length predictor says each request will
     generate. Under ``speculative`` decoding, each decode step verifies k drafts for every
-    decoding request and keeps τ tokens of it on average (the token clock's rate).
+    decoding request and keeps τ tokens of it on average (the token clock's rate); with
+    ``num_speculative_tokens_per_batch_size``, K drafts by the size of the step before, as
+    vLLM proposes them.
     """
 
     def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,
@@ -355,16 +359,31 @@ class Scheduler:
                  overflow_to_max: bool = False, sliding_window: int = 0,
                  speculative: SpeculativeConfig | None = None) -> None:
         self.allocator = allocator
-        # The token clock (see the module's docstring): ⌊step·num/den⌋ tokens by a step.
-        rate = speculative.tokens_per_step if speculative else None
-        self._rate_num = rate.numerator if rate else 1
-        self._rate_den = rate.denominator if rate else 1
-        drafts = speculative.num_speculative_tokens if speculative else 0
+        # The token clock (see the module's docstring) reads ⌊acc / den⌋: acc moves on by
+        # each step's rate (τ·den, of the drafts the step verifies), so that with one K it
+        # reads ⌊steps·τ⌋. Readings before this step, now and after it: events are keyed by
+        # the reading at which they fall due, the range (prev, now] at each step boundary.
+        counts = speculative.draft_counts if speculative else [0]
+        rates = {drafts: speculative.tokens_per_step_with(drafts) if speculative else
+                 Fraction(1) for drafts in counts}
+        self._rate_den = math.lcm(*(rate.denominator for rate in rates.values()))
+        self._rate_by_drafts = {drafts: rate.numerator * (self._rate_den // rate.denominator)
+                                for drafts, rate in rates.items()}
+        # Dynamic speculative decoding: K by the size of the step before (None: one K).
+        self._dynamic = speculative if speculative is not None and (
+            speculative.num_speculative_tokens_per_batch_size is not None) else None
+        self.drafts = speculative.drafts_after(0) if speculative else 0  # K of this step
+        self._rate_num = self._rate_by_drafts[self.drafts]
+        self._clock_acc = 0
+        self._clock_prev = -1
+        self._clock_now = 0
+        self._clock_next = self._rate_num // self._rate_den
         # Tokens a decoding request feeds a step (its last and the drafts, each read and
-        # written), and the slots past its tokens the step claims (those and the lookahead).
-        self.step_tokens = 1 + drafts
-        self._step_claim = self.step_tokens + (speculative.lookahead_slots if speculative
-                                               else 0)
+        # written), and the slots past its tokens the step claims: those for the most
+        # drafts, and the lookahead (vLLM's num_lookahead_tokens, fixed whatever K).
+        self.step_tokens = 1 + self.drafts
+        most = speculative.num_speculative_tokens if speculative else 0
+        self._step_claim = 1 + most + (speculative.lookahead_slots if speculative else 0)
         self.predicted_output = predicted_output
         # A request that outgrew its predicted reservation is seated again with its
         # max_tokens (True) or twice the predicted output (False).
@@ -396,9 +415,9 @@ class Scheduler:
         self.loaded_tokens = 0  # read from a host tier at admission, all admissions
         self.first_loaded_tokens = 0  # of hit_tokens, those read from a host tier
         self._admit_counter = 0
-        # Per event kind, step -> [(admit_seq, version, request)]; an entry is stale once
-        # the request's version moved on. Buckets, not a heap: every step is visited in
-        # order, so a dict lookup finds its events in O(1).
+        # Per event kind, clock reading -> [(admit_seq, version, request)]; an entry is
+        # stale once the request's version moved on. Buckets, not a heap: every step boundary
+        # visits the readings the clock passed, so dict lookups find its events.
         self._events: tuple[dict[int, list], dict[int, list], dict[int, list]] = ({}, {}, {})
         # Lazy decode sums over decoding requests (each weighted by its sequences).
         self.decode_seqs = 0
@@ -512,26 +531,59 @@ class Scheduler:
 
     def generated(self, request: Request) -> int:
         if request.decoding:
-            return request.gen_sync + self._clock(self.steps) - request.c_sync
+            return request.gen_sync + self._clock_now - request.c_sync
         return request.gen_sync
 
     # ------------------------------------------------------------------ lazy decode
-    def _clock(self, step: int) -> int:
-        """The token clock: tokens each decoding request has kept by ``step`` (a token a step,
-        or ⌊step·τ⌋ under speculative decoding)."""
-        return step * self._rate_num // self._rate_den
+    def _advance(self, batch_size: int) -> bool:
+        """A step of ``batch_size`` requests is done: the token clock moves on by its rate,
+        and the next step verifies the drafts proposed for a batch of that size (dynamic
+        speculative decoding); True if that changed K."""
+        self.steps += 1
+        self._clock_acc += self._rate_num
+        self._clock_prev = self._clock_now
+        self._clock_now = self._clock_next
+        changed = False
+        dynamic = self._dynamic
+        if dynamic is not None:
+            drafts = dynamic.drafts_after(batch_size)
+            if drafts != self.drafts:
+                changed = True
+                self.drafts = drafts
+                self.step_tokens = 1 + drafts
+                self._rate_num = self._rate_by_drafts[drafts]
+                self.head_blocked = False  # another budget: someone may be seated now
+        self._clock_next = (self._clock_acc + self._rate_num) // self._rate_den
+        return changed
 
     def _step_reaching(self, tokens: int) -> int:
-        """The first step by which the token clock reads ``tokens`` (its inverse)."""
+        """With one K: the first step by which the token clock reads ``tokens``."""
         return -(-tokens * self._rate_den // self._rate_num)
+
+    def _before_finish(self, key: int, finish: int) -> bool:
+        """Whether an event due at clock reading ``key`` comes at a step before the step
+        boundary of a finish due at ``finish``. With K by batch size the steps of later
+        readings are not known yet: every event short of the finish is kept (one that comes
+        at the finish's boundary finds the request done, and is skipped)."""
+        if self._dynamic is not None:
+            return key < finish
+        return self._step_reaching(key) < self._step_reaching(finish)
+
+    def _due_now(self, events: dict[int, list]) -> bool:
+        """Whether ``events`` holds a bucket due at this step boundary."""
+        # (A loop, not any(): mypyc compiles it to a plain C loop, it runs every step.)
+        for key in range(self._clock_prev + 1, self._clock_now + 1):  # noqa: SIM110
+            if key in events:
+                return True
+        return False
 
     def _written(self, request: Request) -> int:
         """Tokens a decoding request has written before this step (its computed context)."""
-        return request.tok_sync + self._clock(self.steps) - request.c_sync
+        return request.tok_sync + self._clock_now - request.c_sync
 
     def _pending(self) -> int:
         """Decode tokens written but not yet told to the allocator (all sequences)."""
-        return self.decode_seqs * self._clock(self.steps) - self._c_sync_sum
+        return self.decode_seqs * self._clock_now - self._c_sync_sum
 
     def snapshot(self) -> MemorySnapshot:
         """The allocator's taxonomy with lazily-written decode tokens moved to ``token``."""
@@ -546,7 +598,7 @@ class Scheduler:
         """Tell the allocator the request's lazily written tokens (and, with
         ``include_current``, those this step keeps, claiming what the step writes past them:
         its drafts and lookahead); False if memory is short."""
-        target = self._clock(self.steps + 1 if include_current else self.steps)
+        target = self._clock_next if include_current else self._clock_now
         # A request's last step keeps no more than it has left to generate.
         count = min(target - request.c_sync, request.output_len - request.gen_sync)
         if count <= 0:
@@ -579,7 +631,7 @@ class Scheduler:
     def _start_decoding(self, request: Request) -> None:
         """After its prefill step: decode lazily from now on."""
         request.decoding = True
-        request.c_sync = self._clock(self.steps)
+        request.c_sync = self._clock_now
         request.tok_sync = self.allocator.num_tokens(request.index * MAX_SAMPLES)
         seqs = request.num_seqs
         self.decode_seqs += seqs
@@ -591,15 +643,15 @@ class Scheduler:
             past = self._past_window_offset(request)
             if past + request.c_sync > 0:
                 self._leave_window(request)
-            elif (reaching := self._step_reaching(1 - past)) < self._finish_step(request):
+            elif self._before_finish(reaching := 1 - past, self._finish_key(request)):
                 # The step whose context first holds a token past the window, before it ends.
                 entry = (request.admit_seq, request.version, request)
                 self._events[WINDOW].setdefault(reaching, []).append(entry)
 
-    def _finish_step(self, request: Request) -> int:
-        """The step at whose end a decoding request has generated all its output (syncing
-        moves tokens, generated count and clock reading together, so that step holds)."""
-        return self._step_reaching(request.c_sync + request.output_len - request.gen_sync)
+    def _finish_key(self, request: Request) -> int:
+        """The clock reading at which a decoding request has generated all its output
+        (syncing moves tokens, generated count and clock reading together, so it holds)."""
+        return request.c_sync + request.output_len - request.gen_sync
 
     def _past_window_offset(self, request: Request) -> int:
         """k: a decoding request's context holds k + clock(steps) tokens past the sliding
@@ -613,14 +665,14 @@ class Scheduler:
         self._skip_base += request.num_seqs * self._past_window_offset(request)
 
     def _windows_due(self) -> None:
-        for request in self._due(WINDOW, self.steps):
+        for request in self._due(WINDOW):
             self._leave_window(request)
 
     def skipped_context(self) -> int:
         """Context tokens of this step past the sliding window, over every sequence."""
         if not self._past_window:
             return 0
-        return self._skip_base + self._past_window * self._clock(self.steps)
+        return self._skip_base + self._past_window * self._clock_now
 
     def _stop_decoding(self, request: Request) -> None:
         seqs = request.num_seqs
@@ -637,7 +689,7 @@ class Scheduler:
     def _push_events(self, request: Request, *, start: bool = False) -> None:
         """Queue the request's next block crossing: the first step that claims a slot past
         the memory it holds (and, when it starts decoding, its finish)."""
-        finish = self._finish_step(request)
+        finish = self._finish_key(request)
         entry = (request.admit_seq, request.version, request)
         if start:
             self._events[FINISH].setdefault(finish, []).append(entry)
@@ -661,17 +713,26 @@ class Scheduler:
             return  # a contiguous extent is reserved to the final length: it never grows
         if cap >= request.final_len:
             return  # it holds all it will ever claim (a step claims no slot past the end)
-        # The step at s claims its tokens before it + _step_claim slots; the first step not
-        # yet synced is this one (a request just seated), or the next.
-        first = self.steps + (request.c_sync > self._clock(self.steps))
-        grow = max(first, self._step_reaching(
-            request.c_sync + cap - request.tok_sync - self._step_claim + 1))
-        if grow < finish:
+        # A step claims its tokens before it + _step_claim slots; the first step not yet
+        # synced is this one (a request just seated: readings past the last boundary's), or
+        # the next (readings past this one's).
+        first = (self._clock_prev if request.c_sync <= self._clock_now
+                 else self._clock_now) + 1
+        grow = max(first, request.c_sync + cap - request.tok_sync - self._step_claim + 1)
+        if self._before_finish(grow, finish):
             self._events[GROW].setdefault(grow, []).append(entry)
 
-    def _due(self, kind: int, step: int) -> list[Request]:
-        """Take the valid events of ``kind`` at ``step``, in admission order."""
-        bucket = self._events[kind].pop(step, None)
+    def _due(self, kind: int) -> list[Request]:
+        """Take the valid events of ``kind`` due at this step boundary, in admission order."""
+        events = self._events[kind]
+        bucket: list | None = None
+        for key in range(self._clock_prev + 1, self._clock_now + 1):
+            found = events.pop(key, None)
+            if found is not None:
+                if bucket is None:
+                    bucket = found
+                else:
+                    bucket += found
         if bucket is None:
             return []
         if len(bucket) > 1:
@@ -717,7 +778,7 @@ class Scheduler:
             self._stop_decoding(request)
         elif request.in_prefill:
             self.prefilling -= 1
-        now = self._clock(self.steps)
+        now = self._clock_now
         if request.c_sync > now:
             request.gen_sync -= request.c_sync - now  # this step's tokens never happen
             request.c_sync = now
@@ -812,7 +873,7 @@ class Scheduler:
         preempting (else change nothing and return False)."""
         if self.sliding_window:
             self._windows_due()
-        due = self._due(GROW, self.steps)
+        due = self._due(GROW)
         if not due:
             return True
         if self._windowed is not None:
@@ -830,7 +891,7 @@ class Scheduler:
                 self._per_chunk and self.waiting and self._pool is not None
                 and need > self._pool.num_free - self._pool.num_cached_free):
             # Put them back for schedule() to handle with preemption.
-            self._events[GROW][self.steps] = [(r.admit_seq, r.version, r) for r in due]
+            self._events[GROW][self._clock_now] = [(r.admit_seq, r.version, r) for r in due]
             return False
         for request in due:
             synced = self._sync(request, include_current=True)  # blocks counted above
@@ -872,7 +933,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.sliding_window:
             self._windows_due()
-        for request in self._due(GROW, self.steps):
+        for request in self._due(GROW):
             if request.decoding:  # not preempted meanwhile
                 self._grow_now(request, batch)
         budget -= self.decode_seqs * self.step_tokens  # (vLLM counts drafts as new tokens)
@@ -974,6 +1035,7 @@ class Scheduler:
     def fill_decode(self, batch: Batch) -> None:
         """Decode shape of the step about to run: sequences and context tokens read."""
         batch.decode_seqs = self.decode_seqs
+        batch.draft_tokens = self.drafts
         batch.context_tokens = (self._tok_sync_sum + self._pending()
                                 + self.decode_seqs * self.step_tokens)
         batch.skipped_context = self.skipped_context()
@@ -1003,7 +1065,7 @@ class Scheduler:
                     assert forked, "admission found every sample's memory"
                     request.num_seqs += 1
             request.gen_sync += 1  # sampled at the end of this step
-            request.c_sync = self._clock(self.steps) + 1
+            request.c_sync = self._clock_now + 1
         batch.prefill.append((request, chunk, history))
         return True
 
@@ -1012,7 +1074,7 @@ class Scheduler:
         """Complete the step that ends at ``end_s``; return the requests that finished."""
         if self._pool is not None:
             self._pool.clock_s = end_s
-        self.steps += 1
+        self._advance(batch.decode_seqs + len(batch.prefill) if batch else self.decode_seqs)
         finished = []
         for request, chunk, history in batch.prefill if batch else ():
             request.computed = True
@@ -1034,7 +1096,7 @@ class Scheduler:
     def _finish_due(self, end_s: float) -> list[Request]:
         """Finish the decoding requests whose last token was this step's."""
         finished = []
-        for request in self._due(FINISH, self.steps):
+        for request in self._due(FINISH):
             self._sync(request, include_current=False)
             self._stop_decoding(request)
             self._finish(request, end_s)
@@ -1043,8 +1105,8 @@ class Scheduler:
             self.allocator.check_invariants()
             if self._windowed is not None:
                 self._check_windows(self._windowed)
-            for events in self._events:  # every step is visited: nothing may be left behind
-                assert all(step >= self.steps for step in events), "an event was missed"
+            for events in self._events:  # every boundary is visited: nothing is left behind
+                assert all(key > self._clock_prev for key in events), "an event was missed"
             assert self.swap_used == sum(r.swap_slots for r in self.waiting.requests()) <= (
                 self.swap_slots), "swap space held by no parked request"
         return finished
@@ -1056,7 +1118,7 @@ class Scheduler:
         for request in self.running.values():
             if not request.decoding or request.tok_sync == request.prefill_target:
                 continue
-            token = request.tok_sync + self._clock(self.steps - 1) - request.c_sync
+            token = request.tok_sync + self._clock_prev - request.c_sync
             missed = windowed.release_point(token)
             for table in windowed.block_tables(request.index * MAX_SAMPLES)[
                     windowed.full_groups:]:
@@ -1087,7 +1149,7 @@ class Scheduler:
         # ``memory`` with ``seqs`` tokens more for each the clock moved on since, which
         # ramp_s weighs.
         segment_s = ramp_s = 0.0
-        clock = segment_clock = self._clock(self.steps)
+        clock = segment_clock = self._clock_now
         steps = 0
         finished: list[Request] = []
         while True:
@@ -1098,20 +1160,21 @@ class Scheduler:
             if pool is not None:
                 pool.clock_s = clock_s  # this step's finishes, the next one's block crossings
             steps += 1
-            self.steps += 1
-            ticked = self._clock(self.steps)
+            # (A new K changes the step's shape and budget: the engine decides anew.)
+            changed = self._advance(seqs)
+            ticked = self._clock_now
             context += seqs * (ticked - clock)
             clock = ticked
-            if windows and self.steps in windows:
+            if windows and self._due_now(windows):
                 self._windows_due()
                 past, base = self._past_window, self._skip_base
-            if self.steps in finishes or self.debug:
+            if self.debug or self._due_now(finishes):
                 finished = self._finish_due(clock_s)
                 if finished:
                     break
-            if clock_s >= stop_at_s:
+            if clock_s >= stop_at_s or changed:
                 break
-            if self.steps in grows:
+            if self._due_now(grows):
                 if not self.fast_step():
                     break
                 # Claimed: from the next step on, the memory holds what it took.

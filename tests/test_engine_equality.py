@@ -5,8 +5,9 @@ would, and least-loaded decode placement must see the same finishes), with preem
 by swap, with scheduling by priority or by predicted length (an arrival may then jump a
 blocked queue), with contiguous reservations sized by a length predictor (a request may
 outgrow its extent), with virtual memory mapped a page at a time, with a mixture of
-experts, whose step cost depends on the tokens a step carries, and with prompts claimed
-chunk by chunk (an eviction may then let a blocked head in)."""
+experts, whose step cost depends on the tokens a step carries, with prompts claimed
+chunk by chunk (an eviction may then let a blocked head in), and with speculative decoding,
+its drafts by batch size too (a step's K then follows the batch before it)."""
 
 from __future__ import annotations
 
@@ -139,6 +140,15 @@ def random_scenario(seed: int) -> dict:
                                      [1.0, 1.37, 2.5, 21.0]))}
         if system["speculative"]["method"] == "draft_model":
             system["speculative"]["draft_model"] = "llama-3.2-1b"
+        if rng.random() < 0.5:  # drawn last, as the above: K by the batch before (vLLM's)
+            low = rng.choice([1, 2, 4, 8])
+            high = low + rng.choice([1, 3, 10])
+            middle, last = rng.randint(0, k), rng.choice([0, 1])
+            system["speculative"]["num_speculative_tokens_per_batch_size"] = [
+                [1, low, k], [low + 1, high, middle], [high + 2, 10_000, last]]
+            if {middle, last} - {0, k}:  # a K between: its τ from a rate per draft
+                del system["speculative"]["mean_acceptance_length"]
+                system["speculative"]["acceptance_rate"] = rng.choice([0.0, 0.6, 1.0])
     return {
         "name": f"random-{seed}",
         "model": model,

@@ -271,3 +271,122 @@ def test_a_paged_sequence_holding_lookahead_slots_cannot_fork():
     with pytest.raises(AllocatorError, match="holds lookahead slots"):
         allocator.fork(0, SeqSpec(1, ((1, 7), (2, 5)), 6, 12, 12))
     allocator.check_invariants()
+
+
+# ---------------------------------------------------------------- K by batch size (vLLM's
+# num_speculative_tokens_per_batch_size)
+def test_the_batch_size_schedule_reads_as_vllms():
+    # vLLM's own example: a gap keeps the K before it, past the last range the last K.
+    spec = SpeculativeConfig(method="eagle", num_speculative_tokens=3, acceptance_rate=0.7,
+                             num_speculative_tokens_per_batch_size=[
+                                 [1, 16, 3], [32, 128, 2], [256, 2048, 0]])
+    drafts = {size: spec.drafts_after(size) for size in
+              (0, 1, 16, 17, 31, 32, 128, 129, 255, 256, 2048, 5000)}
+    assert drafts == {0: 3, 1: 3, 16: 3, 17: 3, 31: 3, 32: 2, 128: 2, 129: 2, 255: 2, 256: 0,
+                      2048: 0, 5000: 0}
+    assert spec.draft_counts == [0, 2, 3]
+    assert spec.tokens_per_step_with(0) == 1
+    assert float(spec.tokens_per_step_with(2)) == pytest.approx(1 + 0.7 + 0.49, abs=1e-3)
+    assert spec.tokens_per_step_with(3) == spec.tokens_per_step
+    fixed = SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                              mean_acceptance_length=2.0)
+    assert fixed.draft_counts == [4] and fixed.drafts_after(1000) == 4
+
+
+@pytest.mark.parametrize(("schedule", "expected"), [
+    ([], "num_speculative_tokens_per_batch_size: expected .*got an empty list"),
+    ([[2, 8, 3]], "the first range starts at 2; expected 1"),
+    ([[1, 8, 3], [8, 16, 0]], r"\[8, 16, 0\] starts at or before the end of the range "
+                              r"before it \(8\)"),
+    ([[1, 8, 3], [20, 16, 0]], r"\[20, 16, 0\] ends before it starts"),
+    ([[1, 8, 5]], r"\[1, 8, 5\] drafts more than num_speculative_tokens = 3"),
+    ([[1, 8, 2]], "mean_acceptance_length is for 3 drafts; for K = 2 give acceptance_rate"),
+    ([[1, 8, -1]], "num_speculative_tokens_per_batch_size"),
+])
+def test_bad_batch_size_schedules_are_refused(schedule, expected):
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "mean_acceptance_length": 2.5,
+            "num_speculative_tokens_per_batch_size": schedule}
+    with pytest.raises(ScenarioError, match=expected):
+        scenario_from_dict(one_request(10, 10, spec))
+
+
+def test_one_k_for_every_batch_size_is_plain_speculation():
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "acceptance_rate": 0.6}
+    fixed = run_scenario(scenario_from_dict(one_request(200, 300, spec))).systems["s"]
+    spec["num_speculative_tokens_per_batch_size"] = [[1, 4, 3]]
+    scheduled = run_scenario(scenario_from_dict(one_request(200, 300, spec))).systems["s"]
+    assert scheduled.requests.equals(fixed.requests)
+    assert scheduled.steps.equals(fixed.steps)
+    assert set(scheduled.steps["draft_tokens"]) == {3}
+
+
+def test_k_zero_decodes_a_token_a_step_at_the_plain_step_time():
+    # n-gram drafting has no drafter: with K 0 at every batch size a step is a plain one, in
+    # time and tokens (only the memory differs: the claim stays that of k drafts).
+    plain = run_scenario(scenario_from_dict(one_request(200, 300, None))).systems["s"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "mean_acceptance_length": 3.0,
+            "num_speculative_tokens_per_batch_size": [[1, 1, 0]]}
+    off = run_scenario(scenario_from_dict(one_request(200, 300, spec))).systems["s"]
+    assert off.requests.equals(plain.requests)
+    assert set(off.steps["draft_tokens"]) == {0}
+
+
+def busy_scenario(schedule: list | None, mode: str = "step") -> dict:
+    return {
+        "name": "busy", "model": "llama-2-7b", "memory": {"kv_memory_gib": 0.5},
+        "workload": {"arrival": {"process": "poisson", "rate": 30},
+                     "prompt_len": {"dist": "lognormal", "mean": 120, "sigma": 1, "max": 600},
+                     "output_len": {"dist": "uniform", "low": 1, "high": 300}},
+        "systems": [{"name": "s", "allocator": {"kind": "paged", "block_size": 16},
+                     "speculative": {"method": "eagle", "num_speculative_tokens": 4,
+                                     "acceptance_rate": 0.7,
+                                     "num_speculative_tokens_per_batch_size": schedule}}],
+        "stop": {"num_requests": 200}, "seed": 5,
+        "engine": {"mode": mode, "debug_invariants": mode == "step"},
+    }
+
+
+def test_each_step_verifies_the_k_of_the_batch_before_it():
+    # vLLM proposes a step's drafts by the number of requests that step scheduled, and the
+    # next step verifies them: row by row (one step each), K follows the row before.
+    schedule = [[1, 3, 4], [4, 7, 2], [10, 10_000, 0]]
+    run = run_scenario(scenario_from_dict(busy_scenario(schedule))).systems["s"]
+    steps = run.steps
+    assert (steps["steps"] == 1).all()
+    spec = SpeculativeConfig(method="eagle", num_speculative_tokens=4, acceptance_rate=0.7,
+                             num_speculative_tokens_per_batch_size=schedule)
+    size = steps["decode_seqs"] + steps["prefill_requests"]
+    expected = [spec.drafts_after(s) for s in size.shift(1, fill_value=0)]
+    assert steps["draft_tokens"].tolist() == expected
+    assert set(expected) == {0, 2, 4}  # the load moves through every range
+    # A step's context counts each decoding sequence's K drafts too.
+    decoding = steps[steps["decode_seqs"] > 0]
+    assert ((decoding["context_tokens"] - decoding["decode_seqs"] * (1 + decoding[
+        "draft_tokens"])) > 0).all()
+
+
+def test_jump_equals_step_with_k_by_batch_size():
+    schedule = [[1, 3, 4], [4, 7, 2], [10, 10_000, 0]]
+    step = run_scenario(scenario_from_dict(busy_scenario(schedule))).systems["s"]
+    jump = run_scenario(scenario_from_dict(busy_scenario(schedule, "jump"))).systems["s"]
+    assert jump.requests.equals(step.requests)
+    assert len(jump.steps) < len(step.steps)
+    assert step.summary["preemptions"] > 0
+
+
+def test_speculation_off_at_high_load_decodes_as_plain_there_and_speculates_at_low_load():
+    # Turned off above 8 requests: a lone request speculates as with K fixed, a batch of
+    # ~45 decodes as plain decoding does (the drafter's memory aside).
+    def tpot(schedule: list | None, rate: float, speculative: bool = True) -> float:
+        data = busy_scenario(schedule, "jump")
+        if not speculative:
+            del data["systems"][0]["speculative"]
+        data["memory"], data["gpu"] = {"kv_memory_gib": 8}, "a100-80g"
+        data["workload"]["arrival"]["rate"] = rate
+        return run_scenario(scenario_from_dict(data)).systems["s"].summary["tpot_p50_s"]
+
+    dynamic = [[1, 8, 4], [9, 10_000, 0]]
+    assert tpot(dynamic, 0.5) == pytest.approx(tpot(None, 0.5), rel=0.02)
+    assert tpot(dynamic, 0.5) < 0.5 * tpot(None, 0.5, speculative=False)
+    assert tpot(dynamic, 60) == pytest.approx(tpot(None, 60, speculative=False), rel=0.05)
+    assert tpot(dynamic, 60) > 1.2 * tpot(None, 60)
