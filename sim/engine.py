@@ -841,6 +841,11 @@ class _SystemRun:
         for key in ("swap_preemptions", "swapped_out_slots", "swapped_in_slots"):
             extra[key] = (sum(getattr(r.scheduler, key) for r in self.replicas) if swaps
                           else None)
+        # None (shown "—") without speculative decoding: the drafts a decode step verified.
+        decoding = steps[steps["decode_seqs"] > 0]
+        extra["mean_draft_tokens"] = (
+            float((decoding["draft_tokens"] * decoding["steps"]).sum() / decoding["steps"].sum())
+            if len(decoding) else 0.0) if self.system.speculative else None
         # None (shown "—") but for a contiguous reservation sized by a predictor.
         extra["reservation_overflows"] = (
             sum(r.scheduler.reservation_overflows for r in self.replicas)

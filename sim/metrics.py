@@ -24,6 +24,7 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("usd_per_million_tokens", "GPU cost per million output tokens (USD)", "{:,.2f}"),
     ("mean_batch", "mean decode batch", "{:,.1f}"),
     ("peak_batch", "peak decode batch", "{:,.0f}"),
+    ("mean_draft_tokens", "drafts a decode step verifies (mean K)", "{:,.2f}"),
     ("waiting_at_last_arrival", "queue at last arrival", "{:,.0f}"),
     ("ttft_p50_s", "TTFT p50 (s)", "{:,.3f}"),
     ("ttft_p99_s", "TTFT p99 (s)", "{:,.3f}"),
@@ -108,7 +109,8 @@ ONLY_WHEN_ABOVE_ONE = {"throughput_tok_s_per_gpu": "gpus", "replica_imbalance": 
 # Rows of a feature most runs do not use: shown only where some system has a value.
 ONLY_WHEN_SET = {"host_hit_rate", "slo_attainment", "slo_tightest_attainment", "goodput_req_s",
                  "capacity_req_s", "capacity_req_s_per_gpu", "swap_preemptions",
-                 "swapped_out_slots", "reservation_overflows", "usd_per_million_tokens"}
+                 "swapped_out_slots", "reservation_overflows", "usd_per_million_tokens",
+                 "mean_draft_tokens"}
 # A total and its share per GPU, shown beside it where runs use different numbers of GPUs.
 PER_GPU = {"throughput_tok_s": "throughput_tok_s_per_gpu",
            "capacity_req_s": "capacity_req_s_per_gpu"}

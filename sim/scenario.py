@@ -359,6 +359,15 @@ class SpeculativeConfig(ConfigModel):
         "bs_hi requests (K 0: none); ranges sorted, the first from 1, a gap or beyond the "
         "last keeps the K before it; K at most num_speculative_tokens (default: always k)")
 
+    @field_validator("num_speculative_tokens_per_batch_size", mode="before")
+    @classmethod
+    def _entries_of_three(cls, schedule: Any) -> Any:
+        for entry in schedule if isinstance(schedule, list) else ():
+            if not isinstance(entry, list | tuple) or len(entry) != 3:
+                raise ValueError(f"entry {entry!r}: expected [bs_lo, bs_hi, K] (vLLM's "
+                                 "context-length form, five items, is not modelled)")
+        return schedule
+
     @model_validator(mode="after")
     def _one_acceptance(self):  # type: ignore[no-untyped-def]
         given = [name for name in ("mean_acceptance_length", "acceptance_rate")

@@ -113,6 +113,12 @@ BAD = [
         "block_size: 16}", "block_size: 16}\n    speculative: {method: ngram, "
         "num_speculative_tokens: 2, mean_acceptance_length: 2, acceptance_rate: 0.5}"),
      "systems[1].speculative: give exactly one of mean_acceptance_length"),
+    ("a batch-size schedule entry short of K", GOOD.replace(
+        "block_size: 16}", "block_size: 16}\n    speculative: {method: ngram, "
+        "num_speculative_tokens: 2, acceptance_rate: 0.5, "
+        "num_speculative_tokens_per_batch_size: [[1, 8, 2], [9, 16]]}"),
+     "systems[1].speculative.num_speculative_tokens_per_batch_size: entry [9, 16]: expected "
+     "[bs_lo, bs_hi, K]"),
     ("prefix past the context", GOOD.replace("length: 64", "length: 4095"),
      "bad.yaml: workload.prefix_groups.length 4095: shared prefixes of 4095 tokens leave no "
      "room in the model's context of 4096; expected fewer than 4095"),

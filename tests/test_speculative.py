@@ -301,7 +301,11 @@ def test_the_batch_size_schedule_reads_as_vllms():
     ([[1, 8, 3], [20, 16, 0]], r"\[20, 16, 0\] ends before it starts"),
     ([[1, 8, 5]], r"\[1, 8, 5\] drafts more than num_speculative_tokens = 3"),
     ([[1, 8, 2]], "mean_acceptance_length is for 3 drafts; for K = 2 give acceptance_rate"),
-    ([[1, 8, -1]], "num_speculative_tokens_per_batch_size"),
+    ([[1, 8, -1]], r"num_speculative_tokens_per_batch_size\[0\]\[2\]: Input should be "
+                   "greater than or equal to 0"),
+    ([[1, 8, 1, 100, 3]], r"entry \[1, 8, 1, 100, 3\]: expected \[bs_lo, bs_hi, K\] \(vLLM's "
+                          r"context-length form, five items, is not modelled\)"),
+    ("auto", "num_speculative_tokens_per_batch_size: Input should be a valid list"),
 ])
 def test_bad_batch_size_schedules_are_refused(schedule, expected):
     spec = {"method": "eagle", "num_speculative_tokens": 3, "mean_acceptance_length": 2.5,
@@ -318,6 +322,7 @@ def test_one_k_for_every_batch_size_is_plain_speculation():
     assert scheduled.requests.equals(fixed.requests)
     assert scheduled.steps.equals(fixed.steps)
     assert set(scheduled.steps["draft_tokens"]) == {3}
+    assert scheduled.summary["mean_draft_tokens"] == 3
 
 
 def test_k_zero_decodes_a_token_a_step_at_the_plain_step_time():
@@ -329,6 +334,7 @@ def test_k_zero_decodes_a_token_a_step_at_the_plain_step_time():
     off = run_scenario(scenario_from_dict(one_request(200, 300, spec))).systems["s"]
     assert off.requests.equals(plain.requests)
     assert set(off.steps["draft_tokens"]) == {0}
+    assert off.summary["mean_draft_tokens"] == 0 and plain.summary["mean_draft_tokens"] is None
 
 
 def busy_scenario(schedule: list | None, mode: str = "step") -> dict:
@@ -359,6 +365,9 @@ def test_each_step_verifies_the_k_of_the_batch_before_it():
     expected = [spec.drafts_after(s) for s in size.shift(1, fill_value=0)]
     assert steps["draft_tokens"].tolist() == expected
     assert set(expected) == {0, 2, 4}  # the load moves through every range
+    decode_steps = steps["decode_seqs"] > 0
+    assert run.summary["mean_draft_tokens"] == pytest.approx(
+        steps["draft_tokens"][decode_steps].mean())
     # A step's context counts each decoding sequence's K drafts too.
     decoding = steps[steps["decode_seqs"] > 0]
     assert ((decoding["context_tokens"] - decoding["decode_seqs"] * (1 + decoding[
