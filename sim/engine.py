@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import json
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -47,6 +48,7 @@ from sim.scenario import (
     PagedConfig,
     Scenario,
     ScenarioError,
+    SpeculativeConfig,
     SystemConfig,
     VirtualConfig,
 )
@@ -211,6 +213,34 @@ def with_speculation(timing: StepTimeModel, scenario: Scenario, system: SystemCo
     return replace(timing, speculative_tokens=spec.num_speculative_tokens, drafter=drafter)
 
 
+# Batch sizes an auto schedule chooses K for one by one; larger ones keep the last K.
+AUTO_SCHEDULE_MAX_BATCH = 4096
+
+
+def best_draft_schedule(timings: dict[int, StepTimeModel], spec: SpeculativeConfig,
+                        context_tokens: float, rho: float, max_batch: int
+                        ) -> list[tuple[int, int, int]]:
+    """K by batch size, as ``[lo, hi, K]`` ranges: for every batch size up to ``max_batch``
+    the K (of ``timings``' keys) whose decode step keeps the most tokens a second, τ(K) over
+    the time of a step of that many sequences, each reading ``context_tokens`` and its
+    drafts; the fewer drafts where two tie. vLLM's dynamic speculation chooses so from step
+    times it profiled; here the step-time model (a roofline or a calibration) gives them."""
+    rates = {drafts: float(spec.tokens_per_step_with(drafts)) for drafts in timings}
+    schedule: list[tuple[int, int, int]] = []
+    for size in range(1, min(max_batch, AUTO_SCHEDULE_MAX_BATCH) + 1):
+        def tokens_per_s(drafts: int, size: int = size) -> tuple[float, int]:
+            step_s = timings[drafts].step_time(
+                size, round(size * (context_tokens + 1 + drafts)), 0, 0, rho)
+            return rates[drafts] / step_s, -drafts
+
+        best = max(timings, key=tokens_per_s)
+        if schedule and schedule[-1][2] == best:
+            schedule[-1] = (schedule[-1][0], size, best)
+        else:
+            schedule.append((size, size, best))
+    return schedule
+
+
 def drafter_memory(scenario: Scenario, system: SystemConfig) -> tuple[float, float]:
     """What a system's speculative drafter holds on each GPU: its weights' bytes, and the
     bytes of KV it keeps for every token (0, 0 for n-gram lookup or no speculation)."""
@@ -356,10 +386,8 @@ class _Replica:
         self.scheduler = Scheduler(
             allocator, sim.system.scheduler, sim.debug, sim.swap_slots, sim.predicted_output,
             overflow_to_max=getattr(sim.system.allocator, "on_overflow", None) == "request_max",
-            sliding_window=sim.sliding_window, speculative=sim.system.speculative)
-        # Only a block table costs attention its indirection: contiguous extents and
-        # contiguous virtual memory are read directly.
-        self.rho = sim.timing.rho(sim.unit_slots if sim.block_table else None)
+            sliding_window=sim.sliding_window, speculative=sim.speculative)
+        self.rho = sim.rho
         self.open: list[int] = []  # open-arrival request indices, in arrival order
         self.open_pos = 0
         # (release time, request index, the Request if already made) heap: session turns,
@@ -512,15 +540,29 @@ class _SystemRun:
         self.system = system
         self.trace = trace
         self.timing = with_speculation(timing, scenario, system)
-        # The model of a step that verifies K drafts, for every K a step may (one, unless K
-        # goes by batch size).
-        spec = system.speculative
-        self.timings = {drafts: replace(self.timing, speculative_tokens=drafts)
-                        for drafts in (spec.draft_counts if spec else [0])}
         self.block_table = isinstance(system.allocator, PagedConfig)
         model = scenario.model_spec()
         self.sliding_window = model.sliding_window  # 0: none
         self.unit_slots = unit_slots  # a block, a page, or 1 (see allocation_unit)
+        # Only a block table costs attention its indirection: contiguous extents and
+        # contiguous virtual memory are read directly.
+        self.rho = self.timing.rho(unit_slots if self.block_table else None)
+        # The model of a step that verifies K drafts, for every K a step may (one, unless K
+        # goes by batch size); an auto schedule chosen by them, for the mean context a
+        # decode step reads for a sequence: each request's mean (its prompt and half its
+        # output) weighted by its decode steps, as the long ones fill more of the batch.
+        spec = system.speculative
+        self.timings = {drafts: replace(self.timing, speculative_tokens=drafts)
+                        for drafts in (spec.draft_counts if spec else [0])}
+        self.auto_schedule: list[tuple[int, int, int]] | None = None
+        if spec is not None and spec.num_speculative_tokens_per_batch_size == "auto":
+            context = float(np.average(trace.prompt_len + trace.output_len / 2,
+                                       weights=trace.output_len))
+            widest = int(trace.n.max()) if len(trace) else 1  # sequences a request decodes
+            self.auto_schedule = best_draft_schedule(
+                self.timings, spec, context, self.rho, system.scheduler.max_num_seqs * widest)
+            spec = spec.with_schedule(self.auto_schedule)
+        self.speculative = spec
         self.jump = scenario.engine.mode == "jump"
         self.debug = scenario.engine.debug_invariants
         if self.debug and not __debug__:
@@ -846,6 +888,9 @@ class _SystemRun:
         extra["mean_draft_tokens"] = (
             float((decoding["draft_tokens"] * decoding["steps"]).sum() / decoding["steps"].sum())
             if len(decoding) else 0.0) if self.system.speculative else None
+        # The K by batch size an auto schedule chose (None for any other).
+        extra["draft_schedule"] = (json.dumps([list(entry) for entry in self.auto_schedule])
+                                   if self.auto_schedule is not None else None)
         # None (shown "—") but for a contiguous reservation sized by a predictor.
         extra["reservation_overflows"] = (
             sum(r.scheduler.reservation_overflows for r in self.replicas)

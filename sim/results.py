@@ -205,9 +205,20 @@ def rejection_note(summaries: dict[str, dict[str, Any]]) -> str | None:
 
 
 def run_notes(summaries: dict[str, dict[str, Any]]) -> list[str]:
-    """The warnings a reader of a run's summary needs: saturation and rejections."""
-    notes = (saturation_note(summaries), rejection_note(summaries))
+    """The warnings a reader of a run's summary needs: saturation and rejections; and the
+    drafts by batch size that an auto schedule chose."""
+    notes = (saturation_note(summaries), rejection_note(summaries),
+             *schedule_notes(summaries))
     return [note for note in notes if note]
+
+
+def schedule_notes(summaries: dict[str, dict[str, Any]]) -> list[str]:
+    """For each system whose speculative decoding chose its K by batch size (``auto``): the
+    schedule, as vLLM's ``num_speculative_tokens_per_batch_size`` takes it."""
+    return [f"system {name!r} chose num_speculative_tokens_per_batch_size: "
+            f"{summary['draft_schedule']} ([bs_lo, bs_hi, K]: K drafts after a step of bs_lo "
+            "to bs_hi requests)"
+            for name, summary in summaries.items() if summary.get("draft_schedule")]
 
 
 def _atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]

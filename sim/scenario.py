@@ -353,15 +353,19 @@ class SpeculativeConfig(ConfigModel):
         "of one of the target's (default: 1 for eagle, eagle3 and mtp; ngram has none, and a "
         "draft model its own)")
     num_speculative_tokens_per_batch_size: list[tuple[PositiveInt, PositiveInt,
-                                                      NonNegativeInt]] | None = Field(
-        default=None, description="dynamic speculative decoding (vLLM's, as its config "
-        "writes it): [[bs_lo, bs_hi, K], ...], K drafts a step after a step of bs_lo to "
-        "bs_hi requests (K 0: none); ranges sorted, the first from 1, a gap or beyond the "
-        "last keeps the K before it; K at most num_speculative_tokens (default: always k)")
+                                                      NonNegativeInt]] | Literal["auto"] | None = (
+        Field(default=None, description="dynamic speculative decoding (vLLM's, as its config "
+              "writes it): [[bs_lo, bs_hi, K], ...], K drafts a step after a step of bs_lo to "
+              "bs_hi requests (K 0: none); ranges sorted, the first from 1, a gap or beyond "
+              "the last keeps the K before it; K at most num_speculative_tokens. auto: for "
+              "each batch size the K whose steps keep the most tokens a second in the "
+              "step-time model (default: always k)"))
 
     @field_validator("num_speculative_tokens_per_batch_size", mode="before")
     @classmethod
     def _entries_of_three(cls, schedule: Any) -> Any:
+        if not isinstance(schedule, list) and schedule not in ("auto", None):
+            raise ValueError(f"expected auto or [[bs_lo, bs_hi, K], ...] (got {schedule!r})")
         for entry in schedule if isinstance(schedule, list) else ():
             if not isinstance(entry, list | tuple) or len(entry) != 3:
                 raise ValueError(f"entry {entry!r}: expected [bs_lo, bs_hi, K] (vLLM's "
@@ -399,7 +403,7 @@ class SpeculativeConfig(ConfigModel):
 
     def _check_batch_size_schedule(self) -> None:
         schedule = self.num_speculative_tokens_per_batch_size
-        if schedule is None:
+        if schedule is None or schedule == "auto":
             return
         field = "num_speculative_tokens_per_batch_size"
         if not schedule:
@@ -459,16 +463,25 @@ class SpeculativeConfig(ConfigModel):
         schedule = self.num_speculative_tokens_per_batch_size
         if schedule is None:
             return self.num_speculative_tokens
+        assert schedule != "auto", "the engine chooses an auto schedule first"
         index = bisect.bisect_right([lo for lo, _, _ in schedule], max(batch_size, 1)) - 1
         return schedule[index][2]
 
     @property
     def draft_counts(self) -> list[int]:
-        """Every K a step may verify, ascending."""
+        """Every K a step may verify, ascending (for ``auto``, every K it may choose: 0 to k
+        from an acceptance rate, 0 or k from a mean acceptance length)."""
         schedule = self.num_speculative_tokens_per_batch_size
+        k = self.num_speculative_tokens
         if schedule is None:
-            return [self.num_speculative_tokens]
+            return [k]
+        if schedule == "auto":
+            return [0, k] if self.mean_acceptance_length is not None else list(range(k + 1))
         return sorted({drafts for _, _, drafts in schedule})
+
+    def with_schedule(self, schedule: list[tuple[int, int, int]]) -> SpeculativeConfig:
+        """This configuration with K by batch size as ``schedule`` (an auto one, chosen)."""
+        return self.model_copy(update={"num_speculative_tokens_per_batch_size": schedule})
 
     @property
     def lookahead_slots(self) -> int:
@@ -932,6 +945,8 @@ def _loc(loc: tuple[Any, ...], data: Any) -> str:
             if key in tags or key in ("synthetic", "trace") or key in _TYPE_TAGS or (
                     "[" in key or key[:1].isupper()):
                 continue  # a union member's tag, not a field
+        elif not isinstance(node, dict) and "[" in key:
+            continue  # a union member's tag (list[...], literal[...]) over a list or a value
         parts.append(f".{key}" if parts else key)
         node = node.get(key) if isinstance(node, dict) else None
     return "".join(parts) or "(top level)"

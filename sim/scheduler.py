@@ -35,6 +35,7 @@ No SimPy here: the engine asks for a :class:`Batch`, times it, and reports it do
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import deque
@@ -369,9 +370,13 @@ class Scheduler:
         self._rate_den = math.lcm(*(rate.denominator for rate in rates.values()))
         self._rate_by_drafts = {drafts: rate.numerator * (self._rate_den // rate.denominator)
                                 for drafts, rate in rates.items()}
-        # Dynamic speculative decoding: K by the size of the step before (None: one K).
-        self._dynamic = speculative if speculative is not None and (
-            speculative.num_speculative_tokens_per_batch_size is not None) else None
+        # Dynamic speculative decoding: K by the size of the step before, the K of the
+        # range whose start is the last at or below it (no ranges: one K).
+        schedule = speculative.num_speculative_tokens_per_batch_size if speculative else None
+        assert schedule != "auto", "the engine chooses an auto schedule"
+        self._dynamic = isinstance(schedule, list)
+        self._range_starts = [lo for lo, _, _ in schedule] if isinstance(schedule, list) else []
+        self._range_drafts = [k for _, _, k in schedule] if isinstance(schedule, list) else []
         self.drafts = speculative.drafts_after(0) if speculative else 0  # K of this step
         self._rate_num = self._rate_by_drafts[self.drafts]
         self._clock_acc = 0
@@ -544,9 +549,9 @@ class Scheduler:
         self._clock_prev = self._clock_now
         self._clock_now = self._clock_next
         changed = False
-        dynamic = self._dynamic
-        if dynamic is not None:
-            drafts = dynamic.drafts_after(batch_size)
+        if self._dynamic:
+            drafts = self._range_drafts[
+                max(bisect.bisect_right(self._range_starts, batch_size) - 1, 0)]
             if drafts != self.drafts:
                 changed = True
                 self.drafts = drafts
@@ -565,7 +570,7 @@ class Scheduler:
         boundary of a finish due at ``finish``. With K by batch size the steps of later
         readings are not known yet: every event short of the finish is kept (one that comes
         at the finish's boundary finds the request done, and is skipped)."""
-        if self._dynamic is not None:
+        if self._dynamic:
             return key < finish
         return self._step_reaching(key) < self._step_reaching(finish)
 

@@ -149,6 +149,8 @@ def random_scenario(seed: int) -> dict:
             if {middle, last} - {0, k}:  # a K between: its τ from a rate per draft
                 del system["speculative"]["mean_acceptance_length"]
                 system["speculative"]["acceptance_rate"] = rng.choice([0.0, 0.6, 1.0])
+            if rng.random() < 0.3:  # drawn last, as the above: the K the step model prefers
+                system["speculative"]["num_speculative_tokens_per_batch_size"] = "auto"
     return {
         "name": f"random-{seed}",
         "model": model,

@@ -3,6 +3,7 @@ by each step, the drafts' and the drafter's time, and the drafter's memory."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import replace
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from sim.engine import (
+    best_draft_schedule,
     build_timing,
     memory_summary,
     run_scenario,
@@ -21,6 +23,7 @@ from sim.engine import (
 )
 from sim.memory import AllocatorError, PagedAllocator, SeqSpec
 from sim.presets import GPU_PRESETS, MODEL_PRESETS
+from sim.results import schedule_notes
 from sim.scenario import ScenarioError, SpeculativeConfig, scenario_from_dict
 from sim.timing import StepTimeModel
 
@@ -305,7 +308,8 @@ def test_the_batch_size_schedule_reads_as_vllms():
                    "greater than or equal to 0"),
     ([[1, 8, 1, 100, 3]], r"entry \[1, 8, 1, 100, 3\]: expected \[bs_lo, bs_hi, K\] \(vLLM's "
                           r"context-length form, five items, is not modelled\)"),
-    ("auto", "num_speculative_tokens_per_batch_size: Input should be a valid list"),
+    ("sometimes", "num_speculative_tokens_per_batch_size: expected auto or "
+                  r"\[\[bs_lo, bs_hi, K\], \.\.\.\] \(got 'sometimes'\)"),
 ])
 def test_bad_batch_size_schedules_are_refused(schedule, expected):
     spec = {"method": "eagle", "num_speculative_tokens": 3, "mean_acceptance_length": 2.5,
@@ -399,3 +403,53 @@ def test_speculation_off_at_high_load_decodes_as_plain_there_and_speculates_at_l
     assert tpot(dynamic, 0.5) < 0.5 * tpot(None, 0.5, speculative=False)
     assert tpot(dynamic, 60) == pytest.approx(tpot(None, 60, speculative=False), rel=0.05)
     assert tpot(dynamic, 60) > 1.2 * tpot(None, 60)
+
+
+def test_an_auto_schedule_takes_the_k_that_keeps_the_most_tokens_a_second():
+    # T(B, K) = a + b·B + c·B·(context + 1 + K) + d·B·K, τ(K) = 1 + α + … + α^K: drafts are
+    # nearly free to a lone request (weights dominate) and dear to a big batch (the verify
+    # GEMMs), so K falls as the batch grows. The answer, worked out here from the formula.
+    timing = StepTimeModel(a=6e-3, b=2e-5, c=4e-8, d=6e-5, e=0.0)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, acceptance_rate=0.6,
+                             num_speculative_tokens_per_batch_size="auto")
+    timings = {k: replace(timing, speculative_tokens=k) for k in spec.draft_counts}
+    schedule = best_draft_schedule(timings, spec, context_tokens=1000.0, rho=1.0,
+                                   max_batch=512)
+
+    def best(size: int) -> int:
+        def rate(k: int) -> float:
+            tau = sum(0.6 ** i for i in range(k + 1))
+            step_s = (6e-3 + 2e-5 * size + 4e-8 * round(size * (1001 + k))
+                      + 6e-5 * size * k)
+            return tau / step_s
+        return max(range(5), key=lambda k: (rate(k), -k))
+
+    chosen = [next(k for lo, hi, k in schedule if lo <= size <= hi) for size in range(1, 513)]
+    assert chosen == [best(size) for size in range(1, 513)]
+    assert chosen[0] == 4 and chosen[-1] == 0 and len(schedule) >= 3
+    assert [lo for lo, _, _ in schedule] == [1] + [hi + 1 for _, hi, _ in schedule[:-1]]
+    assert schedule[-1][1] == 512
+    # From a mean acceptance length (τ of k drafts only), the choice is k or none.
+    fixed = spec.model_copy(update={"acceptance_rate": None, "mean_acceptance_length": 2.0})
+    assert fixed.draft_counts == [0, 4]
+
+
+def test_an_auto_run_follows_the_schedule_it_chose_and_says_it():
+    data = busy_scenario("auto")
+    data["systems"][0]["speculative"]["method"] = "draft_model"
+    data["systems"][0]["speculative"]["draft_model"] = "llama-3.2-1b"
+    data["memory"], data["gpu"] = {"kv_memory_gib": 4}, "h100-80g"
+    data["workload"]["arrival"]["rate"] = 200
+    run = run_scenario(scenario_from_dict(data)).systems["s"]
+    schedule = json.loads(run.summary["draft_schedule"])
+    spec = SpeculativeConfig(method="eagle", num_speculative_tokens=4, acceptance_rate=0.7,
+                             num_speculative_tokens_per_batch_size=schedule)
+    steps = run.steps
+    size = steps["decode_seqs"] + steps["prefill_requests"]
+    assert steps["draft_tokens"].tolist() == [spec.drafts_after(s)
+                                              for s in size.shift(1, fill_value=0)]
+    assert len(set(steps["draft_tokens"])) > 1  # the load reaches more than one range
+    note = schedule_notes({"s": run.summary})
+    assert note == [f"system 's' chose num_speculative_tokens_per_batch_size: {schedule} "
+                    "([bs_lo, bs_hi, K]: K drafts after a step of bs_lo to bs_hi requests)"]
+    assert schedule_notes({"s": {"draft_schedule": None}}) == []
