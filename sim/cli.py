@@ -126,7 +126,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"{scenario.name}: {len(next(iter(result.systems.values())).requests):,} requests, "
           f"seed {scenario.seed}{changed}")
     print(memory_summary(scenario))
-    for note in [*result.trace_notes, *scenario.idle_settings()]:
+    for note in [*result.trace_notes, *scenario.setting_notes()]:
         print(f"note: {note}")
     if scenario.sweep:
         print(f"note: {path} has a sweep section; this ran its base scenario only "
@@ -235,7 +235,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     if scenario.sweep:
         print(f"note: {path} has a sweep section; this searched its base scenario only "
               "(--sweep searches every point)")
-    for note in scenario.idle_settings():
+    for note in scenario.setting_notes():
         print(f"note: {note}")
     print(_capacity_text(scenario, knob, capacities))
     print(f"results: {_write_capacity(scenario, knob, capacities, out)}")
@@ -288,6 +288,7 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
 def _capacity_text(scenario: Any, knob: Any, capacities: list[Any]) -> str:
     """What ``kvsim capacity`` prints: each system's capacity, then the summaries of the runs
     at those loads side by side."""
+    from sim.results import schedule_notes
     from sim.slo import describe_attainment, describe_slo
 
     speed = knob.path.endswith("speed")
@@ -314,6 +315,7 @@ def _capacity_text(scenario: Any, knob: Any, capacities: list[Any]) -> str:
     at_capacity = {c.system: c.at(c.held).summary for c in capacities if c.held is not None}
     if at_capacity:
         lines += ["", "at capacity:", format_summary(at_capacity)]
+        lines += [f"note (at capacity): {note}" for note in schedule_notes(at_capacity)]
     return "\n".join(lines)
 
 
@@ -407,7 +409,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise BadInput(f"{path}: {exc}") from None
     print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}{sweep}")
     print(memory)
-    for note in scenario.idle_settings():
+    for note in scenario.setting_notes():
         print(f"note: {note}")
     return EXIT_OK
 

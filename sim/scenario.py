@@ -860,6 +860,33 @@ class Scenario(ConfigModel):
                                  "gpu.host_link_gbps (GPU-to-host GB/s, one direction)")
         return systems
 
+    def setting_notes(self) -> list[str]:
+        """What a reader of this scenario's results should know of its settings: those that
+        change nothing here (:meth:`idle_settings`), and decode batches the token budget
+        cannot hold (:meth:`budget_overruns`)."""
+        return [*self.idle_settings(), *self.budget_overruns()]
+
+    def budget_overruns(self) -> list[str]:
+        """Systems whose decode steps may feed more tokens than ``max_num_batched_tokens``:
+        ``max_num_seqs`` decoding requests, each its last token and k drafts. vLLM then
+        leaves running requests out of a step (and refuses a budget below max_num_seqs);
+        here every running request decodes every step, and such a step admits no prompt."""
+        notes = []
+        for system in self.systems:
+            scheduler = system.scheduler
+            per_request = 1 + (system.speculative.num_speculative_tokens
+                               if system.speculative else 0)
+            decode = scheduler.max_num_seqs * per_request
+            if decode > scheduler.max_num_batched_tokens:
+                each = f" × {per_request} tokens" if per_request > 1 else ""
+                notes.append(
+                    f"system {system.name!r}: {scheduler.max_num_seqs} decoding requests"
+                    f"{each} make {decode:,} tokens, more than max_num_batched_tokens "
+                    f"{scheduler.max_num_batched_tokens:,}; where a batch grows so large, "
+                    "every running request still decodes every step here (and the step "
+                    "admits no prompt), where vLLM would leave some out of the step")
+        return notes
+
     def idle_settings(self) -> list[str]:
         """Settings given that change nothing in this scenario, each as a sentence: valid
         (a sweep may set them for some points only), but a reader comparing runs that differ

@@ -11,6 +11,8 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+import yaml
+from conftest import kvsim_in_process
 
 from sim.engine import (
     best_draft_schedule,
@@ -453,3 +455,44 @@ def test_an_auto_run_follows_the_schedule_it_chose_and_says_it():
     assert note == [f"system 's' chose num_speculative_tokens_per_batch_size: {schedule} "
                     "([bs_lo, bs_hi, K]: K drafts after a step of bs_lo to bs_hi requests)"]
     assert schedule_notes({"s": {"draft_schedule": None}}) == []
+
+
+def test_decode_batches_past_the_token_budget_are_noted():
+    # vLLM would leave running requests out of such a step; the simulator decodes them all,
+    # and says so.
+    data = one_request(10, 10, {"method": "eagle", "num_speculative_tokens": 8,
+                                "acceptance_rate": 0.5})
+    data["systems"][0]["scheduler"] = {"max_num_batched_tokens": 2048}
+    assert scenario_from_dict(data).setting_notes() == [
+        "system 's': 256 decoding requests × 9 tokens make 2,304 tokens, more than "
+        "max_num_batched_tokens 2,048; where a batch grows so large, every running request "
+        "still decodes every step here (and the step admits no prompt), where vLLM would "
+        "leave some out of the step"]
+    data["systems"][0]["scheduler"]["max_num_seqs"] = 200
+    assert scenario_from_dict(data).setting_notes() == []
+    plain = one_request(10, 10, None)
+    plain["systems"][0]["scheduler"] = {"max_num_batched_tokens": 128}
+    (note,) = scenario_from_dict(plain).budget_overruns()
+    assert note.startswith("system 's': 256 decoding requests make 256 tokens, more than "
+                           "max_num_batched_tokens 128;")
+
+
+def test_run_and_capacity_print_the_schedule_auto_chose(tmp_path):
+    data = busy_scenario("auto", "jump")
+    data["memory"], data["gpu"] = {"kv_memory_gib": 4}, "h100-80g"
+    data["stop"] = {"num_requests": 60}
+    data["slo"] = {"ttft_s": 2.0, "tpot_s": 0.05}
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump(data))
+    ran = kvsim_in_process("run", str(path), "--out", str(tmp_path / "run"), "--quiet",
+                           "--no-report")
+    assert ran.returncode == 0, ran.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())["systems"]["s"]
+    note = (f"note: system 's' chose num_speculative_tokens_per_batch_size: "
+            f"{summary['draft_schedule']} ([bs_lo, bs_hi, K]")
+    assert note in ran.stdout
+    capacity = kvsim_in_process("capacity", str(path), "--rel-tol", "0.2", "--quiet",
+                                "--out", str(tmp_path / "cap"))
+    assert capacity.returncode == 0, capacity.stderr
+    assert "note (at capacity): system 's' chose num_speculative_tokens_per_batch_size: [[1, " \
+        in capacity.stdout
