@@ -22,6 +22,9 @@ a′, where no pass of its own read them)::
 
     T += d·B·k + k·(a′ + b′·B + ρ(bs)·c′·C) + d′·P + e′·S     (+ a′ if B = 0 < P)
 
+(With K drafts by batch size, k is the step's K; at K = 0 a drafter still makes one pass, as
+vLLM runs it to keep the drafter's KV in step.)
+
 Defaults are a roofline of the model on the GPU preset; a calibration YAML written by
 ``gpu_validate`` (format in :class:`Calibration`) replaces them with measured values.
 """
@@ -117,7 +120,7 @@ class StepTimeModel:
         drafts = decode_seqs * self.speculative_tokens
         step_s = (self.fixed_s(decode_seqs + drafts + prefill_tokens) + self.b * decode_seqs
                   + rho * self.c * read + self.d * prefill_tokens + self.e * pairs)
-        if not self.speculative_tokens:
+        if not self.speculative_tokens and self.drafter is None:
             return step_s
         step_s += self._speculation_s(decode_seqs, read, rho)
         drafter = self.drafter
@@ -129,15 +132,18 @@ class StepTimeModel:
 
     def _speculation_s(self, decode_seqs: int, read: float, rho: float) -> float:
         """What drafts add to a step that decodes ``decode_seqs`` sequences reading ``read``
-        context tokens: their pass through the target's GEMMs, and the drafter's k passes."""
+        context tokens: their pass through the target's GEMMs, and the drafter's k passes
+        (one where K is 0: as in vLLM, the drafter still reads the step's tokens, to keep
+        its KV in step for later drafts)."""
         if not decode_seqs:
             return 0.0
-        drafts_s = self.d * decode_seqs
         drafter = self.drafter
-        if drafter is not None:
-            drafts_s += (drafter.fixed_s(decode_seqs) + drafter.b * decode_seqs
-                         + rho * drafter.c * read)
-        return self.speculative_tokens * drafts_s
+        pass_s = 0.0 if drafter is None else (drafter.fixed_s(decode_seqs)
+                                              + drafter.b * decode_seqs
+                                              + rho * drafter.c * read)
+        if not self.speculative_tokens:
+            return pass_s
+        return self.speculative_tokens * (self.d * decode_seqs + pass_s)
 
     def share(self, fraction: float, source: str) -> StepTimeModel:
         """A model of ``fraction`` of this one's layers (an EAGLE or MTP drafter): every
@@ -151,7 +157,7 @@ class StepTimeModel:
         """``step_time`` of a pure-decode step as a function of its context tokens and
         those past a sliding window, with bit-identical results (adding the zero prefill
         terms changes no float)."""
-        if self.speculative_tokens:  # (drafts and drafter: step_time itself)
+        if self.speculative_tokens or self.drafter is not None:  # (step_time itself)
             return lambda context_tokens, skipped: self.step_time(
                 decode_seqs, context_tokens, 0, 0, rho, skipped)
         fixed = self.fixed_s(decode_seqs) + self.b * decode_seqs

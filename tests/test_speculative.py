@@ -196,13 +196,22 @@ def test_the_step_time_counts_drafts_as_tokens_and_the_drafters_passes():
     assert spec.step_time(decode, context, 100, 100 * 100, rho) == pytest.approx(
         spec.step_time(decode, context, 0, 0, rho) + (1e-5 * 100 + 1e-9 * 100 * 100)
         * (1 + 1 / 32))
+    # No drafts this step (K by batch size): the drafter still makes one pass, keeping its
+    # KV in step (vLLM), and reads new prompts; n-gram lookup then costs nothing.
+    idle = replace(spec, speculative_tokens=0)
+    assert idle.step_time(decode, context, 0, 0, rho) == pytest.approx(
+        base.step_time(decode, context, 0, 0, rho) + drafter)
+    assert idle.step_time(0, 0, 100, 100 * 100, rho) == spec.step_time(0, 0, 100, 100 * 100,
+                                                                        rho)
+    assert replace(base, speculative_tokens=0).step_time(decode, context, 0, 0, rho) == (
+        base.step_time(decode, context, 0, 0, rho))
     # n-gram lookup: the drafts' GEMM tokens only.
     ngram = replace(base, speculative_tokens=3)
     assert ngram.step_time(decode, context, 0, 0, rho) == pytest.approx(
         base.step_time(decode, context, 0, 0, rho) + 3 * 1e-5 * decode)
     # A pure-decode run advanced at once costs the same floats as steps one at a time.
     for skipped in (0, 700):
-        for model in (spec, ngram, replace(spec, sliding_share=0.5)):
+        for model in (spec, ngram, idle, replace(spec, sliding_share=0.5)):
             assert model.decode_step_time(decode, rho)(context, skipped) == model.step_time(
                 decode, context, 0, 0, rho, skipped)
 
@@ -391,7 +400,8 @@ def test_jump_equals_step_with_k_by_batch_size():
 
 def test_speculation_off_at_high_load_decodes_as_plain_there_and_speculates_at_low_load():
     # Turned off above 8 requests: a lone request speculates as with K fixed, a batch of
-    # ~45 decodes as plain decoding does (the drafter's memory aside).
+    # ~45 decodes as plain decoding does, but for the EAGLE head's one pass a step (a 32nd
+    # of the target's layers) and its memory.
     def tpot(schedule: list | None, rate: float, speculative: bool = True) -> float:
         data = busy_scenario(schedule, "jump")
         if not speculative:
