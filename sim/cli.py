@@ -688,6 +688,20 @@ def _positive_float(text: str) -> float:
     return value
 
 
+class _Version(argparse.Action):
+    """``--version``: the version and the core that runs, on one line as it is (argparse's
+    own version action wraps a long line at the terminal's width)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: Any = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(f"kvsim {__version__}, {CORE.describe()}")
+        parser.exit()
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
@@ -698,8 +712,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvsim", description="KV-cache memory simulator for LLM serving: "
                      "contiguous reservation vs paged allocation.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    parser.add_argument("--version", action="version",
-                        version=f"kvsim {__version__}, {CORE.describe()}")
+    parser.add_argument("--version", action=_Version,
+                        help="show the version and which core runs, and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="run a scenario and print the systems side by side")

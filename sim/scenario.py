@@ -310,6 +310,10 @@ class SchedulerConfig(ConfigModel):
         return self
 
 
+# [bs_lo, bs_hi, K] ranges (tuples, so that a configuration holding them stays hashable).
+BatchSizeSchedule = tuple[tuple[PositiveInt, PositiveInt, NonNegativeInt], ...]
+
+
 class SpeculativeConfig(ConfigModel):
     """Speculative decoding, as vLLM's ``--speculative-config``: each decode step verifies
     ``num_speculative_tokens`` drafted tokens after the request's last one and keeps the
@@ -352,8 +356,7 @@ class SpeculativeConfig(ConfigModel):
         default=None, ge=0, le=16, description="decoder layers of the drafter, each the size "
         "of one of the target's (default: 1 for eagle, eagle3 and mtp; ngram has none, and a "
         "draft model its own)")
-    num_speculative_tokens_per_batch_size: list[tuple[PositiveInt, PositiveInt,
-                                                      NonNegativeInt]] | Literal["auto"] | None = (
+    num_speculative_tokens_per_batch_size: BatchSizeSchedule | Literal["auto"] | None = (
         Field(default=None, description="dynamic speculative decoding (vLLM's, as its config "
               "writes it): [[bs_lo, bs_hi, K], ...], K drafts a step after a step of bs_lo to "
               "bs_hi requests (K 0: none); ranges sorted, the first from 1, a gap or beyond "
@@ -481,7 +484,8 @@ class SpeculativeConfig(ConfigModel):
 
     def with_schedule(self, schedule: list[tuple[int, int, int]]) -> SpeculativeConfig:
         """This configuration with K by batch size as ``schedule`` (an auto one, chosen)."""
-        return self.model_copy(update={"num_speculative_tokens_per_batch_size": schedule})
+        return self.model_copy(update={"num_speculative_tokens_per_batch_size": tuple(
+            tuple(entry) for entry in schedule)})
 
     @property
     def lookahead_slots(self) -> int:

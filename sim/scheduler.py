@@ -374,9 +374,10 @@ class Scheduler:
         # range whose start is the last at or below it (no ranges: one K).
         schedule = speculative.num_speculative_tokens_per_batch_size if speculative else None
         assert schedule != "auto", "the engine chooses an auto schedule"
-        self._dynamic = isinstance(schedule, list)
-        self._range_starts = [lo for lo, _, _ in schedule] if isinstance(schedule, list) else []
-        self._range_drafts = [k for _, _, k in schedule] if isinstance(schedule, list) else []
+        ranges = schedule if isinstance(schedule, tuple) else ()
+        self._dynamic = bool(ranges)
+        self._range_starts = [lo for lo, _, _ in ranges]
+        self._range_drafts = [k for _, _, k in ranges]
         self.drafts = speculative.drafts_after(0) if speculative else 0  # K of this step
         self._rate_num = self._rate_by_drafts[self.drafts]
         self._clock_acc = 0

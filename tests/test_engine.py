@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 import sim
-from sim.engine import MEMORY_COLUMNS, _RowBuffer, build_timing, run_scenario
+from sim.engine import MEMORY_COLUMNS, _RowBuffer, build_timing, memory_summary, run_scenario
 from sim.memory import TAXONOMY, final_kv_tokens
 from sim.presets import lookup_gpu, lookup_model
 from sim.results import rejection_note, saturation_note
@@ -189,10 +189,13 @@ def test_python_api_returns_dataframes(tmp_path):
 
 
 def test_shipped_scenarios_validate():
+    # As kvsim validate: the scenario, its memory line and its notes.
     paths = sorted((ROOT / "scenarios").rglob("*.yaml"))
     assert len(paths) >= 7
     for path in paths:
-        load_scenario(path)
+        scenario = load_scenario(path)
+        assert memory_summary(scenario).startswith("memory: ")
+        assert all(isinstance(note, str) for note in scenario.setting_notes())
 
 
 def test_preemption_and_recompute_under_pressure():
