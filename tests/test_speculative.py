@@ -10,6 +10,7 @@ from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 from conftest import kvsim_in_process
@@ -506,3 +507,45 @@ def test_run_and_capacity_print_the_schedule_auto_chose(tmp_path):
     assert capacity.returncode == 0, capacity.stderr
     assert "note (at capacity): system 's' chose num_speculative_tokens_per_batch_size: [[1, " \
         in capacity.stdout
+
+
+def test_the_token_clock_sums_each_steps_tau_of_its_k(tmp_path):
+    # A decodes alone (K 3, τ 2.176), then B's arrival makes the batch two (K 1, τ 1.6):
+    # after s steps the replica's clock reads ⌊Σ τ(K_i)⌋ over the steps before, exactly,
+    # and a request seated at step p has 1 + clock(s + 1) − clock(p + 1) tokens after step
+    # s. Each finishes at the end of the first step that gives it its output.
+    rows = [(0.0, 32, 201), (0.1, 32, 41)]
+    pd.DataFrame(rows, columns=["t", "prompt", "output"]).to_csv(tmp_path / "t.csv",
+                                                                   index=False)
+    schedule = [[1, 1, 3], [2, 8, 1]]
+    data = one_request(32, 201, {"method": "eagle", "num_speculative_tokens": 3,
+                                 "acceptance_rate": 0.6,
+                                 "num_speculative_tokens_per_batch_size": schedule})
+    data["workload"] = {"kind": "trace", "path": str(tmp_path / "t.csv"), "format": "csv",
+                        "columns": {"arrival": "t", "prompt_len": "prompt",
+                                    "output_len": "output"}}
+    data["stop"] = {"num_requests": 2}
+    run = run_scenario(scenario_from_dict(data)).systems["s"]
+    steps = run.steps.reset_index(drop=True)
+    assert (steps["steps"] == 1).all()
+    spec = SpeculativeConfig(method="eagle", num_speculative_tokens=3, acceptance_rate=0.6,
+                             num_speculative_tokens_per_batch_size=schedule)
+    assert spec.tokens_per_step_with(3) == Fraction(272, 125)
+    total, clock = Fraction(0), [0]
+    for drafts in steps["draft_tokens"]:
+        total += spec.tokens_per_step_with(drafts)
+        clock.append(math.floor(total))
+    prefills = steps.index[steps["prefill_requests"] > 0].tolist()
+    assert len(prefills) == 2 and set(steps["draft_tokens"]) == {1, 3}
+    ends = (steps["time_s"] + steps["duration_s"]).tolist()
+    requests = run.requests.sort_values("request")
+    written = [0] * len(steps)  # KV tokens each step starts from (its prompts included)
+    for seated, output, finished_s in zip(prefills, requests["output_len"],
+                                          requests["finished_s"], strict=True):
+        last = next(s for s in range(seated, len(steps))
+                    if 1 + clock[s + 1] - clock[seated + 1] >= output)
+        assert finished_s == pytest.approx(ends[last], abs=1e-12)
+        for s in range(seated, last + 1):
+            written[s] += 32 + (clock[s] - clock[seated + 1] if s > seated else 0)
+    # Step by step, the memory the steps start from holds exactly those tokens.
+    assert run.memory["token"].tolist() == written
