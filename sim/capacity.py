@@ -184,7 +184,7 @@ def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
         def holds(load: float, system: SystemConfig = system, result: Capacity = result
                   ) -> bool:
             variant, trace = at(load)
-            summary = run_system(variant, system, trace, timing).summary
+            summary = run_system(variant, system, trace, timing, base_dir=base_dir).summary
             attainment = float(judged_attainment(summary, slo))
             probe = Probe(system.name, load, knob.offered_req_s(load), attainment,
                           attainment >= target, summary)

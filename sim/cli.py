@@ -392,7 +392,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from sim.api import load
-    from sim.engine import memory_summary
+    from sim.engine import build_timing, memory_summary, with_speculation
     from sim.sweep import load_sweep_points
 
     path = Path(args.scenario)
@@ -403,8 +403,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if scenario.sweep:  # every point must be valid too, as kvsim sweep checks before running
         _, points = load_sweep_points(path, overrides=overrides)
         sweep = f"; sweep: {len(points)} runs, each valid"
-    try:  # a pool the weights leave no room for, or less than a block, is an error
+    # A pool the weights leave no room for, or less than a block, is an error; so is a
+    # calibration file that is missing or times another model.
+    try:
         memory = memory_summary(scenario)
+        timing = build_timing(scenario, path.parent)
+        for system in scenario.systems:
+            with_speculation(timing, scenario, system, path.parent)
     except _bad_input_types() as exc:
         raise BadInput(f"{path}: {exc}") from None
     print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}{sweep}")

@@ -159,49 +159,63 @@ def host_memory(scenario: Scenario, system: SystemConfig) -> tuple[int, int, flo
             model.kv_bytes_per_token_per_gpu(tp) / link)
 
 
+def load_calibration(file: str, base_dir: Path, model: ModelSpec, scenario: Scenario,
+                     field: str, runs: str, step_overhead_s: float) -> StepTimeModel:
+    """The step-time model of ``file`` (relative to ``base_dir``), the scenario's ``field``,
+    refused unless it timed ``model`` (which the scenario ``runs``, as the message says) on
+    as many GPUs and the same KV cache dtype."""
+    path = Path(file)
+    path = path if path.is_absolute() else base_dir / path
+    calibration = Calibration.load(path)
+    if calibration.model != model.name:
+        raise CalibrationError(f"{path}: model: calibrated for {calibration.model!r}, but "
+                               f"{runs} {model.name!r}")
+    tp = scenario.parallel.tensor_parallel_size
+    if calibration.tensor_parallel_size != tp:
+        raise CalibrationError(
+            f"{path}: tensor_parallel_size: calibrated on {calibration.tensor_parallel_size} "
+            f"GPU(s), but the scenario runs parallel.tensor_parallel_size {tp}")
+    kv_dtype = scenario.memory.kv_cache_dtype
+    if KV_CACHE_DTYPE_BYTES.get(calibration.kv_cache_dtype) != KV_CACHE_DTYPE_BYTES.get(
+            kv_dtype):
+        raise CalibrationError(
+            f"{path}: kv_cache_dtype: timed with kv_cache_dtype "
+            f"{calibration.kv_cache_dtype}, but the scenario's memory.kv_cache_dtype is "
+            f"{kv_dtype}, whose attention reads a different number of bytes per token "
+            f"(drop {field} to use the roofline)")
+    return calibration.to_model(str(path), step_overhead_s)
+
+
 def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
     """Roofline of the model on the GPU, or the scenario's calibration file."""
     model = scenario.model_spec()
     if scenario.timing.calibration:
-        path = Path(scenario.timing.calibration)
-        path = path if path.is_absolute() else base_dir / path
-        calibration = Calibration.load(path)
-        if calibration.model != model.name:
-            raise CalibrationError(f"{path}: model: calibrated for {calibration.model!r}, but "
-                                   f"the scenario runs {model.name!r}")
-        tp = scenario.parallel.tensor_parallel_size
-        if calibration.tensor_parallel_size != tp:
-            raise CalibrationError(
-                f"{path}: tensor_parallel_size: calibrated on {calibration.tensor_parallel_size} "
-                f"GPU(s), but the scenario runs parallel.tensor_parallel_size {tp}")
-        kv_dtype = scenario.memory.kv_cache_dtype
-        if KV_CACHE_DTYPE_BYTES.get(calibration.kv_cache_dtype) != KV_CACHE_DTYPE_BYTES.get(
-                kv_dtype):
-            raise CalibrationError(
-                f"{path}: kv_cache_dtype: timed with kv_cache_dtype "
-                f"{calibration.kv_cache_dtype}, but the scenario's memory.kv_cache_dtype is "
-                f"{kv_dtype}, whose attention reads a different number of bytes per token "
-                "(drop timing.calibration to use the roofline)")
-        return with_sliding_window(
-            calibration.to_model(str(path), scenario.timing.step_overhead_s), model)
+        return with_sliding_window(load_calibration(
+            scenario.timing.calibration, base_dir, model, scenario, "timing.calibration",
+            "the scenario runs", scenario.timing.step_overhead_s), model)
     base = roofline(model, scenario.gpu_spec(), scenario.timing.step_overhead_s,
                     tensor_parallel_size=scenario.parallel.tensor_parallel_size,
                     allreduce_latency_s=scenario.parallel.allreduce_latency_s)
     return with_sliding_window(replace(base, paged_alpha=scenario.timing.paged_alpha), model)
 
 
-def with_speculation(timing: StepTimeModel, scenario: Scenario, system: SystemConfig
-                     ) -> StepTimeModel:
+def with_speculation(timing: StepTimeModel, scenario: Scenario, system: SystemConfig,
+                     base_dir: Path = Path()) -> StepTimeModel:
     """The step-time model of a system that decodes speculatively: its drafts in every
     decode step, and its drafter's passes: a share of the target's layers (EAGLE, MTP), or
-    a draft model's roofline on the same GPUs (no step overhead of its own: its passes run
-    inside the step)."""
+    a draft model's roofline on the same GPUs, or its calibration (``draft_calibration``,
+    relative to ``base_dir``; no step overhead of its own: its passes run inside the
+    step)."""
     spec = system.speculative
     if spec is None:
         return timing
     drafter: StepTimeModel | None = None
     draft = spec.drafter_spec()
-    if draft is not None:
+    if draft is not None and spec.draft_calibration:
+        field = f"systems[{system.name}].speculative"
+        drafter = load_calibration(spec.draft_calibration, base_dir, draft, scenario,
+                                   f"{field}.draft_calibration", f"{field}.draft_model is", 0.0)
+    elif draft is not None:
         drafter = roofline(draft, scenario.gpu_spec(), 0.0,
                            tensor_parallel_size=scenario.parallel.tensor_parallel_size,
                            allreduce_latency_s=scenario.parallel.allreduce_latency_s)
@@ -536,10 +550,10 @@ class _SystemRun:
 
     def __init__(self, scenario: Scenario, system: SystemConfig, trace: Trace,
                  timing: StepTimeModel, pool_slots: int, unit_slots: int,
-                 progress: Callable[[int], None] | None) -> None:
+                 progress: Callable[[int], None] | None, base_dir: Path) -> None:
         self.system = system
         self.trace = trace
-        self.timing = with_speculation(timing, scenario, system)
+        self.timing = with_speculation(timing, scenario, system, base_dir)
         self.block_table = isinstance(system.allocator, PagedConfig)
         model = scenario.model_spec()
         self.sliding_window = model.sliding_window  # 0: none
@@ -975,8 +989,10 @@ def memory_summary(scenario: Scenario) -> str:
 
 
 def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: StepTimeModel,
-               progress: Callable[[int], None] | None = None) -> RunResult:
-    """Simulate one system on ``trace``."""
+               progress: Callable[[int], None] | None = None, base_dir: Path = Path()
+               ) -> RunResult:
+    """Simulate one system on ``trace`` (files the scenario names relative to
+    ``base_dir``)."""
     pool_slots = system_pool_slots(scenario, system)
     check_pool(scenario, system, pool_slots)
     smallest = int(final_kv_tokens(trace.prompt_len, trace.output_len).min())
@@ -984,7 +1000,7 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than the "
                           f"smallest request ({smallest} tokens)")
     return _SystemRun(scenario, system, trace, timing, pool_slots,
-                      allocation_unit(scenario, system), progress).run()
+                      allocation_unit(scenario, system), progress, base_dir).run()
 
 
 def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) -> Trace:
@@ -1031,7 +1047,8 @@ def run_scenario(scenario: Scenario, base_dir: Path = Path(),
     for system in scenario.systems:
         callback = progress(system.name, len(trace)) if progress else None
         with _few_garbage_collections():
-            systems[system.name] = run_system(scenario, system, trace, timing, callback)
+            systems[system.name] = run_system(scenario, system, trace, timing, callback,
+                                              base_dir)
     return ScenarioResult(scenario=scenario.model_dump(mode="json"), systems=systems,
                           trace_notes=list(trace.notes))
 

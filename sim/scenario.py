@@ -356,6 +356,10 @@ class SpeculativeConfig(ConfigModel):
         default=None, ge=0, le=16, description="decoder layers of the drafter, each the size "
         "of one of the target's (default: 1 for eagle, eagle3 and mtp; ngram has none, and a "
         "draft model its own)")
+    draft_calibration: str | None = Field(
+        default=None, description="method draft_model: a calibration file of the draft model "
+        "(kvsim calibrate --model it; relative to the scenario) for its passes' times "
+        "(default: its roofline)")
     num_speculative_tokens_per_batch_size: BatchSizeSchedule | Literal["auto"] | None = (
         Field(default=None, description="dynamic speculative decoding (vLLM's, as its config "
               "writes it): [[bs_lo, bs_hi, K], ...], K drafts a step after a step of bs_lo to "
@@ -392,6 +396,10 @@ class SpeculativeConfig(ConfigModel):
         if (self.method == "draft_model") != (self.draft_model is not None):
             raise ValueError("draft_model: give it with method draft_model, and only then "
                              "(the drafting model, e.g. llama-3.2-1b)")
+        if self.draft_calibration is not None and self.method != "draft_model":
+            raise ValueError("draft_calibration: the times of a draft model (method "
+                             "draft_model); an EAGLE or MTP head takes its share of the "
+                             "target's, from timing.calibration")
         if self.method == "draft_model" and self.draft_layers is not None:
             raise ValueError("draft_layers: a draft model has its own layers (draft_layers is "
                              "for eagle, eagle3 and mtp)")

@@ -28,7 +28,7 @@ from sim.memory import AllocatorError, PagedAllocator, SeqSpec
 from sim.presets import GPU_PRESETS, MODEL_PRESETS
 from sim.results import schedule_notes
 from sim.scenario import ScenarioError, SpeculativeConfig, scenario_from_dict
-from sim.timing import StepTimeModel
+from sim.timing import Calibration, StepTimeModel
 
 
 def one_request(prompt: int, output: int, speculative: dict | None, block_size: int = 16,
@@ -254,6 +254,8 @@ def test_a_draft_model_takes_its_weights_and_kv_and_runs_its_own_roofline():
     ({"method": "eagle"}, "draft_model: give it with method draft_model"),
     ({"draft_layers": 2}, "draft_layers: a draft model has its own layers"),
     ({"draft_model": "gemma-2-9b"}, "sliding-window layers is not modelled"),
+    ({"method": "eagle", "draft_model": None, "draft_calibration": "cal.yaml"},
+     "draft_calibration: the times of a draft model"),
 ])
 def test_bad_draft_models_are_refused(change, expected):
     data = draft_model_scenario()
@@ -549,3 +551,45 @@ def test_the_token_clock_sums_each_steps_tau_of_its_k(tmp_path):
             written[s] += 32 + (clock[s] - clock[seated + 1] if s > seated else 0)
     # Step by step, the memory the steps start from holds exactly those tokens.
     assert run.memory["token"].tolist() == written
+
+
+def test_a_draft_models_calibration_times_its_passes(tmp_path):
+    # Measured coefficients of the draft model (kvsim calibrate --model llama-3.2-1b) in
+    # place of its roofline, found beside the scenario as timing.calibration is.
+    coefficients = {"a": 2e-3, "b": 3e-6, "c": 5e-9, "d": 4e-6, "e": 1e-10}
+    Calibration(model="llama-3.2-1b", device="test", coefficients=coefficients, rho={},
+                fit={}).dump(tmp_path / "draft.yaml")
+    data = draft_model_scenario()
+    data["systems"][0]["speculative"]["draft_calibration"] = "draft.yaml"
+    scenario = scenario_from_dict(data)
+    system = scenario.systems[0]
+    roofline_drafter = with_speculation(build_timing(scenario, tmp_path), scenario,
+                                        scenario_from_dict(draft_model_scenario()).systems[0])
+    timing = with_speculation(build_timing(scenario, tmp_path), scenario, system, tmp_path)
+    drafter = timing.drafter
+    assert drafter is not None and drafter.source == str(tmp_path / "draft.yaml")
+    assert (drafter.a, drafter.b, drafter.c, drafter.d, drafter.e) == tuple(
+        coefficients.values())  # no step overhead: its passes run inside the step
+    base = build_timing(scenario, tmp_path)
+    decode, context, rho = 8, 4000, base.rho(16)
+    assert timing.step_time(decode, context, 0, 0, rho) == pytest.approx(
+        base.step_time(decode, context, 0, 0, rho) + 4 * (
+            base.d * decode + 2e-3 + 3e-6 * decode + rho * 5e-9 * context))
+    assert timing.step_time(decode, context, 0, 0, rho) != roofline_drafter.step_time(
+        decode, context, 0, 0, rho)
+    # kvsim run finds it beside the scenario, from any directory.
+    path = tmp_path / "draft_scenario.yaml"
+    path.write_text(yaml.safe_dump(data))
+    ran = kvsim_in_process("run", str(path), "--out", str(tmp_path / "run"), "--quiet",
+                           "--no-report", cwd=Path("/"))
+    assert ran.returncode == 0, ran.stderr
+    # Timed for another model: refused in one line naming the file and both models.
+    Calibration(model="llama-3.1-8b", device="test", coefficients=coefficients, rho={},
+                fit={}).dump(tmp_path / "draft.yaml")
+    expected = (f"kvsim: error: {path}: {tmp_path / 'draft.yaml'}: model: calibrated for "
+                "'llama-3.1-8b', but systems[s].speculative.draft_model is 'llama-3.2-1b'")
+    for command in (("run", str(path), "--out", str(tmp_path / "run2"), "--quiet"),
+                    ("validate", str(path))):
+        refused = kvsim_in_process(*command)
+        assert refused.returncode == 2
+        assert refused.stderr.strip() == expected
