@@ -148,21 +148,37 @@ def waste_breakdown(result: ScenarioResult) -> Figure:
     return fig
 
 
+def _drafts_vary(steps: pd.DataFrame) -> bool:
+    """Whether a system's decode steps verified different numbers of drafts (K by batch
+    size); run folders from before the column have none."""
+    if "draft_tokens" not in steps:
+        return False
+    return steps.loc[steps["decode_seqs"] > 0, "draft_tokens"].nunique() > 1
+
+
 def batch_and_queue(result: ScenarioResult) -> Figure:
-    """Decode batch size and waiting-queue length over time, one line per system."""
-    fig, axes = new_figure(2, 1, height=2.6, sharex=True)
+    """Decode batch size and waiting-queue length over time, one line per system; and, where
+    a system's drafts go by batch size, the drafts its decode steps verified."""
+    dynamic = {name for name, run in result.systems.items() if _drafts_vary(run.steps)}
+    fig, axes = new_figure(3 if dynamic else 2, 1, height=2.6, sharex=True)
     replica, note = _shown_replica(result, decoding=True)
     data = {}
     for i, (name, run) in enumerate(result.systems.items()):
-        steps = time_binned(_rows_of(run.steps, replica), ["decode_seqs", "waiting"])
+        columns = ["decode_seqs", "waiting", *(["draft_tokens"] if name in dynamic else [])]
+        steps = time_binned(_rows_of(run.steps, replica), columns)
         data[name] = steps
         axes[0].step(steps["time_s"], steps["decode_seqs"], where="post",
                      color=system_color(i), label=name, linewidth=1)
         axes[1].step(steps["time_s"], steps["waiting"], where="post", color=system_color(i),
                      label=name, linewidth=1)
+        if name in dynamic:
+            axes[2].step(steps["time_s"], steps["draft_tokens"], where="post",
+                         color=system_color(i), label=name, linewidth=1)
     axes[0].set_ylabel("decode batch (sequences)")
     axes[1].set_ylabel("waiting requests")
-    axes[1].set_xlabel("simulated time (s)")
+    if dynamic:
+        axes[2].set_ylabel("drafts a step verifies (K)")
+    axes[-1].set_xlabel("simulated time (s)")
     axes[0].legend(fontsize=8, frameon=False)
     axes[0].set_title(f"{result.scenario['name']}: batch size and queue length{note}",
                       loc="left", fontsize=11)

@@ -178,6 +178,34 @@ def test_long_runs_are_drawn_from_at_most_max_plotted_points(result, tmp_path):
     close(fig)
 
 
+def test_drafts_by_batch_size_get_a_panel_of_their_own(tmp_path):
+    # K by batch size: a third panel, the drafts each decode step verified, for the systems
+    # whose K varies (a fixed K, or none, draws nothing there).
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "acceptance_rate": 0.6}
+    data = {**SCENARIO, "systems": [
+        {"name": "plain", "allocator": {"kind": "paged"}},
+        {"name": "fixed", "allocator": {"kind": "paged"}, "speculative": speculative},
+        {"name": "dynamic", "allocator": {"kind": "paged"}, "speculative": {
+            **speculative, "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 500, 1]]}},
+    ], "engine": {"mode": "step"}}
+    res = run(data, out=tmp_path)
+    fig = batch_and_queue(res)
+    assert [a.get_ylabel() for a in fig.axes] == [
+        "decode batch (sequences)", "waiting requests", "drafts a step verifies (K)"]
+    (line,) = fig.axes[2].get_lines()
+    assert line.get_label() == "dynamic" and set(line.get_ydata()) == {1, 3}
+    steps = res.systems["dynamic"].steps
+    assert np.array_equal(line.get_ydata(), steps["draft_tokens"].to_numpy())
+    assert fig.axes[2].get_xlabel() == "simulated time (s)" and not fig.axes[1].get_xlabel()
+    close(fig)
+    # A run folder from before the column: two panels, as ever.
+    old = res.systems["dynamic"]
+    old.steps = old.steps.drop(columns="draft_tokens")
+    fig = batch_and_queue(res)
+    assert len(fig.axes) == 2
+    close(fig)
+
+
 def test_figures_from_replica_0_say_so(result, tmp_path):
     two = run({**SCENARIO, "engine": {"replicas": 2}}, out=tmp_path)
     for make in (memory_over_time, batch_and_queue, hits_and_preemptions):
