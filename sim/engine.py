@@ -903,7 +903,7 @@ class _SystemRun:
             float((decoding["draft_tokens"] * decoding["steps"]).sum() / decoding["steps"].sum())
             if len(decoding) else 0.0) if self.system.speculative else None
         # The K by batch size an auto schedule chose (None for any other).
-        extra["draft_schedule"] = (json.dumps([list(entry) for entry in self.auto_schedule])
+        extra["draft_schedule"] = (json.dumps(self.auto_schedule)
                                    if self.auto_schedule is not None else None)
         # None (shown "—") but for a contiguous reservation sized by a predictor.
         extra["reservation_overflows"] = (

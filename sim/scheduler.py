@@ -35,7 +35,6 @@ No SimPy here: the engine asks for a :class:`Batch`, times it, and reports it do
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 from collections import deque
@@ -370,14 +369,10 @@ class Scheduler:
         self._rate_den = math.lcm(*(rate.denominator for rate in rates.values()))
         self._rate_by_drafts = {drafts: rate.numerator * (self._rate_den // rate.denominator)
                                 for drafts, rate in rates.items()}
-        # Dynamic speculative decoding: K by the size of the step before, the K of the
-        # range whose start is the last at or below it (no ranges: one K).
+        # Dynamic speculative decoding: K by the size of the step before (None: one K).
         schedule = speculative.num_speculative_tokens_per_batch_size if speculative else None
         assert schedule != "auto", "the engine chooses an auto schedule"
-        ranges = schedule if isinstance(schedule, tuple) else ()
-        self._dynamic = bool(ranges)
-        self._range_starts = [lo for lo, _, _ in ranges]
-        self._range_drafts = [k for _, _, k in ranges]
+        self._dynamic = speculative if schedule is not None else None
         self.drafts = speculative.drafts_after(0) if speculative else 0  # K of this step
         self._rate_num = self._rate_by_drafts[self.drafts]
         self._clock_acc = 0
@@ -550,9 +545,9 @@ class Scheduler:
         self._clock_prev = self._clock_now
         self._clock_now = self._clock_next
         changed = False
-        if self._dynamic:
-            drafts = self._range_drafts[
-                max(bisect.bisect_right(self._range_starts, batch_size) - 1, 0)]
+        dynamic = self._dynamic
+        if dynamic is not None:
+            drafts = dynamic.drafts_after(batch_size)
             if drafts != self.drafts:
                 changed = True
                 self.drafts = drafts
@@ -571,7 +566,7 @@ class Scheduler:
         boundary of a finish due at ``finish``. With K by batch size the steps of later
         readings are not known yet: every event short of the finish is kept (one that comes
         at the finish's boundary finds the request done, and is skipped)."""
-        if self._dynamic:
+        if self._dynamic is not None:
             return key < finish
         return self._step_reaching(key) < self._step_reaching(finish)
 

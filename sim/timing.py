@@ -120,7 +120,7 @@ class StepTimeModel:
         drafts = decode_seqs * self.speculative_tokens
         step_s = (self.fixed_s(decode_seqs + drafts + prefill_tokens) + self.b * decode_seqs
                   + rho * self.c * read + self.d * prefill_tokens + self.e * pairs)
-        if not self.speculative_tokens and self.drafter is None:
+        if not self.speculates:
             return step_s
         step_s += self._speculation_s(decode_seqs, read, rho)
         drafter = self.drafter
@@ -129,6 +129,11 @@ class StepTimeModel:
             if not decode_seqs:  # (else its decode passes read its weights already)
                 step_s += drafter.fixed_s(prefill_tokens)
         return step_s
+
+    @property
+    def speculates(self) -> bool:
+        """Whether steps carry drafts or run a drafter (which passes at K = 0 too)."""
+        return bool(self.speculative_tokens) or self.drafter is not None
 
     def _speculation_s(self, decode_seqs: int, read: float, rho: float) -> float:
         """What drafts add to a step that decodes ``decode_seqs`` sequences reading ``read``
@@ -157,7 +162,7 @@ class StepTimeModel:
         """``step_time`` of a pure-decode step as a function of its context tokens and
         those past a sliding window, with bit-identical results (adding the zero prefill
         terms changes no float)."""
-        if self.speculative_tokens or self.drafter is not None:  # (step_time itself)
+        if self.speculates:  # (drafts and drafter: step_time itself)
             return lambda context_tokens, skipped: self.step_time(
                 decode_seqs, context_tokens, 0, 0, rho, skipped)
         fixed = self.fixed_s(decode_seqs) + self.b * decode_seqs
