@@ -246,9 +246,13 @@ def _print_probe(probe: Any, slo: dict[str, Any]) -> None:
     """``kvsim capacity``'s line for one run of a search."""
     from sim.slo import describe_attainment
 
-    print(f"  {probe.system}: {probe.offered_req_s:,.4g} req/s → "
-          f"{describe_attainment(probe.attainment, slo)}, "
-          f"{'holds' if probe.holds else 'misses'}", file=sys.stderr, flush=True)
+    line = (f"  {probe.system}: {probe.offered_req_s:,.4g} req/s → "
+            f"{describe_attainment(probe.attainment, slo)}, "
+            f"{'holds' if probe.holds else 'misses'}\n")
+    # One write per line: the searches print from processes of their own, and print()'s
+    # separate write of the newline let another process's line land in the middle.
+    sys.stderr.write(line)
+    sys.stderr.flush()
 
 
 CAPACITY_TABLE_METRICS = ("capacity_req_s", "slo_attainment", "slo_tightest_attainment",

@@ -183,6 +183,29 @@ def test_systems_searched_at_once_find_the_same(capfd):
             [p.offered_req_s for p in c.probes], rel=1e-3)
 
 
+def _print_probes(system: str, count: int) -> None:
+    from sim.capacity import Probe
+    from sim.cli import _print_probe
+
+    for i in range(count):
+        _print_probe(Probe(system, i, float(i), 0.9, True, {}), slo=OBJECTIVES)
+
+
+def test_probe_lines_from_processes_at_once_stay_whole(capfd):
+    """Searches in processes of their own print to one stderr at once: each line is one
+    write, so no line lands inside another."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    systems, count = ["contiguous", "paged", "hybrid", "vattention"], 400
+    with ProcessPoolExecutor(max_workers=len(systems)) as pool:
+        list(pool.map(_print_probes, systems, [count] * len(systems)))
+    printed = capfd.readouterr().err.splitlines()
+    for system in systems:
+        mine = [line for line in printed if line.startswith(f"  {system}: ")]
+        assert [float(line.split()[1]) for line in mine] == list(range(count))
+        assert all(line.endswith(" within SLO, holds") for line in mine)
+
+
 def test_percentiles_judge_each_bound_alone():
     # Half the requests miss TTFT only, the other half TPOT only: none is in time, but each
     # bound's median holds.
