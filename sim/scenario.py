@@ -824,7 +824,6 @@ class Scenario(ConfigModel):
                 lambda s: self.workload.sampling.forks > 1,
             "engine.disaggregation": lambda s: self.engine.disaggregation is not None,
             "engine.router.kv_events": lambda s: bool(self.engine.router.kv_events),
-            "speculative decoding": lambda s: s.speculative is not None,
         }
         for system in self.systems:
             if isinstance(system.allocator, PagedConfig) and system.allocator.hybrid_kv_cache:

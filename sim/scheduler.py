@@ -609,7 +609,16 @@ class Scheduler:
             # The step claims slots for what it reads past the tokens before it.
             lookahead = self._written(request) + self._step_claim - request.tok_sync - count
         if request.num_seqs == 1:
-            if not self._append(request.index * MAX_SAMPLES, count, lookahead):
+            seq_id = request.index * MAX_SAMPLES
+            windowed = self._windowed
+            if windowed is not None and self._step_claim > 1:
+                # A speculative step keeps several tokens: its windows give back what its
+                # first token cannot see (this step's, or, finished or preempted, the last's).
+                step_start = self._written(request) if include_current else (
+                    request.tok_sync + self._clock_prev - request.c_sync)
+                if not windowed.append(seq_id, count, lookahead, step_start):
+                    return False
+            elif not self._append(seq_id, count, lookahead):
                 return False
         else:
             seq_ids = request.seq_ids()
@@ -689,11 +698,14 @@ class Scheduler:
 
     def _push_events(self, request: Request, *, start: bool = False) -> None:
         """Queue the request's next block crossing: the first step that claims a slot past
-        the memory it holds (and, when it starts decoding, its finish)."""
+        the memory it holds, or whose sliding windows give a block back (and, when it starts
+        decoding, its finish)."""
         finish = self._finish_key(request)
         entry = (request.admit_seq, request.version, request)
         if start:
             self._events[FINISH].setdefault(finish, []).append(entry)
+        final_len = request.final_len
+        release = final_len  # the first token whose step gives a block back (none: final_len)
         bs = self._block_size
         if bs is not None:
             cap = -(-request.tok_sync // bs) * bs
@@ -704,22 +716,26 @@ class Scheduler:
                 # windows give back what the prompt's last chunk held and the step cannot see.
                 cap = request.tok_sync
             elif windowed is not None:
-                # Or earlier, at the token whose window first misses one more block than
-                # the last step's (at tok_sync - 1).
-                cap = min(cap, windowed.next_release(request.tok_sync - 1))
+                # Or earlier, at the step whose first token's window misses one more block
+                # than the last synced step's did (a step starts at most at final_len - 1).
+                release = min(final_len, windowed.next_release(request.index * MAX_SAMPLES))
         elif self._predicts:
             # The request outgrows its extent when it writes the slot past its end.
             cap = self.allocator.allocated_slots(request.index * MAX_SAMPLES)
         else:
             return  # a contiguous extent is reserved to the final length: it never grows
-        if cap >= request.final_len:
+        if cap >= final_len and release >= final_len:
             return  # it holds all it will ever claim (a step claims no slot past the end)
         # A step claims its tokens before it + _step_claim slots; the first step not yet
         # synced is this one (a request just seated: readings past the last boundary's), or
-        # the next (readings past this one's).
+        # the next (readings past this one's). Its first token is its tokens before it.
         first = (self._clock_prev if request.c_sync <= self._clock_now
                  else self._clock_now) + 1
-        grow = max(first, request.c_sync + cap - request.tok_sync - self._step_claim + 1)
+        offset = request.c_sync - request.tok_sync  # reading = offset + the step's first token
+        grow = offset + release
+        if cap < final_len:
+            grow = min(grow, offset + cap - self._step_claim + 1)
+        grow = max(first, grow)
         if self._before_finish(grow, finish):
             self._events[GROW].setdefault(grow, []).append(entry)
 
@@ -915,17 +931,17 @@ class Scheduler:
         whether one of them gives a block back. Giving back frees memory, which may seat the
         line's head: schedule() then tries, as stepping would (and always at a first decode
         step, which gives back what the prompt's last chunk held)."""
-        bs = windowed.block_size
-        crossing = 0
+        need = 0
         gives_back = False
+        advance = self._clock_now - self._clock_prev  # tokens the last step kept
         for request in due:
-            token = self._written(request)  # this step's
-            if token % bs == 0:
-                crossing += 1
+            token = self._written(request)  # this step's first
+            claim = min(token + self._step_claim, request.final_len)
+            need += windowed.blocks_to_hold(request.index * MAX_SAMPLES, claim)
             if request.tok_sync == request.prefill_target or (self.waiting and (
-                    windowed.release_point(token) > windowed.release_point(token - 1))):
+                    windowed.release_point(token) > windowed.release_point(token - advance))):
                 gives_back = True
-        return crossing * self._crossing_blocks, gives_back
+        return need, gives_back
 
     def schedule(self, now_s: float) -> Batch:
         """Choose this step's work (starting at ``now_s``) and claim its memory."""

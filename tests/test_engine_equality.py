@@ -7,7 +7,8 @@ blocked queue), with contiguous reservations sized by a length predictor (a requ
 outgrow its extent), with virtual memory mapped a page at a time, with a mixture of
 experts, whose step cost depends on the tokens a step carries, with prompts claimed
 chunk by chunk (an eviction may then let a blocked head in), and with speculative decoding,
-its drafts by batch size too (a step's K then follows the batch before it)."""
+its drafts by batch size too (a step's K then follows the batch before it), under the
+hybrid manager of sliding-window layers too."""
 
 from __future__ import annotations
 
@@ -151,6 +152,19 @@ def random_scenario(seed: int) -> dict:
                 system["speculative"]["acceptance_rate"] = rng.choice([0.0, 0.6, 1.0])
             if rng.random() < 0.3:  # drawn last, as the above: the K the step model prefers
                 system["speculative"]["num_speculative_tokens_per_batch_size"] = "auto"
+    # Drawn last, as the above: speculation under the hybrid manager (windows giving back
+    # what a step's first token cannot see while the drafts' slots are claimed).
+    if isinstance(model, dict) and allocator["kind"] == "paged" and rng.random() < 0.6:
+        k = rng.choice([1, 3, 5])
+        system["speculative"] = {"method": rng.choice(["ngram", "eagle", "draft_model"]),
+                                 "num_speculative_tokens": k,
+                                 "mean_acceptance_length": min(k + 1.0, rng.choice(
+                                     [1.0, 1.37, 2.5]))}
+        if system["speculative"]["method"] == "draft_model":
+            system["speculative"]["draft_model"] = "llama-3.2-1b"
+        if rng.random() < 0.5:
+            system["speculative"]["num_speculative_tokens_per_batch_size"] = [
+                [1, rng.choice([1, 4]), k], [rng.choice([5, 9]), 10_000, 0]]
     return {
         "name": f"random-{seed}",
         "model": model,

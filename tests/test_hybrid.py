@@ -4,6 +4,7 @@ wait; hand-worked cases, a hypothesis state machine, and the engine."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import fields
 from pathlib import Path
@@ -198,11 +199,11 @@ class HybridMachine(PagedMachine):
     chunk: int | None = 12
     num_blocks = 70
     caching = True
-    holds_lookahead = False  # (speculative decoding is refused with the hybrid manager)
 
     def build(self):
         # First token of each sequence's last step (freed ones stay: ids are never reused).
         self.last_start: dict[int, int] = {}
+        self.drafts_held: dict[int, int] = {}  # the furthest slot a speculative step held
         return HybridPagedAllocator(self.num_blocks, self.block_size,
                                     full_groups=self.full_groups,
                                     sliding_groups=self.sliding_groups,
@@ -259,6 +260,65 @@ class HybridMachine(PagedMachine):
                 self.tokens[seq_id] += k
                 self.last_start[seq_id] = n + k - 1
 
+    @precondition(lambda self: self._prefilling())
+    @rule(data=st.data())
+    def prefill_the_rest(self, data):
+        """The rest of a prompt, chunk by chunk as the scheduler writes it (so that more
+        sequences decode); stops where a chunk finds memory short."""
+        seq_id = data.draw(st.sampled_from(self._prefilling()))
+        s = self.specs[seq_id]
+        while (n := self.tokens[seq_id]) < s.prompt_len:
+            chunk = min(s.prompt_len - n, self.chunk or s.prompt_len)
+            if not self.allocator.append(seq_id, chunk):
+                assert self.per_chunk and n + chunk > self.claims[seq_id], (
+                    "a claimed prefill chunk found memory short")
+                return
+            self.tokens[seq_id] += chunk
+            self.last_start[seq_id] = n
+
+    def _prefilling(self) -> list[int]:
+        return sorted(seq_id for seq_id, s in self.specs.items()
+                      if self.tokens[seq_id] < s.prompt_len)
+
+    def _decoding(self) -> list[int]:
+        """Sequences past their prompt with a token still to write."""
+        return sorted(seq_id for seq_id, s in self.specs.items()
+                      if s.prompt_len <= self.tokens[seq_id] < s.final_len)
+
+    @precondition(lambda self: self._decoding())
+    @rule(data=st.data(), lazy=st.integers(0, 5), kept=st.integers(1, 4),
+          lookahead=st.integers(0, 9))
+    def append_with_lookahead(self, data, lazy, kept, lookahead):
+        """Speculative decode steps as the scheduler syncs them: ``lazy`` steps' tokens,
+        then a step from the token after them keeping ``kept`` and holding ``lookahead``
+        slots past them (its drafts): its windows give back what its first token cannot
+        see, every table holds its drafts' slots; refused, nothing changes."""
+        seq_id = data.draw(st.sampled_from(self._decoding()))
+        s, n = self.specs[seq_id], self.tokens[seq_id]
+        count = min(lazy + kept, s.final_len - n)
+        if lazy >= count:
+            return  # it ends before that step
+        before, tables = self.allocator.snapshot(), self.allocator.block_tables(seq_id)
+        if self.allocator.append(seq_id, count, lookahead, step_start=n + lazy):
+            self.tokens[seq_id] += count
+            self.last_start[seq_id] = n + lazy
+            if lookahead:
+                self.drafts_held[seq_id] = max(self.drafts_held.get(seq_id, 0),
+                                               min(n + count + lookahead, s.final_len))
+        else:
+            assert self.allocator.snapshot() == before
+            assert self.allocator.block_tables(seq_id) == tables
+
+    @precondition(lambda self: self.specs)
+    @rule(data=st.data())
+    def a_step_starts_among_its_tokens(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.specs)))
+        n = self.tokens[seq_id]
+        if n >= self.specs[seq_id].final_len:
+            return
+        with pytest.raises(AllocatorError, match=f"cannot start at token {n + 1}"):
+            self.allocator.append(seq_id, 1, step_start=n + 1)
+
     def append_to_several(self, data, limit):  # (parallel samples only; refused here)
         pass
 
@@ -281,12 +341,13 @@ class HybridMachine(PagedMachine):
             tables = alloc.block_tables(seq_id)
             # Every block a token from its last step's first on can see, and no other.
             released = max(0, self.last_start[seq_id] - window + 1) // bs
+            drafts = self.drafts_held.get(seq_id, 0)
             for table in tables[self.full_groups:]:
-                assert len(table) == -(-n // bs)
+                assert len(table) == -(-max(n, drafts) // bs)
                 assert table[:released] == [None] * released
                 assert None not in table[released:]
             for table in tables[:self.full_groups]:
-                assert len(table) == -(-max(n, self.claims[seq_id]) // bs)
+                assert len(table) == -(-max(n, self.claims[seq_id], drafts) // bs)
             held_tokens += self.full_groups * n + self.sliding_groups * (n - released * bs)
         snap = alloc.snapshot()
         assert snap.total == alloc.capacity_slots
@@ -482,6 +543,40 @@ def test_a_window_gives_a_block_back_at_the_step_whose_token_cannot_see_it(mode)
     drops = [p for p in range(prompt + 1, prompt + output - 1)
              if expected[p - prompt + 1] < expected[p - prompt]]
     assert drops and all(p % 16 == window % 16 - 1 for p in drops)
+
+
+@pytest.mark.parametrize("mode", ["step", "jump"])
+def test_a_speculative_step_claims_its_drafts_and_gives_back_what_its_first_token_cannot_see(
+        mode):
+    # EAGLE with 2 drafts, every one accepted: each decode step computes from the token
+    # after the last kept, p, keeps 3 and holds slots to p + 5 (the last token, 2 drafts and
+    # 2 lookahead), in the window's table too, which gives back the blocks p cannot see.
+    window, prompt, output = 40, 30, 60
+    data = {
+        "name": "window-speculation",
+        "model": {"name": "swa", "num_layers": 8, "num_heads": 8, "head_dim": 64,
+                  "num_params": 1e9, "max_model_len": 4096, "sliding_window": window,
+                  "num_sliding_layers": 8},
+        "memory": {"kv_memory_gib": 1},
+        "workload": {"arrival": {"process": "constant", "rate": 1},
+                     "prompt_len": {"dist": "constant", "value": prompt},
+                     "output_len": {"dist": "constant", "value": output}},
+        "systems": [{"name": "s", "allocator": {"kind": "paged", "block_size": 16,
+                                                "prefix_caching": False},
+                     "speculative": {"method": "eagle", "num_speculative_tokens": 2,
+                                     "mean_acceptance_length": 3.0}}],
+        "stop": {"num_requests": 1}, "engine": {"mode": mode, "debug_invariants": True}}
+    result = run(data).systems["s"]
+    steps, memory = result.steps, result.memory
+    assert steps["steps"].sum() == 1 + 20  # the prefill, and 59 tokens 3 a step
+    held = (memory["token"] + memory["reserved"] + memory["internal"]) // 16
+    first_step = steps["steps"].cumsum().shift(fill_value=0).to_numpy()
+    final = prompt + output
+    expected = [2] + [-(-min(p + 5, final) // 16) - max(0, p - window + 1) // 16
+                      for p in range(prompt, final - 1, 3)]
+    assert held.tolist() == [expected[i] for i in first_step]
+    # (The case the test is for: windows do give blocks back between the drafts' claims.)
+    assert any(later < earlier for earlier, later in itertools.pairwise(expected[1:]))
 
 
 def test_gpt_oss_a_mixture_of_experts_with_a_128_token_window_runs_as_stepping():

@@ -26,6 +26,11 @@ they stay in the pool, but nobody else may take them until the prefill is over, 
 chunk waits for memory. Under per-chunk allocation (``max_new_tokens``, vLLM v1's own way)
 both claims cover the first chunk only, and later chunks take their blocks as they come.
 
+Speculative decoding claims each step's drafts and lookahead in every group's table, as
+:class:`~sim.memory.paged.PagedAllocator` does; a sliding-window table gives back what the
+step's first token (the last one kept, before the drafts) cannot see, so a step that keeps
+several tokens is told where it started.
+
 Not modelled: forks (parallel samples), a host tier, swapping out.
 """
 
@@ -50,8 +55,8 @@ class _HybridSeq:
     """One sequence: a block table per group (full-attention groups first), how far it has
     written, and the sliding-window blocks it has given back or is promised."""
 
-    __slots__ = ("claim_end", "final_len", "hasher", "internal", "num_tokens", "per_chunk",
-                 "promised", "released", "shared_blocks", "spec", "tables")
+    __slots__ = ("claim_end", "claimed", "final_len", "hasher", "internal", "num_tokens",
+                 "per_chunk", "promised", "released", "shared_blocks", "spec", "tables")
 
     def __init__(self, spec: SeqSpec, tables: list[list[KVBlock | None]], hasher: BlockHasher,
                  block_size: int) -> None:
@@ -68,6 +73,7 @@ class _HybridSeq:
         # per_chunk, the rest of the prompt takes its blocks chunk by chunk.
         self.claim_end = spec.prompt_len
         self.per_chunk = False
+        self.claimed = 0  # the furthest slot an append's lookahead held (0: none)
 
 
 class HybridPagedAllocator(KVAllocator):
@@ -156,9 +162,15 @@ class HybridPagedAllocator(KVAllocator):
         before the step computing that token."""
         return max(0, first_computed - self.sliding_window + 1) // self.block_size
 
-    def next_release(self, token: int) -> int:
-        """The first token after ``token`` whose step gives one more block back."""
-        return (self.release_point(token) + 1) * self.block_size + self.sliding_window - 1
+    def next_release(self, seq_id: int) -> int:
+        """The first token whose step gives back one more block of the sequence's windows
+        than they have given back."""
+        return (self._seq(seq_id).released + 1) * self.block_size + self.sliding_window - 1
+
+    def blocks_to_hold(self, seq_id: int, num_slots: int) -> int:
+        """Blocks the sequence's tables take to hold ``num_slots`` slots, every group."""
+        target = self.blocks_for(num_slots)
+        return sum(max(0, target - len(table)) for table in self._seq(seq_id).tables)
 
     def _prefill_peak(self, spec: SeqSpec, start: int, end: int | None = None) -> int:
         """The most blocks a sliding-window table holds while the tokens from ``start`` to
@@ -329,9 +341,12 @@ class HybridPagedAllocator(KVAllocator):
         return freed
 
     @staticmethod
-    def _last_step_start(seq: _HybridSeq, end: int) -> int:
+    def _last_step_start(seq: _HybridSeq, end: int, step_start: int | None = None) -> int:
         """The first token the last step of an append from ``seq.num_tokens`` to ``end``
-        computes: a prompt chunk is computed in one step, generated tokens one a step."""
+        computes: ``step_start`` where the caller says (a speculative step keeps several),
+        else a prompt chunk's first (one step computes it), or one generated token a step."""
+        if step_start is not None:
+            return step_start
         return seq.num_tokens if end <= seq.spec.prompt_len else end - 1
 
     def _exclusive(self, seq: _HybridSeq, taken: set[int] | frozenset[int] = frozenset()
@@ -355,10 +370,12 @@ class HybridPagedAllocator(KVAllocator):
         peak = self.sliding_groups * self._prefill_peak(seq.spec, start, seq.claim_end)
         return max(0, peak - self._exclusive(seq, taken))
 
-    def append(self, seq_id: int, num_tokens: int, lookahead: int = 0) -> bool:
-        if lookahead:
-            raise AllocatorError("lookahead slots (speculative decoding) are not modelled by "
-                                 "the hybrid manager")
+    def append(self, seq_id: int, num_tokens: int, lookahead: int = 0,
+               step_start: int | None = None) -> bool:
+        """Record ``num_tokens`` more written tokens and hold ``lookahead`` slots past them
+        (see :meth:`KVAllocator.append`); ``step_start`` is the first token the append's last
+        step computed, where that step kept more than one generated token (speculative
+        decoding): its windows give back what that token cannot see."""
         seq = self._seq(seq_id)
         if num_tokens <= 0:
             return num_tokens == 0
@@ -367,11 +384,19 @@ class HybridPagedAllocator(KVAllocator):
         end = start + num_tokens
         if end > seq.final_len:
             raise write_past_end(seq_id, end, seq.final_len)
-        last_step_start = self._last_step_start(seq, end)
+        if step_start is not None and not start <= step_start < end:
+            raise AllocatorError(f"sequence {seq_id}: the last step of an append of tokens "
+                                 f"{start} to {end} cannot start at token {step_start}")
+        last_step_start = self._last_step_start(seq, end, step_start)
+        # Lookahead slots are held, not written: blocks past the tokens count as reserved.
+        claim = end
+        if lookahead > 0:
+            claim = min(end + lookahead, seq.final_len)
+            seq.claimed = max(seq.claimed, claim)
         # As each step does: give back what its first token cannot see, then take blocks for
-        # what it writes.
+        # what it writes (and, speculating, holds for its drafts).
         first = min(self.release_point(start), self.blocks_for(start))
-        target = self.blocks_for(end)
+        target = self.blocks_for(claim)
         grow = sum(max(0, target - len(t)) for t in seq.tables)
         if grow:
             available = (self.pool.num_free - (self._promised - seq.promised)
@@ -407,8 +432,9 @@ class HybridPagedAllocator(KVAllocator):
                 room = bs
         self._token_slots += num_tokens * self.groups
         seq.num_tokens = end
-        # Decode tokens were computed one a step: the last step gave back more.
-        self._release(seq, min(self.release_point(last_step_start), target))
+        # Decode tokens were computed one a step (or a speculative step's few): the last
+        # step gave back more.
+        self._release(seq, min(self.release_point(last_step_start), self.blocks_for(end)))
         self._promised -= seq.promised
         seq.promised = self._promise(seq, end)
         self._promised += seq.promised
@@ -460,13 +486,16 @@ class HybridPagedAllocator(KVAllocator):
         refs = [0] * self.num_blocks  # tables holding each block, by id (see PagedAllocator)
         for seq in self._seqs.values():
             least, most = table_token_bounds(seq.spec, seq.num_tokens, seq.per_chunk)
+            most = max(most, seq.claimed)
             for group, table in enumerate(seq.tables):
                 if group < self.full_groups:
                     assert self.blocks_for(least) <= len(table) <= self.blocks_for(most), (
                         "full-attention table length does not match the tokens written")
                     assert None not in table, "a full-attention table gave a block back"
                 else:
-                    assert len(table) == self.blocks_for(seq.num_tokens), (
+                    # (Speculating, it may hold the drafts' slots past its tokens.)
+                    assert self.blocks_for(seq.num_tokens) <= len(table) <= (
+                        self.blocks_for(max(seq.num_tokens, seq.claimed))), (
                         "sliding-window table length does not match the tokens written")
                     assert all(b is None for b in table[:seq.released]), "released block kept"
                     assert None not in table[seq.released:], "block in the window given back"
