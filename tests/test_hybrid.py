@@ -510,14 +510,9 @@ def test_sliding_layers_skip_the_context_past_their_window(users):
         assert skipped_pairs == 0 and pairs == prefill * 30
 
 
-@pytest.mark.parametrize("mode", ["step", "jump"])
-def test_a_window_gives_a_block_back_at_the_step_whose_token_cannot_see_it(mode):
-    # vLLM's remove_skipped_blocks runs before every step: the step computing token p keeps
-    # blocks from (p - W + 1) // 16 on. A 40-token window over 16-token blocks passes a
-    # block 8 steps before the table needs its next one, so block crossings alone would give
-    # each back 8 steps late.
-    window, prompt, output = 40, 30, 60
-    data = {
+def one_windowed_request(window: int, prompt: int, output: int, mode: str) -> dict:
+    """One request to a model whose every layer slides, no prefix cache, invariants checked."""
+    return {
         "name": "window-steps",
         "model": {"name": "swa", "num_layers": 8, "num_heads": 8, "head_dim": 64,
                   "num_params": 1e9, "max_model_len": 4096, "sliding_window": window,
@@ -529,6 +524,16 @@ def test_a_window_gives_a_block_back_at_the_step_whose_token_cannot_see_it(mode)
         "systems": [{"name": "s", "allocator": {"kind": "paged", "block_size": 16,
                                                 "prefix_caching": False}}],
         "stop": {"num_requests": 1}, "engine": {"mode": mode, "debug_invariants": True}}
+
+
+@pytest.mark.parametrize("mode", ["step", "jump"])
+def test_a_window_gives_a_block_back_at_the_step_whose_token_cannot_see_it(mode):
+    # vLLM's remove_skipped_blocks runs before every step: the step computing token p keeps
+    # blocks from (p - W + 1) // 16 on. A 40-token window over 16-token blocks passes a
+    # block 8 steps before the table needs its next one, so block crossings alone would give
+    # each back 8 steps late.
+    window, prompt, output = 40, 30, 60
+    data = one_windowed_request(window, prompt, output, mode)
     result = run(data).systems["s"]
     steps = result.steps
     assert steps["steps"].sum() == output  # the prefill and 59 decode steps
@@ -552,20 +557,9 @@ def test_a_speculative_step_claims_its_drafts_and_gives_back_what_its_first_toke
     # after the last kept, p, keeps 3 and holds slots to p + 5 (the last token, 2 drafts and
     # 2 lookahead), in the window's table too, which gives back the blocks p cannot see.
     window, prompt, output = 40, 30, 60
-    data = {
-        "name": "window-speculation",
-        "model": {"name": "swa", "num_layers": 8, "num_heads": 8, "head_dim": 64,
-                  "num_params": 1e9, "max_model_len": 4096, "sliding_window": window,
-                  "num_sliding_layers": 8},
-        "memory": {"kv_memory_gib": 1},
-        "workload": {"arrival": {"process": "constant", "rate": 1},
-                     "prompt_len": {"dist": "constant", "value": prompt},
-                     "output_len": {"dist": "constant", "value": output}},
-        "systems": [{"name": "s", "allocator": {"kind": "paged", "block_size": 16,
-                                                "prefix_caching": False},
-                     "speculative": {"method": "eagle", "num_speculative_tokens": 2,
-                                     "mean_acceptance_length": 3.0}}],
-        "stop": {"num_requests": 1}, "engine": {"mode": mode, "debug_invariants": True}}
+    data = one_windowed_request(window, prompt, output, mode)
+    data["systems"][0]["speculative"] = {"method": "eagle", "num_speculative_tokens": 2,
+                                         "mean_acceptance_length": 3.0}
     result = run(data).systems["s"]
     steps, memory = result.steps, result.memory
     assert steps["steps"].sum() == 1 + 20  # the prefill, and 59 tokens 3 a step
@@ -595,3 +589,26 @@ def test_gpt_oss_a_mixture_of_experts_with_a_128_token_window_runs_as_stepping()
     hybrid, flat = (runs["jump"].systems[n].summary for n in ("hybrid", "all-layers"))
     assert hybrid["mean_batch"] > 1.3 * flat["mean_batch"]
     assert hybrid["completed"] == flat["completed"] == 60
+
+
+def test_gpt_oss_with_eagle3_under_the_hybrid_manager_runs_as_stepping():
+    # GPT-OSS-20B with an EAGLE-3 head: each step claims its drafts' slots in both groups'
+    # tables, and the window's table gives back what the step's first token cannot see. It
+    # still seats more than every layer keeping every token, and runs of decode steps equal
+    # stepping, invariants checked.
+    speculative = {"method": "eagle3", "num_speculative_tokens": 3,
+                   "mean_acceptance_length": 2.6}
+    data = dict(GEMMA, name="gpt-oss-eagle3", model="gpt-oss-20b",
+                memory={"kv_memory_gib": 1}, stop={"num_requests": 60},
+                systems=[dict(system, speculative=speculative) for system in GEMMA["systems"]])
+    runs = {}
+    for mode in ("jump", "step"):
+        data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
+        runs[mode] = run(data)
+    for name in ("hybrid", "all-layers"):
+        pd.testing.assert_frame_equal(runs["jump"].systems[name].requests,
+                                      runs["step"].systems[name].requests)
+    hybrid, flat = (runs["jump"].systems[n].summary for n in ("hybrid", "all-layers"))
+    assert hybrid["completed"] == flat["completed"] == 60
+    assert hybrid["mean_batch"] > 1.3 * flat["mean_batch"]
+    assert hybrid["mean_draft_tokens"] == flat["mean_draft_tokens"] == 3
