@@ -611,9 +611,9 @@ class Scheduler:
         if request.num_seqs == 1:
             seq_id = request.index * MAX_SAMPLES
             windowed = self._windowed
-            if windowed is not None and self._step_claim > 1:
-                # A speculative step keeps several tokens: its windows give back what its
-                # first token cannot see (this step's, or, finished or preempted, the last's).
+            if windowed is not None:
+                # Its windows give back what the step's first token cannot see (this step's,
+                # or, finished or preempted, the last's): a speculative step keeps several.
                 step_start = self._written(request) if include_current else (
                     request.tok_sync + self._clock_prev - request.c_sync)
                 if not windowed.append(seq_id, count, lookahead, step_start):
