@@ -203,14 +203,15 @@ def with_speculation(timing: StepTimeModel, scenario: Scenario, system: SystemCo
                      base_dir: Path = Path()) -> StepTimeModel:
     """The step-time model of a system that decodes speculatively: its drafts in every
     decode step, and its drafter's passes: a share of the target's layers (EAGLE, MTP), or
-    a draft model's roofline on the same GPUs, or its calibration (``draft_calibration``,
-    relative to ``base_dir``; no step overhead of its own: its passes run inside the
-    step)."""
+    the roofline on the same GPUs of a draft model or a dense EAGLE head, or a draft
+    model's calibration (``draft_calibration``, relative to ``base_dir``; no step overhead
+    of its own: its passes run inside the step)."""
     spec = system.speculative
     if spec is None:
         return timing
     drafter: StepTimeModel | None = None
-    draft = spec.drafter_spec()
+    model = scenario.model_spec()
+    draft = spec.drafter_spec(model)
     if draft is not None and spec.draft_calibration:
         field = f"systems[{system.name}].speculative"
         drafter = load_calibration(spec.draft_calibration, base_dir, draft, scenario,
@@ -220,7 +221,6 @@ def with_speculation(timing: StepTimeModel, scenario: Scenario, system: SystemCo
                            tensor_parallel_size=scenario.parallel.tensor_parallel_size,
                            allreduce_latency_s=scenario.parallel.allreduce_latency_s)
     elif spec.drafter_layers:
-        model = scenario.model_spec()
         drafter = timing.share(spec.drafter_layers / model.num_layers,
                                f"{spec.method} drafter: {spec.drafter_layers} of "
                                f"{model.num_layers} layers of {timing.source}")
@@ -263,7 +263,7 @@ def drafter_memory(scenario: Scenario, system: SystemConfig) -> tuple[float, flo
         return 0.0, 0.0
     model = scenario.model_spec()
     tp = scenario.parallel.tensor_parallel_size
-    draft = spec.drafter_spec()
+    draft = spec.drafter_spec(model)
     if draft is not None:
         kv_dtype = scenario.memory.kv_cache_dtype
         if KV_CACHE_DTYPE_BYTES.get(kv_dtype):  # the cache's dtype is the drafter's too
@@ -979,10 +979,14 @@ def memory_summary(scenario: Scenario) -> str:
     for system, system_slots in drafted.items():
         spec = system.speculative
         assert spec is not None
-        draft = spec.drafter_spec()
+        draft = spec.drafter_spec(model)
         layers = spec.drafter_layers
-        drafter = (f"draft model {draft.name}" if draft is not None else
-                   f"{spec.method} drafter's {layers} layer{'s' if layers > 1 else ''}")
+        if draft is None:
+            drafter = f"{spec.method} drafter's {layers} layer{'s' if layers > 1 else ''}"
+        elif spec.draft_model is None:
+            drafter = f"dense {spec.method} head of {draft.num_params / 1e9:.2f}B parameters"
+        else:
+            drafter = f"draft model {draft.name}"
         text += (f"; system {system.name!r}: its {drafter} (weights and KV) leave "
                  f"{system_slots:,} tokens")
     return text

@@ -328,7 +328,12 @@ class SpeculativeConfig(ConfigModel):
     ``num_lookahead_tokens``). An EAGLE or MTP drafter is ``draft_layers`` decoder layers of
     the target's shape, a draft model (``draft_model``) a model of its own: their weights and
     KV take memory and their k passes take time; n-gram drafting (prompt lookup) costs
-    neither.
+    neither. An EAGLE head is dense even where its target is a mixture of experts (a Llama
+    layer, its fc and its own lm_head): given ``draft_params``, or for a MoE target, it is a
+    dense model of its own on the target's attention shape, so that its passes read the
+    same weights whatever the batch, where a share of a MoE layer would read more experts
+    the more tokens it drafts for. (An MTP module, DeepSeek-V3's, is a layer of the target's
+    own kind, experts included.)
 
     ``num_speculative_tokens_per_batch_size`` makes it dynamic (vLLM's dynamic speculative
     decoding): after a step of B requests, the next verifies K(B) drafts, keeping τ(K) tokens
@@ -356,6 +361,13 @@ class SpeculativeConfig(ConfigModel):
         default=None, ge=0, le=16, description="decoder layers of the drafter, each the size "
         "of one of the target's (default: 1 for eagle, eagle3 and mtp; ngram has none, and a "
         "draft model its own)")
+    draft_params: float | None = Field(
+        default=None, gt=0, description="eagle / eagle3: parameters one pass of the head "
+        "multiplies by (its layers, fc and own lm_head; not an embedding it shares with the "
+        "target, as vLLM does): the head is then a dense model of its own, stored in the "
+        "activations' dtype, on the target's attention shape, timed by its roofline. "
+        "Default: a share of the target's layers, dense for a MoE target (a layer's share of "
+        "the active parameters; real EAGLE-3 heads are often twice that)")
     draft_calibration: str | None = Field(
         default=None, description="method draft_model: a calibration file of the draft model "
         "(kvsim calibrate --model it; relative to the scenario) for its passes' times "
@@ -400,6 +412,15 @@ class SpeculativeConfig(ConfigModel):
             raise ValueError("draft_calibration: the times of a draft model (method "
                              "draft_model); an EAGLE or MTP head takes its share of the "
                              "target's, from timing.calibration")
+        if self.draft_params is not None and self.method not in ("eagle", "eagle3"):
+            raise ValueError(f"draft_params: for an EAGLE head (method eagle or eagle3); "
+                             f"{self.method} " + (
+                                 "drafts with no model" if self.method == "ngram" else
+                                 "takes the draft model's shape" if self.method == "draft_model"
+                                 else "drafts with draft_layers of the target's own kind"))
+        if self.draft_params is not None and self.draft_layers == 0:
+            raise ValueError("draft_params: a head of no layers (draft_layers 0) has no "
+                             "parameters to run; expected draft_layers of 1 or more")
         if self.method == "draft_model" and self.draft_layers is not None:
             raise ValueError("draft_layers: a draft model has its own layers (draft_layers is "
                              "for eagle, eagle3 and mtp)")
@@ -443,9 +464,24 @@ class SpeculativeConfig(ConfigModel):
             raise ValueError(f"{field}: the first range starts at {schedule[0][0]}; expected 1, "
                              "so that every batch size has a K")
 
-    def drafter_spec(self) -> ModelSpec | None:
-        """The draft model's shape (method draft_model), else None."""
-        return None if self.draft_model is None else _model_spec(self.draft_model)
+    def drafter_spec(self, target: ModelSpec) -> ModelSpec | None:
+        """The drafter as a model of its own: the draft model's shape (method draft_model),
+        or an EAGLE head's (given ``draft_params``, or of a MoE ``target``); None where the
+        drafter is a share of the target's layers (or there is none)."""
+        if self.draft_model is not None:
+            return _model_spec(self.draft_model)
+        layers = self.drafter_layers
+        dense_head = self.method in ("eagle", "eagle3") and (
+            self.draft_params is not None or target.is_moe)
+        if not (layers and dense_head):
+            return None
+        # The target's attention, a dense MLP: every pass multiplies by all its parameters.
+        params = self.draft_params or layers * target.flops_params / target.num_layers
+        return ModelSpec(
+            f"{self.method} head of {target.name}", layers, target.num_heads,
+            target.num_kv_heads, target.head_dim, params, target.max_model_len,
+            dtype_bytes=target.dtype_bytes, kv_dtype_bytes=target.kv_dtype_bytes,
+            model_dim=target.model_dim, kv_latent_dim=target.kv_latent_dim)
 
     @property
     def tokens_per_step(self) -> Fraction:
@@ -840,7 +876,8 @@ class Scenario(ConfigModel):
     def _draft_models_split_evenly(self):  # type: ignore[no-untyped-def]
         tp = self.parallel.tensor_parallel_size
         for system in self.systems:
-            draft = system.speculative.drafter_spec() if system.speculative else None
+            spec = system.speculative
+            draft = spec.drafter_spec(_model_spec(self.model)) if spec else None
             problem = draft.tensor_parallel_problem(tp) if draft and tp > 1 else None
             if problem:
                 raise ValueError(f"system {system.name!r}: speculative.draft_model on "

@@ -145,9 +145,23 @@ def test_acceptance_rate_gives_the_geometric_mean_acceptance_length():
       "draft_layers": 1}, "draft_layers: n-gram drafting uses no model"),
     ({"method": "medusa", "num_speculative_tokens": 2, "acceptance_rate": 0.5},
      "speculative.method"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "acceptance_rate": 0.5,
+      "draft_params": 1e8}, "draft_params: for an EAGLE head (method eagle or eagle3); mtp "
+     "drafts with draft_layers of the target's own kind"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_rate": 0.5,
+      "draft_params": 1e8}, "draft_params: for an EAGLE head (method eagle or eagle3); ngram "
+     "drafts with no model"),
+    ({"method": "draft_model", "draft_model": "llama-3.2-1b", "num_speculative_tokens": 2,
+      "acceptance_rate": 0.5, "draft_params": 1e8},
+     "draft_params: for an EAGLE head (method eagle or eagle3); draft_model takes the draft "
+     "model's shape"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "acceptance_rate": 0.5,
+      "draft_params": 1e8, "draft_layers": 0}, "draft_params: a head of no layers"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "acceptance_rate": 0.5,
+      "draft_params": 0}, "draft_params: Input should be greater than 0"),
 ])
 def test_bad_settings_are_refused(speculative, expected):
-    with pytest.raises(ScenarioError, match=expected.replace("+", r"\+").replace(".", r"\.")):
+    with pytest.raises(ScenarioError, match=re.escape(expected)):
         scenario_from_dict(one_request(10, 10, speculative))
 
 
@@ -602,3 +616,69 @@ def test_eagle3_on_gpt_oss_pays_least_where_drafts_wake_the_most_experts(tmp_pat
     assert list(gain.index) == [1, 8, 64]
     assert (gain > 1).all()
     assert gain[8] < 0.85 * min(gain[1], gain[64])
+
+
+def moe_eagle_scenario(**speculative: object) -> dict:
+    data = one_request(10, 10, {"method": "eagle3", "num_speculative_tokens": 3,
+                                "mean_acceptance_length": 2.44, **speculative})
+    data["model"], data["gpu"], data["memory"] = "gpt-oss-120b", "h100-80g", {}
+    data["systems"].append({"name": "mtp", "allocator": {"kind": "paged"}, "speculative": {
+        "method": "mtp", "num_speculative_tokens": 3, "mean_acceptance_length": 2.44}})
+    return data
+
+
+def test_an_eagle_head_of_a_mixture_of_experts_reads_the_same_weights_at_any_batch():
+    # An EAGLE-3 head is a dense Llama layer whatever its target: by default a layer's share
+    # of GPT-OSS-120B's active parameters, stored in bf16, every pass reading all of it. An
+    # MTP module is a layer of the target's own kind: the more tokens it drafts for, the more
+    # of its experts it reads.
+    scenario = scenario_from_dict(moe_eagle_scenario())
+    target, bandwidth = MODEL_PRESETS["gpt-oss-120b"], GPU_PRESETS["h100-80g"]
+    eagle, mtp = scenario.systems
+    assert eagle.speculative is not None and mtp.speculative is not None
+    head = eagle.speculative.drafter_spec(target)
+    assert head is not None and not head.is_moe and head.num_layers == 1
+    assert head.num_params == pytest.approx(target.active_params / 36)
+    assert mtp.speculative.drafter_spec(target) is None
+    timing = build_timing(scenario, Path())
+    drafter = with_speculation(timing, scenario, eagle).drafter
+    assert drafter is not None
+    bytes_per_s = bandwidth.hbm_bandwidth_bytes_per_s
+    assert drafter.fixed_s(1) == drafter.fixed_s(64) == pytest.approx(
+        head.num_params * 2 / bytes_per_s)
+    share = with_speculation(timing, scenario, mtp).drafter
+    assert share is not None
+    assert share.fixed_s(64) > 3 * share.fixed_s(1)
+    assert drafter.b == pytest.approx(2 * head.num_params / bandwidth.peak_flops)
+
+
+def test_draft_params_size_the_head_its_weights_its_passes_and_the_pool():
+    # The SpecForge EAGLE-3 head of Llama-3.1-8B: fc 3·4096→4096, attention from 2·4096
+    # wide, a 14,336-wide MLP and a 32,000-token lm_head, 0.425B parameters (its embedding is
+    # the target's). One layer of the target's KV a token, its bf16 weights out of the pool.
+    data = draft_model_scenario()
+    data["systems"][0]["speculative"] = {"method": "eagle3", "num_speculative_tokens": 3,
+                                         "acceptance_rate": 0.7, "draft_params": 4.25e8}
+    data["systems"].append({"name": "share", "allocator": {"kind": "paged"}, "speculative": {
+        "method": "eagle3", "num_speculative_tokens": 3, "acceptance_rate": 0.7}})
+    scenario = scenario_from_dict(data)
+    target, gpu = MODEL_PRESETS["llama-3.1-8b"], GPU_PRESETS["h100-80g"]
+    head_system, share_system = scenario.systems
+    slots = scenario_pool_slots(scenario)
+    per_token = target.kv_bytes_per_token
+    assert system_pool_slots(scenario, head_system) == int(
+        (slots * per_token - 4.25e8 * 2) // (per_token * 33 / 32))
+    assert system_pool_slots(scenario, share_system) == int(
+        (slots * per_token - target.weight_bytes / 32) // (per_token * 33 / 32))
+    assert (f"its dense eagle3 head of 0.42B parameters (weights and KV) leave "
+            f"{system_pool_slots(scenario, head_system):,} tokens") in memory_summary(scenario)
+    timing = build_timing(scenario, Path())
+    head = with_speculation(timing, scenario, head_system).drafter
+    share = with_speculation(timing, scenario, share_system).drafter
+    assert head is not None and share is not None
+    assert head.a == pytest.approx(4.25e8 * 2 / gpu.hbm_bandwidth_bytes_per_s)
+    assert head.d == pytest.approx(2 * 4.25e8 / gpu.peak_flops)
+    assert head.c == pytest.approx(share.c)  # one layer of the target's attention either way
+    assert share.a == pytest.approx(timing.a / 32)  # a dense target's share, as before
+    run = run_scenario(scenario)
+    assert run.systems["s"].requests["finished_s"].notna().all()
