@@ -441,8 +441,9 @@ class Scheduler:
         # ceil(t / bs) blocks. Contiguous extents never grow (cap stays the reservation),
         # and only a predicted reservation may end before the request does.
         self._block_size: int | None = getattr(allocator, "block_size", None)
-        # Blocks one sequence's block crossing may take: one a group of block tables.
-        self._crossing_blocks: int = getattr(allocator, "groups", 1)
+        # Block tables a sequence keeps (the hybrid manager's groups, else one): its block
+        # crossing takes a block in each, and each token it writes a slot in each.
+        self._groups: int = getattr(allocator, "groups", 1)
         # Sliding-window tables give back a block at the step whose first token no longer
         # sees it (vLLM's remove_skipped_blocks, every step): a prompt's last chunk's at its
         # first decode step, then one a table each time the window passes a block's end. The
@@ -587,9 +588,10 @@ class Scheduler:
         return self.decode_seqs * self._clock_now - self._c_sync_sum
 
     def snapshot(self) -> MemorySnapshot:
-        """The allocator's taxonomy with lazily-written decode tokens moved to ``token``."""
+        """The allocator's taxonomy with lazily-written decode tokens moved to ``token``
+        (each a slot in every group's table)."""
         snap = self.allocator.snapshot(self._snapshot_head())
-        pending = self._pending()
+        pending = self._pending() * self._groups
         if not pending:
             return snap
         return MemorySnapshot(snap.token + pending, snap.reserved - pending, snap.internal,
@@ -898,7 +900,7 @@ class Scheduler:
         elif self._step_claim > 1 and self._block_size is not None:
             need, gives_back = sum(r.num_seqs * self._claim_blocks(r) for r in due), False
         else:
-            need, gives_back = sum(r.num_seqs for r in due) * self._crossing_blocks, False
+            need, gives_back = sum(r.num_seqs for r in due) * self._groups, False
         # A contiguous extent's end is always an overflow: schedule() preempts for it. Per
         # chunk, a blocked head's claim grows with its prefix hits, so evicting one of them
         # may let it in: schedule() then tries, as stepping would (taking only blocks that
@@ -1156,6 +1158,7 @@ class Scheduler:
         changes it.
         """
         seqs = self.decode_seqs
+        slots = seqs * self._groups  # written each tick of the clock
         context = self._tok_sync_sum + self._pending() + seqs * self.step_tokens
         grows, finishes, windows = self._events
         past, base = self._past_window, self._skip_base  # (skipped_context, inlined)
@@ -1163,7 +1166,7 @@ class Scheduler:
         pool = self._pool if self._pool is not None and self._pool.events is not None else None
         run = QuietDecode(slot_seconds=[0.0] * len(memory))
         # Since the last claim (or the run's start), steps take segment_s; a step's memory is
-        # ``memory`` with ``seqs`` tokens more for each the clock moved on since, which
+        # ``memory`` with ``slots`` written more for each the clock moved on since, which
         # ramp_s weighs.
         segment_s = ramp_s = 0.0
         clock = segment_clock = self._clock_now
@@ -1195,11 +1198,11 @@ class Scheduler:
                 if not self.fast_step():
                     break
                 # Claimed: from the next step on, the memory holds what it took.
-                run.add(memory, segment_s, seqs * ramp_s)
+                run.add(memory, segment_s, slots * ramp_s)
                 memory = self.snapshot()
                 segment_s = ramp_s = 0.0
                 segment_clock = clock
-        run.add(memory, segment_s, seqs * ramp_s)
+        run.add(memory, segment_s, slots * ramp_s)
         run.steps = steps
         run.clock_s = clock_s
         run.finished = finished

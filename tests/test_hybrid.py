@@ -550,6 +550,26 @@ def test_a_window_gives_a_block_back_at_the_step_whose_token_cannot_see_it(mode)
     assert drops and all(p % 16 == window % 16 - 1 for p in drops)
 
 
+def test_a_token_written_between_block_crossings_fills_a_slot_in_every_groups_table():
+    # Four full-attention and four sliding layers: two groups. The step computing token p
+    # begins with p tokens written in the full group's table and, in the sliding one's, all
+    # but the blocks p cannot see, though the scheduler tells the allocator only at block
+    # crossings and window releases (the tokens between are counted lazily, one slot a
+    # group each).
+    window, prompt, output = 40, 30, 60
+    data = one_windowed_request(window, prompt, output, "step")
+    data["model"]["num_sliding_layers"] = 4
+    result = run(data).systems["s"]
+    first_step = result.steps["steps"].cumsum().shift(fill_value=0).to_numpy()[1:]
+    expected = [p + p - max(0, p - window + 1) // 16 * 16
+                for p in range(prompt, prompt + output - 1)]
+    assert result.memory["token"].tolist()[1:] == [expected[i - 1] for i in first_step]
+    jump = run(one_windowed_request(window, prompt, output, "jump") | {
+        "model": data["model"]}).systems["s"]
+    assert jump.summary["token_frac"] == pytest.approx(result.summary["token_frac"],
+                                                       rel=1e-12)
+
+
 @pytest.mark.parametrize("mode", ["step", "jump"])
 def test_a_speculative_step_claims_its_drafts_and_gives_back_what_its_first_token_cannot_see(
         mode):
