@@ -856,8 +856,6 @@ class Scenario(ConfigModel):
         unmodelled = {
             "a host tier (allocator.host_cache_gib)": lambda s: s.allocator.host_cache_gib,
             "preemption_mode: swap": lambda s: s.scheduler.preemption_mode == "swap",
-            "parallel samples (workload.sampling n or beam_width > 1)":
-                lambda s: self.workload.sampling.forks > 1,
             "engine.disaggregation": lambda s: self.engine.disaggregation is not None,
             "engine.router.kv_events": lambda s: bool(self.engine.router.kv_events),
         }

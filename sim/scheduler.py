@@ -459,6 +459,8 @@ class Scheduler:
     def fits_ever(self, request: Request) -> bool:
         """Whether ``request`` (all its samples) fits this pool when nothing else holds it."""
         spec = request.spec()
+        if self._windowed is not None:
+            return self._windowed.can_admit_ever(spec, request.n)
         fits = self.allocator.can_admit_ever(spec)
         if fits and request.n > 1:
             if isinstance(self.allocator, ContiguousAllocator):
@@ -610,17 +612,22 @@ class Scheduler:
         if include_current and self._step_claim > 1:
             # The step claims slots for what it reads past the tokens before it.
             lookahead = self._written(request) + self._step_claim - request.tok_sync - count
-        if request.num_seqs == 1:
-            seq_id = request.index * MAX_SAMPLES
-            windowed = self._windowed
-            if windowed is not None:
-                # Its windows give back what the step's first token cannot see (this step's,
-                # or, finished or preempted, the last's): a speculative step keeps several.
-                step_start = self._written(request) if include_current else (
-                    request.tok_sync + self._clock_prev - request.c_sync)
+        windowed = self._windowed
+        if windowed is not None:
+            # Its windows give back what the step's first token cannot see (this step's,
+            # or, finished or preempted, the last's): a speculative step keeps several.
+            step_start = self._written(request) if include_current else (
+                request.tok_sync + self._clock_prev - request.c_sync)
+            seq_ids = request.seq_ids()
+            if len(seq_ids) > 1 and not windowed.appends_fit(seq_ids, count, lookahead,
+                                                             step_start):
+                return False
+            for seq_id in seq_ids:
                 if not windowed.append(seq_id, count, lookahead, step_start):
+                    assert len(seq_ids) == 1, "appends_fit said every sample fits"
                     return False
-            elif not self._append(seq_id, count, lookahead):
+        elif request.num_seqs == 1:
+            if not self._append(request.index * MAX_SAMPLES, count, lookahead):
                 return False
         else:
             seq_ids = request.seq_ids()
@@ -939,7 +946,10 @@ class Scheduler:
         for request in due:
             token = self._written(request)  # this step's first
             claim = min(token + self._step_claim, request.final_len)
-            need += windowed.blocks_to_hold(request.index * MAX_SAMPLES, claim)
+            # Samples grow alike; each may copy a tail it shares, one block a group.
+            need += request.num_seqs * windowed.blocks_to_hold(
+                request.index * MAX_SAMPLES, claim) + (
+                request.num_seqs * windowed.groups if request.num_seqs > 1 else 0)
             if request.tok_sync == request.prefill_target or (self.waiting and (
                     windowed.release_point(token) > windowed.release_point(token - advance))):
                 gives_back = True
@@ -1139,10 +1149,10 @@ class Scheduler:
                 continue
             token = request.tok_sync + self._clock_prev - request.c_sync
             missed = windowed.release_point(token)
-            for table in windowed.block_tables(request.index * MAX_SAMPLES)[
-                    windowed.full_groups:]:
-                assert table[:missed] == [None] * missed and None not in table[missed:], (
-                    f"request {request.index}: a window gave back the wrong blocks")
+            for seq_id in request.seq_ids():
+                for table in windowed.block_tables(seq_id)[windowed.full_groups:]:
+                    assert table[:missed] == [None] * missed and None not in table[missed:], (
+                        f"request {request.index}: a window gave back the wrong blocks")
 
     def decode_quietly(self, step_time: Callable[[int, int], float], clock_s: float,
                        stop_at_s: float, memory: MemorySnapshot) -> QuietDecode:

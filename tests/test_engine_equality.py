@@ -165,6 +165,10 @@ def random_scenario(seed: int) -> dict:
         if rng.random() < 0.5:
             system["speculative"]["num_speculative_tokens_per_batch_size"] = [
                 [1, rng.choice([1, 4]), k], [rng.choice([5, 9]), 10_000, 0]]
+    # Drawn last, as the above: parallel samples under the hybrid manager (forks sharing
+    # the prompt's blocks, their windows giving shared blocks back).
+    if isinstance(model, dict) and allocator["kind"] == "paged" and rng.random() < 0.4:
+        workload["sampling"] = rng.choice([{"n": rng.randint(2, 3)}, {"beam_width": 2}])
     # Drawn last, as the above: an EAGLE head of its own size (a dense model of its own).
     speculative = system.get("speculative")
     if speculative and speculative["method"] == "eagle" and rng.random() < 0.5:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
-from test_memory_properties import PREFIXES, PagedMachine
+from test_memory_properties import PREFIXES, PagedMachine, _prefix_of
 
 from sim.api import load, run
 from sim.engine import (
@@ -179,12 +179,85 @@ def test_a_chunked_prefill_never_waits_for_what_others_take():
     assert alloc.admit(spec(2, 400, 1)) is None
 
 
-def test_forks_are_refused():
+def test_samples_share_the_prompts_blocks_and_copy_the_tail_they_write():
+    # A 20-token prompt over 16-token blocks, a 32-token window: block 0 full, block 1
+    # holding 4 tokens, in both groups. Three samples fork it: they take no block; each
+    # of the first two to write copies block 1 in both groups, the last writes the original.
     alloc = hybrid(20)
-    alloc.admit(spec(0, 20, 5))
+    alloc.admit(spec(0, 20, 30))
     alloc.append(0, 20)
-    with pytest.raises(AllocatorError, match="parallel samples are not modelled"):
-        alloc.fork(0, spec(1, 20, 5))
+    free = alloc.num_free_blocks
+    for child in (1, 2):
+        assert alloc.fork(0, spec(child, 20, 30))
+    assert alloc.num_free_blocks == free and alloc.block_tables(1) == alloc.block_tables(0)
+    alloc.check_invariants()
+    before = alloc.snapshot()
+    assert before.token == 2 * 20  # shared: written once, in two groups
+    for seq_id in (0, 1, 2):
+        assert alloc.append(seq_id, 1)
+        alloc.check_invariants()
+    assert alloc.num_cow_copies == 4 and alloc.num_free_blocks == free - 4
+    tails = {alloc.block_tables(seq_id)[group][1] for seq_id in (0, 1, 2) for group in (0, 1)}
+    assert len(tails) == 6  # each sample's own, in each group
+    full = {alloc.block_tables(seq_id)[0][0] for seq_id in (0, 1, 2)}
+    assert len(full) == 1  # the prompt's full block, shared by all
+    # The window passes block 0 at token 47: each sample gives its reference back, and the
+    # block leaves use with the last (cached, as a finished request's blocks are).
+    cached = alloc.snapshot().cached
+    for seq_id in (0, 1, 2):
+        assert alloc.append(seq_id, 27)
+        assert alloc.block_tables(seq_id)[1][0] is None
+        assert alloc.snapshot().cached == cached + 16 * (seq_id == 2)
+    # Block 0 of the full group written once, then 32 tokens each in both groups.
+    assert alloc.snapshot().token == 16 + 3 * 32 + 3 * 32
+    alloc.check_invariants()
+
+
+def test_samples_fit_a_pool_as_large_as_their_peak_and_no_smaller():
+    # A 20-token prompt and 30 tokens out (4 blocks) in 3 samples: the full group holds the
+    # prompt's full block once and 3 of its own each; each window 3 at most (32 tokens and
+    # the block being written). 10 + 9 blocks at the end, decoding in step.
+    s = spec(0, 20, 30)
+    assert hybrid(19).can_admit_ever(s, 3) and not hybrid(18).can_admit_ever(s, 3)
+    alloc = hybrid(19)
+    alloc.admit(s)
+    alloc.append(0, 16)
+    alloc.append(0, 4)
+    for child in (1, 2):
+        alloc.fork(0, spec(child, 20, 30))
+    for _ in range(30):
+        assert alloc.appends_fit([0, 1, 2], 1)
+        for seq_id in (0, 1, 2):
+            assert alloc.append(seq_id, 1)
+        alloc.check_invariants()
+    assert alloc.num_free_blocks == 0
+
+
+def test_appends_fit_counts_a_block_the_last_sample_to_give_it_back_frees():
+    # Every layer slides over 2 tokens: the step computing token 17 gives block 0 back.
+    # Two samples share block 0; another request holds its own; 2 blocks are free. Each
+    # appends tokens 16 and 17 in turn, taking a block: the second sample's giving block 0
+    # back frees it for the other request.
+    alloc = HybridPagedAllocator(4, 16, full_groups=0, sliding_groups=1, sliding_window=2)
+    for seq_id in (0, 2):
+        alloc.admit(spec(seq_id, 16, 4))
+        alloc.append(seq_id, 16)
+    alloc.fork(0, spec(1, 16, 4))
+    assert alloc.num_free_blocks == 2
+    assert alloc.appends_fit([0, 1, 2], 2)
+    assert all([alloc.append(seq_id, 2) for seq_id in (0, 1, 2)])
+    alloc.check_invariants()
+
+
+def test_a_fork_needs_the_prompt_written_and_no_lookahead_held():
+    alloc = hybrid(20)
+    alloc.admit(spec(0, 20, 30))
+    alloc.append(0, 10)
+    with pytest.raises(AllocatorError, match="cannot fork before its prompt is written"):
+        alloc.fork(0, spec(1, 20, 30))
+    alloc.append(0, 10, lookahead=20)
+    with pytest.raises(AllocatorError, match="holds lookahead slots"):
+        alloc.fork(0, spec(1, 20, 30))
 
 
 class HybridMachine(PagedMachine):
@@ -319,15 +392,78 @@ class HybridMachine(PagedMachine):
         with pytest.raises(AllocatorError, match=f"cannot start at token {n + 1}"):
             self.allocator.append(seq_id, 1, step_start=n + 1)
 
-    def append_to_several(self, data, limit):  # (parallel samples only; refused here)
-        pass
+    @precondition(lambda self: self._decoding())
+    @rule(data=st.data(), limit=st.integers(1, 12))
+    def append_to_several(self, data, limit):
+        """max_uniform_append: that many tokens each, one a step, appended in turn, fit;
+        no more up to the limit does."""
+        seq_ids = data.draw(st.lists(st.sampled_from(self._decoding()), min_size=1,
+                                     unique=True))
+        limit = min([limit] + [self.specs[s].final_len - self.tokens[s] for s in seq_ids])
+        fit = self.allocator.max_uniform_append(seq_ids, limit)
+        assert 0 <= fit <= limit
+        assert not any(self.allocator.appends_fit(seq_ids, k) for k in range(fit + 1, limit + 1))
+        for seq_id in seq_ids:
+            assert self.allocator.append(seq_id, fit)
+            if fit:
+                self.tokens[seq_id] += fit
+                self.last_start[seq_id] = self.tokens[seq_id] - 1
+
+    @precondition(lambda self: self._decoding())
+    @rule(data=st.data(), lazy=st.integers(0, 5), kept=st.integers(1, 4),
+          lookahead=st.integers(0, 9))
+    def append_to_samples(self, data, lazy, kept, lookahead):
+        """Samples decoding in step, as the scheduler syncs them: appends_fit says whether
+        appending to each in turn (``lazy`` steps, then a step from the token after them
+        keeping ``kept`` and holding ``lookahead`` slots) succeeds, and it does, or one of
+        them is refused."""
+        n = data.draw(st.sampled_from(sorted({self.tokens[s] for s in self._decoding()})))
+        peers = [s for s in self._decoding() if self.tokens[s] == n]
+        seq_ids = data.draw(st.lists(st.sampled_from(peers), min_size=1, unique=True))
+        count = min([lazy + kept] + [self.specs[s].final_len - n for s in seq_ids])
+        if lazy >= count:
+            return  # one of them ends before that step
+        fits = self.allocator.appends_fit(seq_ids, count, lookahead, n + lazy)
+        written = []
+        for seq_id in seq_ids:
+            ok = self.allocator.append(seq_id, count, lookahead, step_start=n + lazy)
+            written.append(ok)
+            if ok:
+                self.tokens[seq_id] += count
+                self.last_start[seq_id] = n + lazy
+                if lookahead:
+                    self.drafts_held[seq_id] = max(
+                        self.drafts_held.get(seq_id, 0),
+                        min(n + count + lookahead, self.specs[seq_id].final_len))
+        assert all(written) == fits
 
     @precondition(lambda self: self.specs)
-    @rule(data=st.data())
-    def fork(self, data):
-        parent = data.draw(st.sampled_from(sorted(self.specs)))
-        with pytest.raises(AllocatorError):
-            self.allocator.fork(parent, spec(self.next_id, 10, 1))
+    @rule(data=st.data(), out=st.integers(1, 40))
+    def fork(self, data, out):
+        """A sample forked from a sequence past its prompt (refused while it reads its
+        prompt, or holds slots past its tokens)."""
+        parent = self.specs[data.draw(st.sampled_from(sorted(self.specs)))]
+        n = max(self.tokens[parent.seq_id], parent.prompt_len)
+        child = SeqSpec(self.next_id, (*_prefix_of(parent.segments, n),
+                                       (100 + self.next_id, out)),
+                        parent.prompt_len, n + out, n + out)
+        n = self.tokens[parent.seq_id]
+        bs = self.block_size
+        if n < parent.prompt_len:
+            with pytest.raises(AllocatorError, match="before its prompt is written"):
+                self.allocator.fork(parent.seq_id, child)
+            return
+        if -(-self.drafts_held.get(parent.seq_id, 0) // bs) > -(-n // bs):
+            with pytest.raises(AllocatorError, match="holds lookahead slots"):
+                self.allocator.fork(parent.seq_id, child)
+            return
+        self.next_id += 1
+        assert self.allocator.fork(parent.seq_id, child)
+        self.specs[child.seq_id] = child
+        self.tokens[child.seq_id] = n
+        self.claims[child.seq_id] = self.claims[parent.seq_id]
+        self.last_start[child.seq_id] = self.last_start[parent.seq_id]
+        self.forked = True
 
     @invariant()
     def consistent(self):
@@ -351,12 +487,26 @@ class HybridMachine(PagedMachine):
             held_tokens += self.full_groups * n + self.sliding_groups * (n - released * bs)
         snap = alloc.snapshot()
         assert snap.total == alloc.capacity_slots
-        if not self.caching:  # nothing shared: the token slots are the reference's
+        assert snap.internal == self._internal_reference()
+        if not self.caching and not self.forked:  # nothing shared: the reference's slots
             assert snap.token == held_tokens
             assert snap.cached == 0
         else:
             assert snap.token <= held_tokens
         assert alloc.num_free_blocks >= 0
+
+    def _internal_reference(self) -> int:
+        """Slots of held blocks that none of their holders will ever write (past every
+        holder's final length), each physical block once."""
+        bs = self.block_size
+        never: dict[int, int] = {}  # block id → slots no holder writes, so far
+        for seq_id, s in self.specs.items():
+            for table in self.allocator.block_tables(seq_id):
+                for idx, block_id in enumerate(table):
+                    if block_id is not None:
+                        past = max(0, (idx + 1) * bs - max(s.final_len, idx * bs))
+                        never[block_id] = min(never.get(block_id, bs), past)
+        return sum(never.values())
 
     def paged_accounting(self):  # (PagedMachine's arithmetic is per-sequence paging)
         pass
@@ -452,7 +602,6 @@ def test_windows_given_back_seat_more_requests():
      "KV cache manager that gemma-3-27b's sliding-window layers use; set "
      "allocator.hybrid_kv_cache: false (every layer keeps every token)"),
     ({"systems[hybrid].scheduler.preemption_mode": "swap"}, "preemption_mode: swap is not"),
-    ({"workload.sampling": {"n": 2}}, "parallel samples (workload.sampling n or beam_width > 1)"),
     ({"model": {"name": "m", "num_layers": 4, "num_heads": 4, "head_dim": 64,
                 "num_params": 1e8, "max_model_len": 4096, "num_sliding_layers": 2}},
      "num_sliding_layers needs sliding_window"),
@@ -566,6 +715,35 @@ def test_a_token_written_between_block_crossings_fills_a_slot_in_every_groups_ta
     assert result.memory["token"].tolist()[1:] == [expected[i - 1] for i in first_step]
     jump = run(one_windowed_request(window, prompt, output, "jump") | {
         "model": data["model"]}).systems["s"]
+    assert jump.summary["token_frac"] == pytest.approx(result.summary["token_frac"],
+                                                       rel=1e-12)
+
+
+def test_three_samples_share_the_prompts_blocks_until_their_windows_pass_them():
+    # A full and a sliding group, a 40-token window, one request of 3 samples: they fork
+    # at the prompt's end (30 tokens: block 0 full, block 1 partial) and copy block 1 at
+    # their first step. From then on each holds its own blocks after block 0 in both
+    # groups; block 0 stays shared in the full group, and in the sliding one until the
+    # windows pass it (the step computing token 55).
+    window, prompt, output = 40, 30, 60
+    data = one_windowed_request(window, prompt, output, "step")
+    data["model"]["num_sliding_layers"] = 4
+    data["workload"]["sampling"] = {"n": 3}
+    result = run(data).systems["s"]
+    memory, steps = result.memory, result.steps
+    held = ((memory["token"] + memory["reserved"] + memory["internal"]) // 16).tolist()
+    first_step = steps["steps"].cumsum().shift(fill_value=0).to_numpy()
+
+    def blocks(p: int) -> int:  # held by the step computing token p
+        own = -(-(p + 1) // 16)
+        released = max(0, p - window + 1) // 16
+        return 1 + 3 * (own - 1) + (released == 0) + 3 * (own - max(1, released))
+
+    expected = [4] + [blocks(p) for p in range(prompt, prompt + output - 1)]
+    assert held == [expected[i] for i in first_step]
+    assert blocks(54) - blocks(55) == 1  # the shared block given back by all three
+    jump = run(data | {"engine": {"mode": "jump"}}).systems["s"]
+    pd.testing.assert_frame_equal(jump.requests, result.requests)
     assert jump.summary["token_frac"] == pytest.approx(result.summary["token_frac"],
                                                        rel=1e-12)
 

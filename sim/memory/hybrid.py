@@ -31,7 +31,12 @@ Speculative decoding claims each step's drafts and lookahead in every group's ta
 step's first token (the last one kept, before the drafts) cannot see, so a step that keeps
 several tokens is told where it started.
 
-Not modelled: forks (parallel samples), a host tier, swapping out.
+Parallel samples fork a sequence at the end of its prompt: the child holds every block of
+the parent's tables, and the first write into a shared partial block copies it (copy on
+write), group by group; a window's shared block returns to the pool when its last holder
+gives it back.
+
+Not modelled: a host tier, swapping out.
 """
 
 from __future__ import annotations
@@ -123,7 +128,11 @@ class HybridPagedAllocator(KVAllocator):
         self.pool = BlockPool(num_blocks, eviction, enable_prefix_caching)
         self._seqs: dict[int, _HybridSeq] = {}
         self._token_slots = 0  # written slots in blocks with ref_cnt > 0
-        self._internal = 0  # Σ seq.internal
+        self._internal = 0  # Σ seq.internal over sequences not in _shared_tail
+        # Sequences whose partial tail blocks a fork shares: their unwritten slots are
+        # counted once per block (see _shared_tail_internal).
+        self._shared_tail: set[int] = set()
+        self.num_cow_copies = 0
         self._promised = 0  # Σ seq.promised
         self._duplicates = DuplicateCounter()
         self.num_hit_blocks = 0
@@ -187,11 +196,17 @@ class HybridPagedAllocator(KVAllocator):
         block being written."""
         return self.blocks_for(self.sliding_window) + 1
 
-    def can_admit_ever(self, spec: SeqSpec) -> bool:
-        """Whether an empty pool holds the sequence at its largest (an upper bound)."""
+    def can_admit_ever(self, spec: SeqSpec, samples: int = 1) -> bool:
+        """Whether an empty pool holds the sequence at its largest (an upper bound), with
+        ``samples`` forks of it at its prompt's end: they share the prompt's full blocks,
+        and each holds the rest, and its own window, alone (the prompt's last window
+        shared until each has copied its tail)."""
         final = self.blocks_for(spec.final_len)
-        sliding = min(final, max(self._prefill_peak(spec, 0), self._decode_peak()))
-        return self.full_groups * final + self.sliding_groups * sliding <= self.num_blocks
+        shared = spec.prompt_len // self.block_size
+        full = shared + samples * (final - shared)
+        prefill, decode = self._prefill_peak(spec, 0), self._decode_peak()
+        sliding = min(samples * final, max(prefill + samples - 1, samples * decode))
+        return self.full_groups * full + self.sliding_groups * sliding <= self.num_blocks
 
     def _seq(self, seq_id: int) -> _HybridSeq:
         try:
@@ -308,10 +323,33 @@ class HybridPagedAllocator(KVAllocator):
         return seq.num_tokens
 
     def _set_internal(self, seq: _HybridSeq) -> None:
-        self._internal -= seq.internal
+        """Recount the sequence's slots past its final length (after its tables changed
+        shape: its tails are its own from then on)."""
+        if seq.spec.seq_id in self._shared_tail:
+            self._shared_tail.discard(seq.spec.seq_id)
+        else:
+            self._internal -= seq.internal
         final = seq.final_len
         seq.internal = sum(max(0, len(t) * self.block_size - final) for t in seq.tables)
         self._internal += seq.internal
+
+    def _shared_tail_internal(self) -> int:
+        """``internal`` slots in the tail blocks forks share, once per physical block: the
+        slots the longest-lived of its holders will never write."""
+        bs = self.block_size
+        will_write: dict[int, int] = {}  # tail block id → slots its holders write, at most
+        caps: dict[int, int] = {}
+        for seq_id in self._shared_tail:
+            seq = self._seqs[seq_id]
+            for table in seq.tables:
+                tail = table[-1]
+                if tail is None:
+                    continue
+                cap = len(table) * bs
+                caps[tail.block_id] = cap
+                will_write[tail.block_id] = max(will_write.get(tail.block_id, 0),
+                                                min(seq.final_len, cap))
+        return sum(caps[block_id] - written for block_id, written in will_write.items())
 
     def _drop(self, block: KVBlock) -> None:
         """Give back one table's reference to ``block``."""
@@ -398,16 +436,31 @@ class HybridPagedAllocator(KVAllocator):
         first = min(self.release_point(start), self.blocks_for(start))
         target = self.blocks_for(claim)
         grow = sum(max(0, target - len(t)) for t in seq.tables)
-        if grow:
+        # Copy on write: the block each table writes into first is shared with a fork.
+        idx = start // bs
+        copies = [group for group, table in enumerate(seq.tables)
+                  if idx < len(table) and table[idx].ref_cnt > 1]  # type: ignore[union-attr]
+        if grow or copies:
             available = (self.pool.num_free - (self._promised - seq.promised)
                          + self._freed_by_release(seq, first))
-            if grow > available:
+            if grow + len(copies) > available:
                 return False
         self._release(seq, first)
+        for group in copies:
+            table = seq.tables[group]
+            old = table[idx]
+            assert old is not None
+            new = self.pool.take()
+            new.num_filled = old.num_filled
+            self._token_slots += old.num_filled
+            self.pool.release(old)  # still held by the fork, so never freed here
+            table[idx] = new
+            self.num_cow_copies += 1
         if grow:
             for table in seq.tables:
                 while len(table) < target:
                     table.append(self.pool.take())
+        if grow or copies:
             self._set_internal(seq)
         # Write: fill blocks start // bs .. (end - 1) // bs of every group; hash full ones.
         hashes = seq.hasher.hashes
@@ -444,7 +497,10 @@ class HybridPagedAllocator(KVAllocator):
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise AllocatorError(f"unknown sequence {seq_id}")
-        self._internal -= seq.internal
+        if seq_id in self._shared_tail:
+            self._shared_tail.discard(seq_id)
+        else:
+            self._internal -= seq.internal
         self._promised -= seq.promised
         # Group by group, each deepest first (vLLM frees each group's table in reverse).
         for table in seq.tables:
@@ -453,32 +509,97 @@ class HybridPagedAllocator(KVAllocator):
                     self._drop(block)
 
     def fork(self, parent_id: int, child: SeqSpec) -> bool:
-        raise AllocatorError("parallel samples are not modelled with the hybrid KV cache "
-                             "manager (a model with sliding-window layers)")
+        """The child holds every block of the parent's tables (what the parent's windows
+        gave back too), each written block once more referenced; the first write into a
+        shared one copies it. Forks take no block, so they never fail."""
+        parent = self._seq(parent_id)
+        if parent.num_tokens < parent.spec.prompt_len:
+            raise AllocatorError(f"sequence {parent_id} cannot fork before its prompt is written")
+        if child.seq_id in self._seqs:
+            raise AllocatorError(f"sequence {child.seq_id} is already admitted")
+        if any(len(t) > self.blocks_for(parent.num_tokens) for t in parent.tables):
+            # Its blocks past the tokens would be shared empty, and written by both.
+            raise AllocatorError(f"sequence {parent_id} holds lookahead slots; fork it before "
+                                 "it claims any (samples fork at the prompt's end)")
+        tables = [list(table) for table in parent.tables]
+        for table in tables:
+            for block in table:
+                if block is not None:
+                    self.pool.touch(block)
+        seq = _HybridSeq(child, tables, parent.hasher.copy(child.segments), self.block_size)
+        seq.num_tokens = parent.num_tokens
+        seq.released = parent.released
+        seq.claim_end = parent.claim_end
+        seq.per_chunk = parent.per_chunk
+        seq.claimed = parent.claimed
+        self._seqs[child.seq_id] = seq
+        if parent.num_tokens % self.block_size:
+            # The partial tails are shared now: their unwritten slots count per block.
+            if parent_id not in self._shared_tail:
+                self._internal -= parent.internal
+                self._shared_tail.add(parent_id)
+            self._shared_tail.add(child.seq_id)
+        else:
+            self._set_internal(seq)
+        return True
+
+    def appends_fit(self, seq_ids: list[int], num_tokens: int, lookahead: int = 0,
+                    step_start: int | None = None) -> bool:
+        """Whether :meth:`append` of ``num_tokens`` (``lookahead``, ``step_start``) to each
+        sequence, one after another, succeeds: each gives back what its windows no longer
+        see, copies what it shares with a fork and grows its tables, in turn, a block
+        shared by several freed only by the last to give it back."""
+        refs: dict[int, int] = {}  # block id → references left as the appends go
+        available = self.pool.num_free - self._promised
+
+        def give_back(seq: _HybridSeq, start: int, point: int) -> int:
+            freed = 0
+            for table in seq.tables[self.full_groups:]:
+                for block in table[start:min(point, len(table))]:
+                    if block is not None:
+                        left = refs.get(block.block_id, block.ref_cnt) - 1
+                        refs[block.block_id] = left
+                        freed += not left
+            return freed
+
+        for seq_id in seq_ids:
+            seq = self._seq(seq_id)
+            start = seq.num_tokens
+            end = start + num_tokens
+            claim = min(end + lookahead, seq.final_len) if lookahead > 0 else end
+            first = min(self.release_point(start), self.blocks_for(start))
+            available += seq.promised + give_back(seq, seq.released, first)
+            idx = start // self.block_size
+            copies = 0
+            for table in seq.tables:
+                block = table[idx] if idx < len(table) else None
+                if block is not None and refs.get(block.block_id, block.ref_cnt) > 1:
+                    refs[block.block_id] = refs.get(block.block_id, block.ref_cnt) - 1
+                    copies += 1
+            target = self.blocks_for(claim)
+            available -= copies + sum(max(0, target - len(t)) for t in seq.tables)
+            if available < 0:
+                return False
+            point = min(self.release_point(self._last_step_start(seq, end, step_start)),
+                        self.blocks_for(end))
+            available += give_back(seq, max(first, seq.released), point)
+            available -= self._promise(seq, end) if end < seq.spec.prompt_len else 0
+        return True
 
     def max_uniform_append(self, seq_ids: list[int], limit: int) -> int:
         """Largest k ≤ limit such that appending k tokens to each sequence, one after
-        another, succeeds (blocks two of them share count as freed by neither: a lower
-        bound where they do)."""
-        seqs = [self._seq(s) for s in seq_ids]
+        another, succeeds (:meth:`appends_fit`)."""
         for k in range(limit, 0, -1):
-            available = self.pool.num_free - self._promised
-            for seq in seqs:
-                end = seq.num_tokens + k
-                target = self.blocks_for(end)
-                grow = sum(max(0, target - len(t)) for t in seq.tables)
-                freed = self._freed_by_release(seq, min(
-                    self.release_point(self._last_step_start(seq, end)), target))
-                if grow > available + seq.promised + freed:
-                    break
-                available += freed - grow
-            else:
+            if self.appends_fit(seq_ids, k):
                 return k
         return 0
 
     # ------------------------------------------------------------------ accounting
     def snapshot(self, waiting: SeqSpec | None = None) -> MemorySnapshot:
-        return self.pool.taxonomy(self.block_size, self._token_slots, self._internal,
+        internal = self._internal
+        if self._shared_tail:
+            internal += self._shared_tail_internal()
+        return self.pool.taxonomy(self.block_size, self._token_slots, internal,
                                   self._duplicates.duplicate_units)
 
     def check_invariants(self) -> None:
@@ -527,8 +648,8 @@ class HybridPagedAllocator(KVAllocator):
         assert (sum(n - 1 for n in live_hashes.values())
                 == self._duplicates.duplicate_units), "duplicate counter drifted"
         assert self._internal == sum(
-            max(0, len(t) * bs - s.final_len) for s in self._seqs.values() for t in s.tables), (
-            "internal counter drifted")
+            max(0, len(t) * bs - s.final_len) for s in self._seqs.values() for t in s.tables
+            if s.spec.seq_id not in self._shared_tail), "internal counter drifted"
         snap = self.snapshot()
         assert snap.total == self.capacity_slots, "taxonomy does not sum to the pool"
         assert min(snap.as_dict().values()) >= 0, f"negative category in {snap}"
