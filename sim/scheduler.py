@@ -618,14 +618,17 @@ class Scheduler:
             # or, finished or preempted, the last's): a speculative step keeps several.
             step_start = self._written(request) if include_current else (
                 request.tok_sync + self._clock_prev - request.c_sync)
-            seq_ids = request.seq_ids()
-            if len(seq_ids) > 1 and not windowed.appends_fit(seq_ids, count, lookahead,
-                                                             step_start):
-                return False
-            for seq_id in seq_ids:
-                if not windowed.append(seq_id, count, lookahead, step_start):
-                    assert len(seq_ids) == 1, "appends_fit said every sample fits"
+            if request.num_seqs == 1:
+                if not windowed.append(request.index * MAX_SAMPLES, count, lookahead,
+                                       step_start):
                     return False
+            else:
+                seq_ids = request.seq_ids()
+                if not windowed.appends_fit(seq_ids, count, lookahead, step_start):
+                    return False
+                for seq_id in seq_ids:
+                    appended = windowed.append(seq_id, count, lookahead, step_start)
+                    assert appended, "appends_fit said every sample fits"
         elif request.num_seqs == 1:
             if not self._append(request.index * MAX_SAMPLES, count, lookahead):
                 return False

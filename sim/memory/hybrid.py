@@ -436,10 +436,12 @@ class HybridPagedAllocator(KVAllocator):
         first = min(self.release_point(start), self.blocks_for(start))
         target = self.blocks_for(claim)
         grow = sum(max(0, target - len(t)) for t in seq.tables)
-        # Copy on write: the block each table writes into first is shared with a fork.
+        # Copy on write: the block each table writes into first is shared with a fork
+        # (only a sequence whose tails a fork shared may hold one).
         idx = start // bs
         copies = [group for group, table in enumerate(seq.tables)
-                  if idx < len(table) and table[idx].ref_cnt > 1]  # type: ignore[union-attr]
+                  if idx < len(table) and table[idx].ref_cnt > 1  # type: ignore[union-attr]
+                  ] if self._shared_tail and seq_id in self._shared_tail else []
         if grow or copies:
             available = (self.pool.num_free - (self._promised - seq.promised)
                          + self._freed_by_release(seq, first))
