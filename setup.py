@@ -30,6 +30,7 @@ COMPILED_SOURCES = (
     "sim/memory/block_pool.py",
     "sim/memory/paged.py",
     "sim/memory/contiguous.py",
+    "sim/memory/hybrid.py",
     "sim/scheduler.py",
 )
 MANIFEST_NAME = "compiled_core.json"  # as in sim/compiled.py, which reads it

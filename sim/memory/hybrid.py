@@ -91,7 +91,7 @@ class HybridPagedAllocator(KVAllocator):
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int,
         *,
         full_groups: int,
         sliding_groups: int,
