@@ -550,7 +550,8 @@ class HybridPagedAllocator(KVAllocator):
         """Whether :meth:`append` of ``num_tokens`` (``lookahead``, ``step_start``) to each
         sequence, one after another, succeeds: each gives back what its windows no longer
         see, copies what it shares with a fork and grows its tables, in turn, a block
-        shared by several freed only by the last to give it back."""
+        shared by several freed only by the last to give it back. Exact for sequences past
+        their prompts (samples); a prompt's promise after a chunk is estimated before it."""
         refs: dict[int, int] = {}  # block id → references left as the appends go
         available = self.pool.num_free - self._promised
 
