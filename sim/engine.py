@@ -604,6 +604,10 @@ class _SystemRun:
             self.transfer_latency_s = split.kv_transfer_latency_s
             self.transfer_layers = (model.num_layers
                                     if split.kv_transfer == "layerwise" else 0)
+            # Under the hybrid manager a sliding layer sends only what the decode side's
+            # first token sees.
+            self.sliding_transfer_share = (model.num_sliding_layers / model.num_layers
+                                           if uses_hybrid_kv_cache(model, system) else 0.0)
         host_slots, self.swap_slots, self.host_s_per_token = host_memory(scenario, system)
         self.predicted_output = (
             predicted_output_lengths(trace, system.length_predictor, scenario.seed)
@@ -763,6 +767,16 @@ class _SystemRun:
             in_flight[heapq.heappop(done)[1]] -= 1
         return in_flight.index(min(in_flight))
 
+    def _transfer_tokens(self, decode: _Replica, prompt_len: int) -> float:
+        """Tokens of every layer's KV a prompt's transfer to ``decode`` sends: all of them,
+        less, under the hybrid manager, the sliding layers' share of the blocks the first
+        token computed there cannot see (the decode side never holds them)."""
+        allocator = decode.scheduler.allocator
+        if not (self.sliding_transfer_share and isinstance(allocator, HybridPagedAllocator)):
+            return float(prompt_len)
+        unseen = min(allocator.release_point(prompt_len), allocator.blocks_for(prompt_len))
+        return prompt_len - self.sliding_transfer_share * unseen * allocator.block_size
+
     def _hand_over(self, prefill: _Replica, request: Request, now_s: float,
                    step_start_s: float) -> None:
         """A prefill replica gave ``request`` its first token in the step from
@@ -782,7 +796,8 @@ class _SystemRun:
         for carried in ("admitted_s", "first_token_s", "preemptions", "hit_tokens",
                         "recomputed_tokens"):
             setattr(rest, carried, getattr(request, carried))
-        transfer_s = request.prompt_len * self.transfer_s_per_token
+        transfer_s = self._transfer_tokens(decode, request.prompt_len) * (
+            self.transfer_s_per_token)
         # Layer by layer, the transfer runs under the step (never ending before it: the
         # last layer's KV leaves after it is computed).
         sent_s = step_start_s + with_transfer(now_s - step_start_s, transfer_s,

@@ -856,7 +856,6 @@ class Scenario(ConfigModel):
         unmodelled = {
             "a host tier (allocator.host_cache_gib)": lambda s: s.allocator.host_cache_gib,
             "preemption_mode: swap": lambda s: s.scheduler.preemption_mode == "swap",
-            "engine.disaggregation": lambda s: self.engine.disaggregation is not None,
             "engine.router.kv_events": lambda s: bool(self.engine.router.kv_events),
         }
         for system in self.systems:

@@ -861,7 +861,10 @@ class Scheduler:
         step computes it."""
         arrived = max(ready - hits, 0)
         if arrived:
-            written = self.allocator.append(request.index * MAX_SAMPLES, arrived)
+            seq_id = request.index * MAX_SAMPLES
+            # (Under the hybrid manager only a transfer arrives: swapping is not modelled.)
+            written = (self._windowed.arrive(seq_id, arrived) if self._windowed is not None
+                       else self.allocator.append(seq_id, arrived))
             assert written  # admission claimed the prompt's blocks
             request.prefilled += arrived
 

@@ -235,3 +235,40 @@ def test_a_request_no_pool_could_hold_is_turned_away_on_arrival():
         # Prefill replicas only ever read the prompts of requests that were served.
         prefill_tokens = run.steps.loc[run.steps["replica"] == 0, "prefill_tokens"].sum()
         assert prefill_tokens <= requests.loc[~requests["rejected"], "prompt_len"].sum()
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_a_sliding_layer_sends_and_keeps_only_the_window_the_first_decode_step_sees(hybrid):
+    # Half of 32 layers slide over 100 tokens. A 1,000-token prompt's first decode step, at
+    # token 1000, sees from token 901 on: under the hybrid manager the sliding layers send,
+    # and the decode replica holds, blocks 56 on (tokens 896 to 999) alone; every layer
+    # keeps every token without it.
+    data = scenario(prefill_replicas=1, replicas=2, kv_transfer_gbps=1,
+                    kv_transfer_latency_s=0.0)
+    data["model"] = {"name": "half-sliding", "num_layers": 32, "num_heads": 32,
+                     "head_dim": 128, "num_params": 6.74e9, "max_model_len": 4096,
+                     "sliding_window": 100, "num_sliding_layers": 16}
+    data["workload"]["prompt_len"] = {"dist": "constant", "value": 1000}
+    data["workload"]["output_len"] = {"dist": "constant", "value": 20}
+    del data["workload"]["prefix_groups"]
+    data["systems"] = [{"name": "paged", "allocator": {"kind": "paged",
+                                                       "hybrid_kv_cache": hybrid},
+                        "scheduler": {"chunked_prefill": True,
+                                      "max_num_batched_tokens": 256}}]
+    data["stop"] = {"num_requests": 1}
+    data["engine"]["debug_invariants"] = True
+    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    steps = run.steps
+    prefill = steps[steps["replica"] == 0].iloc[-1]  # the prompt's last chunk
+    per_token_s = 32 * 2 * 32 * 128 * 2 / 1e9  # every layer's K and V of a token, at 1 GB/s
+    sent_tokens = 1000 - 896 / 2 if hybrid else 1000
+    first_decode_step = steps[steps["replica"] == 1]["time_s"].min()
+    assert first_decode_step == pytest.approx(
+        prefill["time_s"] + prefill["duration_s"] + sent_tokens * per_token_s)
+    # The decode replica's first step writes the first token's KV: it holds the prompt and
+    # that token in the full group, and from token 896 on in the sliding one, whose blocks
+    # before were never there (nothing of them is cached).
+    decode_memory = run.memory[run.memory["replica"] == 1].iloc[0]
+    assert decode_memory["token"] == (1001 + (1001 - 896) if hybrid else 1001)
+    assert decode_memory["cached"] == 0
+    assert run.summary["completed"] == 1

@@ -169,6 +169,13 @@ def random_scenario(seed: int) -> dict:
     # the prompt's blocks, their windows giving shared blocks back).
     if isinstance(model, dict) and allocator["kind"] == "paged" and rng.random() < 0.4:
         workload["sampling"] = rng.choice([{"n": rng.randint(2, 3)}, {"beam_width": 2}])
+    # Drawn last, as the above: disaggregation under the hybrid manager (a sliding layer
+    # sends and keeps only the window the first decode step sees).
+    if (isinstance(model, dict) and allocator["kind"] == "paged" and "sampling" not in workload
+            and "disaggregation" not in engine and rng.random() < 0.3):
+        engine["replicas"] = rng.choice([2, 3])
+        engine["disaggregation"] = {"prefill_replicas": 1,
+                                    "kv_transfer_gbps": rng.choice([1.0, 25.0])}
     # Drawn last, as the above: an EAGLE head of its own size (a dense model of its own).
     speculative = system.get("speculative")
     if speculative and speculative["method"] == "eagle" and rng.random() < 0.5:

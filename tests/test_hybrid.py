@@ -349,6 +349,25 @@ class HybridMachine(PagedMachine):
             self.tokens[seq_id] += chunk
             self.last_start[seq_id] = n
 
+    @precondition(lambda self: self._prefilling())
+    @rule(data=st.data())
+    def arrive(self, data):
+        """Prompt tokens computed elsewhere arrive (a decode replica's transfer): the
+        windows hold only what the next token sees; within what admission claimed (all of
+        the prompt, unless per chunk) they always fit, and a refusal changes nothing."""
+        seq_id = data.draw(st.sampled_from(self._prefilling()))
+        s, n = self.specs[seq_id], self.tokens[seq_id]
+        count = data.draw(st.integers(1, s.prompt_len - n))
+        before, tables = self.allocator.snapshot(), self.allocator.block_tables(seq_id)
+        if self.allocator.arrive(seq_id, count):
+            self.tokens[seq_id] += count
+            self.last_start[seq_id] = max(self.last_start[seq_id], n + count)
+        else:
+            assert self.per_chunk and n + count > self.claims[seq_id], (
+                "tokens within admission's claim found memory short")
+            assert self.allocator.snapshot() == before
+            assert self.allocator.block_tables(seq_id) == tables
+
     def _prefilling(self) -> list[int]:
         return sorted(seq_id for seq_id, s in self.specs.items()
                       if self.tokens[seq_id] < s.prompt_len)

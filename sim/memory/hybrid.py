@@ -36,6 +36,10 @@ the parent's tables, and the first write into a shared partial block copies it (
 write), group by group; a window's shared block returns to the pool when its last holder
 gives it back.
 
+KV computed elsewhere (a prefill replica's, sent to a decode replica) *arrives*: the
+full-attention tables take its every block, the sliding-window ones only the blocks the
+next token computed here sees, so those before are never held.
+
 Not modelled: a host tier, swapping out.
 """
 
@@ -464,32 +468,76 @@ class HybridPagedAllocator(KVAllocator):
                     table.append(self.pool.take())
         if grow or copies:
             self._set_internal(seq)
-        # Write: fill blocks start // bs .. (end - 1) // bs of every group; hash full ones.
-        hashes = seq.hasher.hashes
+        written = self._write(seq, start, num_tokens)
+        assert written == num_tokens * self.groups  # every token inside its own window
+        seq.num_tokens = end
+        # Decode tokens were computed one a step (or a speculative step's few): the last
+        # step gave back more.
+        self._release(seq, min(self.release_point(last_step_start), self.blocks_for(end)))
+        self._promised -= seq.promised
+        seq.promised = self._promise(seq, end)
+        self._promised += seq.promised
+        return True
+
+    def _write(self, seq: _HybridSeq, start: int, num_tokens: int) -> int:
+        """Fill blocks start // bs .. (end - 1) // bs of every group's table, where the
+        table holds them, and hash the full ones; return the slots written."""
+        bs = self.block_size
+        hashes = seq.hasher.hash_upto((start + num_tokens) // bs)
+        written = 0
         for group, table in enumerate(seq.tables):
             idx = start // bs
             room = bs - (start - idx * bs)
             remaining = num_tokens
             while remaining:
-                block = table[idx]
-                assert block is not None  # a token being written is inside its own window
                 take = room if room < remaining else remaining
-                block.num_filled += take
                 remaining -= take
-                if block.num_filled == bs:
-                    block_hash = hashes[idx] if idx < len(hashes) else seq.hasher.advance()
-                    key = self._key(block_hash, group)
-                    self.pool.register(block, key)
-                    if idx < seq.shared_blocks:
-                        self._duplicates.add(key)
-                        block.counted = True
+                block = table[idx]
+                if block is not None:
+                    block.num_filled += take
+                    written += take
+                    if block.num_filled == bs:
+                        key = self._key(hashes[idx], group)
+                        self.pool.register(block, key)
+                        if idx < seq.shared_blocks:
+                            self._duplicates.add(key)
+                            block.counted = True
                 idx += 1
                 room = bs
-        self._token_slots += num_tokens * self.groups
+        self._token_slots += written
+        return written
+
+    def arrive(self, seq_id: int, num_tokens: int) -> bool:
+        """Write ``num_tokens`` whose KV was computed elsewhere (another replica's prefill,
+        sent over): the full-attention tables take every block, the sliding-window ones
+        only the blocks the next token computed here sees, as vLLM's P/D connectors send
+        a sliding layer's last window alone. False (nothing changed) if memory is short."""
+        seq = self._seq(seq_id)
+        if num_tokens <= 0:
+            return num_tokens == 0
+        start = seq.num_tokens
+        end = start + num_tokens
+        if end > seq.final_len:
+            raise write_past_end(seq_id, end, seq.final_len)
+        keep = min(self.release_point(end), self.blocks_for(end))  # before it: never held
+        keep = max(keep, seq.released)
+        target = self.blocks_for(end)
+        sliding = seq.tables[self.full_groups:]
+        grow = (sum(max(0, target - len(t)) for t in seq.tables[:self.full_groups])
+                + sum(max(0, target - max(len(t), keep)) for t in sliding))
+        available = (self.pool.num_free - (self._promised - seq.promised)
+                     + self._freed_by_release(seq, keep))
+        if grow > available:
+            return False
+        for table in sliding:
+            table.extend([None] * (keep - len(table)))
+        self._release(seq, keep)
+        for table in seq.tables:
+            while len(table) < target:
+                table.append(self.pool.take())
+        self._set_internal(seq)
+        self._write(seq, start, num_tokens)
         seq.num_tokens = end
-        # Decode tokens were computed one a step (or a speculative step's few): the last
-        # step gave back more.
-        self._release(seq, min(self.release_point(last_step_start), self.blocks_for(end)))
         self._promised -= seq.promised
         seq.promised = self._promise(seq, end)
         self._promised += seq.promised
