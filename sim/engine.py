@@ -774,7 +774,7 @@ class _SystemRun:
         allocator = decode.scheduler.allocator
         if not (self.sliding_transfer_share and isinstance(allocator, HybridPagedAllocator)):
             return float(prompt_len)
-        unseen = min(allocator.release_point(prompt_len), allocator.blocks_for(prompt_len))
+        unseen = allocator.release_point(prompt_len)
         return prompt_len - self.sliding_transfer_share * unseen * allocator.block_size
 
     def _hand_over(self, prefill: _Replica, request: Request, now_s: float,

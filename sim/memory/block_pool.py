@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 
 from sim.memory.base import MemorySnapshot
 from sim.memory.content import DuplicateCounter
@@ -352,3 +353,25 @@ def drop_reference(pool: BlockPool, block: KVBlock, duplicates: DuplicateCounter
             block.counted = False
     pool.release(block)
     return freed
+
+
+def copy_for_write(pool: BlockPool, block: KVBlock) -> KVBlock:
+    """Copy on write: a fresh block holding ``block``'s tokens for the table about to
+    write into it, and one reference less to ``block`` (a fork still holds it, so it is
+    never freed here). The caller counts the copy's written slots."""
+    copy = pool.take()
+    copy.num_filled = block.num_filled
+    pool.release(block)
+    return copy
+
+
+def shared_tail_internal(tails: Iterable[tuple[int, int, int]]) -> int:
+    """``internal`` slots of tail blocks that forks share, once per physical block: for
+    each (block id, its table's capacity in slots, a holder's final length), the capacity
+    less the furthest any holder will write."""
+    caps: dict[int, int] = {}
+    will_write: dict[int, int] = {}
+    for block_id, cap, final_len in tails:
+        caps[block_id] = cap
+        will_write[block_id] = max(will_write.get(block_id, 0), min(final_len, cap))
+    return sum(caps[block_id] - written for block_id, written in will_write.items())

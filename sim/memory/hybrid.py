@@ -56,7 +56,13 @@ from sim.memory.base import (
     table_token_bounds,
     write_past_end,
 )
-from sim.memory.block_pool import BlockPool, KVBlock, drop_reference
+from sim.memory.block_pool import (
+    BlockPool,
+    KVBlock,
+    copy_for_write,
+    drop_reference,
+    shared_tail_internal,
+)
 from sim.memory.content import BlockHasher, DuplicateCounter
 
 
@@ -134,7 +140,7 @@ class HybridPagedAllocator(KVAllocator):
         self._token_slots = 0  # written slots in blocks with ref_cnt > 0
         self._internal = 0  # Σ seq.internal over sequences not in _shared_tail
         # Sequences whose partial tail blocks a fork shares: their unwritten slots are
-        # counted once per block (see _shared_tail_internal).
+        # counted once per block (see snapshot).
         self._shared_tail: set[int] = set()
         self.num_cow_copies = 0
         self._promised = 0  # Σ seq.promised
@@ -337,24 +343,6 @@ class HybridPagedAllocator(KVAllocator):
         seq.internal = sum(max(0, len(t) * self.block_size - final) for t in seq.tables)
         self._internal += seq.internal
 
-    def _shared_tail_internal(self) -> int:
-        """``internal`` slots in the tail blocks forks share, once per physical block: the
-        slots the longest-lived of its holders will never write."""
-        bs = self.block_size
-        will_write: dict[int, int] = {}  # tail block id → slots its holders write, at most
-        caps: dict[int, int] = {}
-        for seq_id in self._shared_tail:
-            seq = self._seqs[seq_id]
-            for table in seq.tables:
-                tail = table[-1]
-                if tail is None:
-                    continue
-                cap = len(table) * bs
-                caps[tail.block_id] = cap
-                will_write[tail.block_id] = max(will_write.get(tail.block_id, 0),
-                                                min(seq.final_len, cap))
-        return sum(caps[block_id] - written for block_id, written in will_write.items())
-
     def _drop(self, block: KVBlock) -> None:
         """Give back one table's reference to ``block``."""
         self._token_slots -= drop_reference(self.pool, block, self._duplicates)
@@ -412,6 +400,12 @@ class HybridPagedAllocator(KVAllocator):
         peak = self.sliding_groups * self._prefill_peak(seq.spec, start, seq.claim_end)
         return max(0, peak - self._exclusive(seq, taken))
 
+    def _repromise(self, seq: _HybridSeq) -> None:
+        """Promise what the rest of the sequence's prefill needs, from its tokens on."""
+        self._promised -= seq.promised
+        seq.promised = self._promise(seq, seq.num_tokens)
+        self._promised += seq.promised
+
     def append(self, seq_id: int, num_tokens: int, lookahead: int = 0,
                step_start: int | None = None) -> bool:
         """Record ``num_tokens`` more written tokens and hold ``lookahead`` slots past them
@@ -454,13 +448,8 @@ class HybridPagedAllocator(KVAllocator):
         self._release(seq, first)
         for group in copies:
             table = seq.tables[group]
-            old = table[idx]
-            assert old is not None
-            new = self.pool.take()
-            new.num_filled = old.num_filled
-            self._token_slots += old.num_filled
-            self.pool.release(old)  # still held by the fork, so never freed here
-            table[idx] = new
+            table[idx] = copy_for_write(self.pool, table[idx])  # type: ignore[arg-type]
+            self._token_slots += table[idx].num_filled  # type: ignore[union-attr]
             self.num_cow_copies += 1
         if grow:
             for table in seq.tables:
@@ -474,9 +463,7 @@ class HybridPagedAllocator(KVAllocator):
         # Decode tokens were computed one a step (or a speculative step's few): the last
         # step gave back more.
         self._release(seq, min(self.release_point(last_step_start), self.blocks_for(end)))
-        self._promised -= seq.promised
-        seq.promised = self._promise(seq, end)
-        self._promised += seq.promised
+        self._repromise(seq)
         return True
 
     def _write(self, seq: _HybridSeq, start: int, num_tokens: int) -> int:
@@ -519,8 +506,7 @@ class HybridPagedAllocator(KVAllocator):
         end = start + num_tokens
         if end > seq.final_len:
             raise write_past_end(seq_id, end, seq.final_len)
-        keep = min(self.release_point(end), self.blocks_for(end))  # before it: never held
-        keep = max(keep, seq.released)
+        keep = max(self.release_point(end), seq.released)  # blocks before it: never held
         target = self.blocks_for(end)
         sliding = seq.tables[self.full_groups:]
         grow = (sum(max(0, target - len(t)) for t in seq.tables[:self.full_groups])
@@ -538,9 +524,7 @@ class HybridPagedAllocator(KVAllocator):
         self._set_internal(seq)
         self._write(seq, start, num_tokens)
         seq.num_tokens = end
-        self._promised -= seq.promised
-        seq.promised = self._promise(seq, end)
-        self._promised += seq.promised
+        self._repromise(seq)
         return True
 
     def free(self, seq_id: int) -> None:
@@ -618,23 +602,23 @@ class HybridPagedAllocator(KVAllocator):
             start = seq.num_tokens
             end = start + num_tokens
             claim = min(end + lookahead, seq.final_len) if lookahead > 0 else end
-            first = min(self.release_point(start), self.blocks_for(start))
+            first = self.release_point(start)
             available += seq.promised + give_back(seq, seq.released, first)
             idx = start // self.block_size
             copies = 0
             for table in seq.tables:
                 block = table[idx] if idx < len(table) else None
-                if block is not None and refs.get(block.block_id, block.ref_cnt) > 1:
-                    refs[block.block_id] = refs.get(block.block_id, block.ref_cnt) - 1
+                held = refs.get(block.block_id, block.ref_cnt) if block is not None else 0
+                if held > 1:
+                    refs[block.block_id] = held - 1  # type: ignore[union-attr]
                     copies += 1
             target = self.blocks_for(claim)
             available -= copies + sum(max(0, target - len(t)) for t in seq.tables)
             if available < 0:
                 return False
-            point = min(self.release_point(self._last_step_start(seq, end, step_start)),
-                        self.blocks_for(end))
+            point = self.release_point(self._last_step_start(seq, end, step_start))
             available += give_back(seq, max(first, seq.released), point)
-            available -= self._promise(seq, end) if end < seq.spec.prompt_len else 0
+            available -= self._promise(seq, end)
         return True
 
     def max_uniform_append(self, seq_ids: list[int], limit: int) -> int:
@@ -649,7 +633,10 @@ class HybridPagedAllocator(KVAllocator):
     def snapshot(self, waiting: SeqSpec | None = None) -> MemorySnapshot:
         internal = self._internal
         if self._shared_tail:
-            internal += self._shared_tail_internal()
+            internal += shared_tail_internal(
+                (table[-1].block_id, len(table) * self.block_size, seq.final_len)
+                for seq in map(self._seqs.__getitem__, self._shared_tail)
+                for table in seq.tables if table[-1] is not None)
         return self.pool.taxonomy(self.block_size, self._token_slots, internal,
                                   self._duplicates.duplicate_units)
 

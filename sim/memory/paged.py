@@ -33,7 +33,13 @@ from sim.memory.base import (
     table_token_bounds,
     write_past_end,
 )
-from sim.memory.block_pool import BlockPool, KVBlock, drop_reference
+from sim.memory.block_pool import (
+    BlockPool,
+    KVBlock,
+    copy_for_write,
+    drop_reference,
+    shared_tail_internal,
+)
 from sim.memory.content import BlockHasher, DuplicateCounter
 from sim.memory.host_cache import HostCache
 
@@ -245,12 +251,8 @@ class PagedAllocator(KVAllocator):
             else:
                 self._internal_exclusive -= seq.internal
             if cow:
-                old = blocks[first]
-                new = pool.take()
-                new.num_filled = old.num_filled
-                self._token_slots += old.num_filled
-                pool.release(old)  # still referenced by the fork, so never freed here
-                blocks[first] = new
+                blocks[first] = copy_for_write(pool, blocks[first])
+                self._token_slots += blocks[first].num_filled
                 self.num_cow_copies += 1
             if grow == 1:
                 blocks.append(pool.take())
@@ -369,24 +371,12 @@ class PagedAllocator(KVAllocator):
         return lo
 
     # ------------------------------------------------------------------ accounting
-    def _shared_tail_split(self) -> int:
-        """``internal`` slots in forked partial tails, counted once per physical block."""
-        by_block: dict[int, list[_PagedSeq]] = {}
-        for seq_id in self._shared_tail:
-            seq = self._seqs[seq_id]
-            by_block.setdefault(seq.blocks[-1].block_id, []).append(seq)
-        internal = 0
-        for holders in by_block.values():
-            cap = len(holders[0].blocks) * self.block_size
-            # Slots of the tail that the longest-lived holder will still write are reserved.
-            will_write_to = max(min(h.spec.final_len, cap) for h in holders)
-            internal += cap - will_write_to
-        return internal
-
     def snapshot(self, waiting: SeqSpec | None = None) -> MemorySnapshot:
         internal = self._internal_exclusive
         if self._shared_tail:
-            internal += self._shared_tail_split()
+            internal += shared_tail_internal(
+                (seq.blocks[-1].block_id, len(seq.blocks) * self.block_size, seq.spec.final_len)
+                for seq in map(self._seqs.__getitem__, self._shared_tail))
         return self.pool.taxonomy(self.block_size, self._token_slots, internal,
                                   self._duplicates.duplicate_units)
 
