@@ -380,11 +380,12 @@ class _Recorder:
                                 waiting, batch.decode_seqs, sched.num_preemptions,
                                 sched.hit_tokens, sched.lookup_tokens))
 
-    def averages(self, replicas: int) -> dict[str, float]:
-        """Time-averaged slots per replica (and running requests in all)."""
+    def averages(self) -> dict[str, float]:
+        """Slots of each kind and running requests per replica, averaged over the time the
+        replicas spent in steps (each replica's steps weighted by their durations, so the
+        time of every replica counts once)."""
         weight = self.weight or 1.0
-        return {k: v / weight / (1 if k == "running" else replicas)
-                for k, v in self.weighted.items()}
+        return {k: v / weight for k, v in self.weighted.items()}
 
 
 class _Replica:
@@ -926,7 +927,7 @@ class _SystemRun:
             if self.system.predicts_reservations else None)
         summary_requests = requests.fillna({"finished_s": -1.0})
         summary = summarize(summary_requests, steps,
-                            self.recorder.averages(len(self.replicas)), capacity, extra,
+                            self.recorder.averages(), capacity, extra,
                             self.slo)
         return RunResult(self.system.name, requests, memory, steps, summary)
 

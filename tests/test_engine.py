@@ -85,8 +85,10 @@ def test_queue_at_last_arrival_and_the_saturation_note():
     assert note is not None and f"contiguous {queued:,}" in note
 
 
-def test_taxonomy_sums_to_pool_in_every_sample():
-    result = run_scenario(scenario_from_dict(small()))
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_taxonomy_sums_to_pool_in_every_sample(replicas):
+    # Several replicas: the summary's fractions are one replica's pool, on average.
+    result = run_scenario(scenario_from_dict(small(engine={"replicas": replicas})))
     for run in result.systems.values():
         memory = run.memory
         assert len(memory) > 10
