@@ -488,7 +488,9 @@ def _pool_marks(scenario: Scenario) -> dict[str, int]:
     from sim.engine import host_memory, scenario_pool_slots
 
     pool = scenario_pool_slots(scenario)
-    marks = {"GPU KV pool" + (" (one replica's)" if scenario.engine.replicas > 1 else ""): pool}
+    one = (" (one rank's)" if scenario.parallel.data_parallel_size > 1
+           else " (one replica's)" if scenario.engine.replicas > 1 else "")
+    marks = {"GPU KV pool" + one: pool}
     for system in scenario.systems:
         host_slots = host_memory(scenario, system)[0]
         if host_slots and getattr(system.allocator, "prefix_caching", False):

@@ -193,9 +193,12 @@ def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
         return with_sliding_window(load_calibration(
             scenario.timing.calibration, base_dir, model, scenario, "timing.calibration",
             "the scenario runs", scenario.timing.step_overhead_s), model)
+    parallel = scenario.parallel
     base = roofline(model, scenario.gpu_spec(), scenario.timing.step_overhead_s,
-                    tensor_parallel_size=scenario.parallel.tensor_parallel_size,
-                    allreduce_latency_s=scenario.parallel.allreduce_latency_s)
+                    tensor_parallel_size=parallel.tensor_parallel_size,
+                    data_parallel_size=parallel.data_parallel_size,
+                    expert_parallel=parallel.expert_parallel,
+                    allreduce_latency_s=parallel.allreduce_latency_s)
     return with_sliding_window(replace(base, paged_alpha=scenario.timing.paged_alpha), model)
 
 
@@ -270,7 +273,8 @@ def drafter_memory(scenario: Scenario, system: SystemConfig) -> tuple[float, flo
             draft = replace(draft, kv_dtype_bytes=KV_CACHE_DTYPE_BYTES[kv_dtype])
         return draft.weight_bytes / tp, float(draft.kv_bytes_per_token_per_gpu(tp))
     share = spec.drafter_layers / model.num_layers
-    return (share * model.weight_bytes / tp, share * model.kv_bytes_per_token_per_gpu(tp))
+    weight_bytes = model.weight_bytes_per_gpu(tp, scenario.parallel.gpus)
+    return share * weight_bytes, share * model.kv_bytes_per_token_per_gpu(tp)
 
 
 def system_pool_slots(scenario: Scenario, system: SystemConfig) -> int:
@@ -584,14 +588,14 @@ class _SystemRun:
             raise ScenarioError("engine.debug_invariants: its checks are assert statements, "
                                 "which python -O removes; run without -O, or set it false")
         self.duration_s = scenario.stop.duration_s
-        self.gpus_per_replica = scenario.parallel.tensor_parallel_size
+        self.gpus_per_replica = scenario.parallel.tensor_parallel_size  # one rank's
         self.usd_per_gpu_hour = scenario.cost.usd_per_gpu_hour if scenario.cost else None
         self.slo = scenario.slo
         # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode.
         split = scenario.engine.disaggregation
         self.prefill_replicas = split.prefill_replicas if split else 0
         self.handovers = split is not None  # replicas receive requests from one another
-        self.decode_replicas = scenario.engine.replicas - self.prefill_replicas if split else 0
+        self.decode_replicas = scenario.ranks - self.prefill_replicas if split else 0
         self.least_loaded_decode = split is not None and split.decode_router == "least_loaded"
         # For the least-loaded choice: requests handed to each decode replica and not yet
         # done, and a heap of (when done, decode replica) for those yet to be counted out.
@@ -637,21 +641,22 @@ class _SystemRun:
             self.dependents.setdefault(int(after[index]), []).append(index)
         # Routing: open arrivals round-robin up front, or by the router as they come;
         # dependents follow the request they wait on.
-        replicas = scenario.engine.replicas
+        replicas = scenario.ranks  # (engines, or their data-parallel ranks)
         routed = self.prefill_replicas or replicas  # the replicas new requests go to
         routing = scenario.engine.router
+        policy = scenario.router_policy
         self.replica_of = np.zeros(len(trace), dtype=np.int64)
         roots = np.flatnonzero(after < 0)
         self.router: Router | None = None
         self.unrouted: list[int] = []  # open arrivals the router has yet to place, in order
         self.unrouted_pos = 0
-        if routing.policy == "round_robin":
+        if policy == "round_robin":
             self.replica_of[roots] = np.arange(len(roots)) % routed
             for index in np.flatnonzero(after >= 0).tolist():
                 self.replica_of[index] = self.replica_of[after[index]]
         else:
             # What a replica can cache: its GPU pool and its host tier.
-            self.router = Router(routing.policy, routed, pool_slots + host_slots,
+            self.router = Router(policy, routed, pool_slots + host_slots,
                                  cache_threshold=routing.cache_threshold,
                                  balance_abs_threshold=routing.balance_abs_threshold,
                                  balance_rel_threshold=routing.balance_rel_threshold,
@@ -944,7 +949,8 @@ def scenario_pool_slots(scenario: Scenario) -> int:
     return kv_pool_slots(scenario.model_spec(), scenario.gpu_spec(),
                          kv_memory_gib=scenario.memory.kv_memory_gib,
                          gpu_memory_utilization=scenario.memory.gpu_memory_utilization,
-                         tensor_parallel_size=scenario.parallel.tensor_parallel_size)
+                         tensor_parallel_size=scenario.parallel.tensor_parallel_size,
+                         data_parallel_size=scenario.parallel.data_parallel_size)
 
 
 def check_pool(scenario: Scenario, system: SystemConfig, pool_slots: int) -> None:
@@ -975,14 +981,24 @@ def memory_summary(scenario: Scenario) -> str:
         if system_slots != slots:
             drafted[system] = system_slots
     per_gpu = model.kv_bytes_per_token_per_gpu(tp)
+    parallel = scenario.parallel
     gpus = gpu.name if tp == 1 else f"{tp} × {gpu.name}"
-    each = "" if tp == 1 else " a GPU"
+    rank = ""
+    if parallel.data_parallel_size > 1:
+        gpus = f"{parallel.data_parallel_size} data-parallel ranks of {gpus}"
+        rank = " a rank"
+    if parallel.spreads_experts:
+        gpus += (f" (experts {'whole' if parallel.expert_parallel else 'split'} over "
+                 f"{parallel.gpus} GPUs)")
+    each = "" if parallel.gpus == 1 else " a GPU"
     source = (" (memory.kv_memory_gib)" if scenario.memory.kv_memory_gib is not None else
               f" ({scenario.memory.gpu_memory_utilization:.0%} of GPU memory less the weights)")
-    text = (f"memory: {model.name} on {gpus}: weights {model.weight_bytes / tp / GIB:.1f} GiB"
+    weight_gib = model.weight_bytes_per_gpu(tp, parallel.gpus) / GIB
+    text = (f"memory: {model.name} on {gpus}: weights {weight_gib:.1f} GiB"
             f"{each}, KV pool {slots * per_gpu / GIB:.1f} GiB{each}{source}; GPU KV cache size "
-            f"{slots:,} tokens of {per_gpu / 1024:,.1f} KiB{each}; maximum concurrency for "
-            f"{model.max_model_len:,} tokens per request: {slots / model.max_model_len:.2f}x")
+            f"{slots:,} tokens{rank} of {per_gpu / 1024:,.1f} KiB{each}; maximum concurrency "
+            f"for {model.max_model_len:,} tokens per request: "
+            f"{slots / model.max_model_len:.2f}x{rank}")
     if slots < model.max_model_len:
         text += (" (under 1x: vLLM would refuse to start, as the pool cannot hold one request "
                  "of the whole context; set max_model_len lower, or give the pool more memory)")

@@ -50,6 +50,9 @@ class ModelSpec:
     # experts are part of the dense weights). None: every step reads every expert.
     num_experts: int | None = None
     experts_per_token: int | None = None
+    # MoE: the first layers whose MLP is dense, not experts (DeepSeek's
+    # first_k_dense_replace); the rest route their tokens to experts.
+    num_dense_layers: int = 0
     # Bytes of one stored weight when the checkpoint is quantized (FP8: 1, 4-bit: 0.5);
     # None: dtype_bytes, the dtype activations and the KV cache keep.
     weight_dtype_bytes: float | None = None
@@ -143,6 +146,22 @@ class ModelSpec:
     def routed_expert_bytes(self) -> float:
         """Weights of the routed experts, which a step reads only where its tokens go."""
         return self.routed_expert_params * self.expert_bytes
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose MLP routes each token to experts (0 for a dense model)."""
+        return self.num_layers - self.num_dense_layers if self.is_moe else 0
+
+    def weight_bytes_per_gpu(self, tensor_parallel_size: int,
+                             expert_parallel_gpus: int | None = None) -> float:
+        """The weights one GPU holds: 1/N of them over a tensor-parallel group of N, but the
+        routed experts split over ``expert_parallel_gpus`` (every GPU of the data-parallel
+        ranks, as vLLM spreads a MoE layer's experts; N when None)."""
+        if expert_parallel_gpus in (None, tensor_parallel_size):
+            return self.weight_bytes / tensor_parallel_size
+        experts = self.routed_expert_bytes
+        return ((self.weight_bytes - experts) / tensor_parallel_size
+                + experts / expert_parallel_gpus)  # type: ignore[operator]
 
     @property
     def flops_params(self) -> float:
@@ -250,12 +269,13 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         # DeepSeek-V2-Lite and DeepSeek-V3: MLA, a latent of kv_lora_rank 512 +
         # qk_rope_head_dim 64 a layer; head_dim is a query head's (128 + 64). Parameter counts
         # (total, activated) from their papers; routed experts 6 of 64 (V2-Lite) and 8 of 256
-        # (V3) a token; V3 ships its weights in FP8.
+        # (V3) a token, after 1 and 3 dense layers; V3 ships its weights in FP8.
         ModelSpec("deepseek-v2-lite", 27, 16, 16, 192, 15.7e9, 163840, model_dim=2048,
-                  kv_latent_dim=576, active_params=2.4e9, num_experts=64, experts_per_token=6),
+                  kv_latent_dim=576, active_params=2.4e9, num_experts=64, experts_per_token=6,
+                  num_dense_layers=1),
         ModelSpec("deepseek-v3", 61, 128, 128, 192, 671e9, 163840, model_dim=7168,
                   kv_latent_dim=576, active_params=37e9, num_experts=256, experts_per_token=8,
-                  weight_dtype_bytes=1),
+                  weight_dtype_bytes=1, num_dense_layers=3),
         # Sliding-window attention. Mistral-7B-v0.1: a 4,096-token window in every layer
         # (later versions dropped it: the mistral-7b preset). Gemma-2-9B: a 4,096-token
         # window in every other layer (21 of 42). Gemma-3-27B: a 1,024-token window in five
@@ -316,12 +336,15 @@ def kv_pool_slots(
     kv_memory_gib: float | None = None,
     gpu_memory_utilization: float = 0.9,
     tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
 ) -> int:
     """Token slots in one engine's KV pool: an explicit KV size (all the engine's GPUs
     together), or, per GPU, GPU memory × utilization − its share of the weights.
 
     Under tensor parallelism every GPU holds every token, each with its own KV heads, so the
-    slot count is one GPU's pool over one GPU's bytes per token.
+    slot count is one GPU's pool over one GPU's bytes per token. Under data parallelism (a
+    mixture of experts) the pool is one rank's, whose GPUs hold the dense weights as its
+    tensor-parallel group splits them and their share of the experts spread over every rank.
     """
     problem = model.tensor_parallel_problem(tensor_parallel_size)
     if problem:
@@ -334,12 +357,16 @@ def kv_pool_slots(
         raise SizingError(
             f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
         )
-    weight_bytes_per_gpu = model.weight_bytes / tensor_parallel_size
+    gpus = tensor_parallel_size * data_parallel_size
+    weight_bytes_per_gpu = model.weight_bytes_per_gpu(tensor_parallel_size, gpus)
     usable_bytes = gpu.memory_bytes * gpu_memory_utilization
     pool_bytes = usable_bytes - weight_bytes_per_gpu
     if pool_bytes <= 0:
-        share = "" if tensor_parallel_size == 1 else f" (1/{tensor_parallel_size} of them)"
-        hint = _sharding_hint(model, gpu, usable_bytes)
+        share = ("" if gpus == 1 else f" (1/{tensor_parallel_size} of them)"
+                 if data_parallel_size == 1 else
+                 f" (1/{tensor_parallel_size} of the dense ones, 1/{gpus} of the experts)")
+        hint = (_sharding_hint(model, gpu, usable_bytes) if data_parallel_size == 1
+                else _ranks_hint(model, gpu, usable_bytes, tensor_parallel_size))
         raise SizingError(
             f"{model.name} weights{share} ({weight_bytes_per_gpu / GIB:.1f} GiB) do not fit in "
             f"{gpu_memory_utilization:.0%} of {gpu.name} ({usable_bytes / GIB:.1f} GiB): no KV "
@@ -359,6 +386,22 @@ def _sharding_hint(model: ModelSpec, gpu: GpuSpec, usable_bytes: float) -> str:
                 f"{fitting[0]}) or give memory.kv_memory_gib")
     return (f"; no tensor-parallel group of at most {board} {gpu.name} GPUs (one board) holds "
             "them: choose a GPU with more memory, or give memory.kv_memory_gib")
+
+
+def _ranks_hint(model: ModelSpec, gpu: GpuSpec, usable_bytes: float,
+               tensor_parallel_size: int) -> str:
+    """What to do about data-parallel ranks whose weights do not fit: the fewest ranks
+    whose GPUs hold the dense weights and their share of the experts, within one board."""
+    tp = tensor_parallel_size
+    board = gpu.interconnect_gpus or 64
+    fitting = [d for d in range(2, board // tp + 1)
+               if model.weight_bytes_per_gpu(tp, tp * d) < usable_bytes]
+    if fitting:
+        return (f"; spread the experts over {fitting[0]} ranks (parallel.data_parallel_size: "
+                f"{fitting[0]}) or give memory.kv_memory_gib")
+    ranks = board // tp
+    return (f"; no {board} GPUs of one board hold the dense weights and 1/{ranks * tp} of the "
+            f"experts: raise tensor_parallel_size, or choose a GPU with more memory")
 
 
 def lookup_model(name: str) -> ModelSpec:

@@ -74,6 +74,10 @@ class ModelConfig(ConfigModel):
         "reads only those its tokens choose); absent: every step reads every expert")
     experts_per_token: PositiveInt | None = Field(
         default=None, description="mixture of experts: routed experts each token goes to")
+    num_dense_layers: int = Field(
+        default=0, ge=0, description="mixture of experts: the first layers whose MLP is "
+        "dense (config.json's first_k_dense_replace; DeepSeek-V3: 3), which send no tokens "
+        "to experts")
     weight_dtype_bytes: float | None = Field(
         default=None, gt=0, le=4, description="bytes of a stored weight when the checkpoint "
         "is quantized (FP8: 1, 4-bit: 0.5, with its scales a little more); absent: "
@@ -109,8 +113,8 @@ class ModelConfig(ConfigModel):
         routing = (self.num_experts, self.experts_per_token)
         if routing.count(None) == 1:
             raise ValueError("num_experts and experts_per_token go together")
-        for moe_only in ("expert_weight_dtype_bytes", "vocab_size"):
-            if getattr(self, moe_only) is not None and self.num_experts is None:
+        for moe_only in ("expert_weight_dtype_bytes", "vocab_size", "num_dense_layers"):
+            if getattr(self, moe_only) and self.num_experts is None:
                 raise ValueError(f"{moe_only} applies to a mixture of experts (num_experts, "
                                  "experts_per_token, active_params)")
         if self.num_experts is not None:
@@ -123,6 +127,9 @@ class ModelConfig(ConfigModel):
                 raise ValueError(f"num_params ({self.num_params:g}) leaves no routed experts "
                                  f"beside active_params ({self.active_params:g}) and the "
                                  f"input embedding (vocab_size × hidden_size, {embedding:g})")
+            if self.num_dense_layers >= self.num_layers:
+                raise ValueError(f"num_dense_layers ({self.num_dense_layers}) leaves no MoE "
+                                 f"layer of num_layers ({self.num_layers})")
             if self.experts_per_token >= self.num_experts:  # type: ignore[operator]
                 raise ValueError(f"experts_per_token ({self.experts_per_token}) must be fewer "
                                  f"than num_experts ({self.num_experts})")
@@ -160,11 +167,34 @@ class MemoryConfig(ConfigModel):
 
 class ParallelConfig(ConfigModel):
     """How one engine spreads over GPUs: tensor parallelism, as vLLM's
-    ``--tensor-parallel-size`` (weights and KV heads split N ways, two all-reduces a layer)."""
+    ``--tensor-parallel-size`` (weights and KV heads split N ways, two all-reduces a layer),
+    and for a mixture of experts data parallelism, as ``--data-parallel-size`` (ranks of
+    their own KV cache and batch, the experts spread over every rank's GPUs) with or without
+    ``--enable-expert-parallel``."""
 
     tensor_parallel_size: PositiveInt = 1
+    data_parallel_size: PositiveInt = Field(
+        default=1, description="a mixture of experts: data-parallel ranks of one engine, as "
+        "vLLM's --data-parallel-size; each rank has tensor_parallel_size GPUs, its own "
+        "scheduler and KV cache, and the routed experts spread over all ranks' GPUs")
+    expert_parallel: bool = Field(
+        default=False, description="a mixture of experts: whole experts on each GPU and each "
+        "token dispatched to its experts' GPUs and combined back (all-to-all), as vLLM's "
+        "--enable-expert-parallel; false: every expert split over the GPUs, every rank's "
+        "tokens gathered to all of them")
     allreduce_latency_s: float = Field(default=DEFAULT_ALLREDUCE_LATENCY_S, ge=0,
-                                       description="fixed cost of one all-reduce")
+                                       description="fixed cost of one all-reduce (or one "
+                                       "dispatch, or combine, of the experts' tokens)")
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs of one engine: its ranks' tensor-parallel groups."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def spreads_experts(self) -> bool:
+        """Whether a MoE layer spans other GPUs than the tensor-parallel group's."""
+        return self.gpus > 1 and (self.data_parallel_size > 1 or self.expert_parallel)
 
 
 class PredictorConfig(ConfigModel):
@@ -799,24 +829,36 @@ class Scenario(ConfigModel):
     @field_validator("parallel")
     @classmethod
     def _splits_evenly(cls, value: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
-        tp = value.tensor_parallel_size
-        if tp == 1 or "model" not in info.data or "gpu" not in info.data:
-            return value  # nothing to split, or model/gpu already refused
-        problem = _model_spec(info.data["model"]).tensor_parallel_problem(tp)
+        tp, gpus = value.tensor_parallel_size, value.gpus
+        if (gpus == 1 and not value.expert_parallel) or "model" not in info.data:
+            return value  # nothing to split, or the model already refused
+        model = _model_spec(info.data["model"])
+        if (value.data_parallel_size > 1 or value.expert_parallel) and not model.is_moe:
+            what = ("expert_parallel" if value.data_parallel_size == 1
+                    else f"data_parallel_size {value.data_parallel_size}")
+            raise ValueError(f"{what}: {model.name} is dense, it has no experts to spread "
+                             "over GPUs (ranks of a dense model share nothing: "
+                             "engine.replicas runs independent engines)")
+        if gpus == 1 or "gpu" not in info.data:
+            return value
+        problem = model.tensor_parallel_problem(tp)
         if problem:
             raise ValueError(f"tensor_parallel_size {tp}: {problem}")
+        split = (f"tensor_parallel_size {tp}" if gpus == tp else
+                 f"data_parallel_size {value.data_parallel_size} × tensor_parallel_size {tp}")
         gpu = info.data["gpu"]
         if isinstance(gpu, GpuConfig):
             if gpu.interconnect_gbps is None:
-                raise ValueError(f"tensor_parallel_size {tp}: the all-reduces need "
-                                 "gpu.interconnect_gbps (GPU-to-GPU GB/s, one direction)")
+                needs = "all-reduces" if gpus == tp else "all-reduces and expert dispatches"
+                raise ValueError(f"{split}: the {needs} need gpu.interconnect_gbps "
+                                 "(GPU-to-GPU GB/s, one direction)")
             return value
         joined = GPU_PRESETS[gpu.lower()].interconnect_gpus
-        if joined is not None and tp > joined:
-            raise ValueError(f"tensor_parallel_size {tp}: NVLink joins {joined} {gpu} GPUs "
-                             f"(one board) and the simulator models no network between "
-                             f"boards; use at most {joined}, or engine.replicas for more GPUs, "
-                             "or give gpu explicitly with the interconnect_gbps you have")
+        if joined is not None and gpus > joined:
+            raise ValueError(f"{split}: NVLink joins {joined} {gpu} GPUs (one board) and the "
+                             f"simulator models no network between boards; use at most "
+                             f"{joined} GPUs an engine, or engine.replicas for more GPUs, or "
+                             "give gpu explicitly with the interconnect_gbps you have")
         return value
 
     @field_validator("max_model_len")
@@ -868,6 +910,35 @@ class Scenario(ConfigModel):
                             "use; set allocator.hybrid_kv_cache: false (every layer keeps "
                             "every token)")
         return self
+
+    @model_validator(mode="after")
+    def _experts_spread_alone(self):  # type: ignore[no-untyped-def]
+        parallel = self.parallel
+        if parallel.data_parallel_size > 1 and self.engine.disaggregation is not None:
+            raise ValueError("engine.disaggregation with parallel.data_parallel_size > 1 is "
+                             "not modelled (split engines of one rank each, or drop one)")
+        if parallel.spreads_experts and self.timing.calibration:
+            raise ValueError("timing.calibration: a calibration times one tensor-parallel "
+                             "group, not experts spread over other GPUs "
+                             "(parallel.data_parallel_size, expert_parallel); drop it to "
+                             "use the roofline")
+        return self
+
+    @property
+    def ranks(self) -> int:
+        """The engines the simulation runs side by side: every data-parallel rank of every
+        replica (a rank schedules its own batch over its own KV cache)."""
+        return self.engine.replicas * self.parallel.data_parallel_size
+
+    @property
+    def router_policy(self) -> Literal["round_robin", "least_loaded", "cache_aware",
+                                       "kv_aware"]:
+        """``engine.router.policy``; when not given, data-parallel ranks are balanced by
+        their load (least_loaded), as vLLM balances its ranks by their queues."""
+        router = self.engine.router
+        if self.parallel.data_parallel_size > 1 and "policy" not in router.model_fields_set:
+            return "least_loaded"
+        return router.policy
 
     @model_validator(mode="after")
     def _draft_models_split_evenly(self):  # type: ignore[no-untyped-def]
@@ -937,9 +1008,12 @@ class Scenario(ConfigModel):
         (a sweep may set them for some points only), but a reader comparing runs that differ
         only in them should know they cannot differ."""
         notes = []
-        router = self.engine.router.policy
+        router = self.router_policy
         split = self.engine.disaggregation
-        routed = split.prefill_replicas if split else self.engine.replicas
+        routed = split.prefill_replicas if split else self.ranks
+        if self.parallel.expert_parallel and self.parallel.gpus == 1:
+            notes.append("parallel.expert_parallel changes nothing here: one GPU holds every "
+                         "expert")
         if router != "round_robin" and routed == 1:
             notes.append(f"engine.router.policy {router} changes nothing here: one replica "
                          f"takes every new request")

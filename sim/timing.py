@@ -69,6 +69,9 @@ class StepTimeModel:
     # k/E of them each token goes to. A step reads only the experts its tokens choose.
     expert_s: float = 0.0
     expert_share: float = 0.0
+    # Data parallelism: the ranks whose tokens every GPU's experts serve, each assumed to
+    # pass as many tokens through a step as this one.
+    expert_batch_ranks: int = 1
     # The share of the layers that attend to a sliding window only (their reads past it are
     # skipped); 0: every layer attends to every token.
     sliding_share: float = 0.0
@@ -80,10 +83,12 @@ class StepTimeModel:
     def fixed_s(self, tokens: int) -> float:
         """``a`` for a step that passes ``tokens`` tokens through the model: all of it, but
         for a mixture of experts only the experts they choose, each token k of E at random,
-        so that a share 1 − (1 − k/E)^tokens of them is read."""
+        so that a share 1 − (1 − k/E)^tokens of them is read (of every rank's tokens, under
+        data parallelism)."""
         if not self.expert_s:
             return self.a
-        return self.a - self.expert_s * (1.0 - self.expert_share) ** tokens
+        return self.a - self.expert_s * (1.0 - self.expert_share) ** (
+            tokens * self.expert_batch_ranks)
 
     @property
     def min_fixed_s(self) -> float:
@@ -188,14 +193,17 @@ def with_transfer(compute_s: float, transfer_s: float, pipelined_layers: int) ->
 
 def roofline(model: ModelSpec, gpu: GpuSpec,
              step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S, *,
-             tensor_parallel_size: int = 1,
+             tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+             expert_parallel: bool = False,
              allreduce_latency_s: float = DEFAULT_ALLREDUCE_LATENCY_S) -> StepTimeModel:
     """Coefficients from first principles, for one GPU of a ``tensor_parallel_size`` group
     (all of them work at once, so the slowest, i.e. any, sets the step time).
 
     a = weights per GPU / HBM bandwidth + a fixed overhead; b = d = 2·params FLOP per token /
-    peak FLOP/s per GPU; c = one GPU's KV bytes per token / HBM bandwidth; e = 2·layers·heads·
-    head_dim FLOP per (query, key) pair (QKᵀ and PV, causal) / peak FLOP/s per GPU.
+    peak FLOP/s per GPU; c = one GPU's KV bytes per token / HBM bandwidth, or its attention's
+    FLOPs per context token (QKᵀ and PV, 4·layers·heads·head_dim; under MLA over the latent)
+    / peak FLOP/s where more (MLA's many heads over one latent: DeepSeek-V3 on one GPU);
+    e = 2·layers·heads·head_dim FLOP per (query, key) pair (QKᵀ and PV, causal) / peak.
 
     A mixture-of-experts model multiplies each token by its active parameters only (b, d).
     A step reads the dense weights and the routed experts its tokens choose: with k of E
@@ -209,30 +217,57 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
     attention and after the MLP) of hidden × dtype bytes per token. A ring all-reduce sends
     2·(N−1)/N of the message over each GPU's link, which adds to ``b`` and ``d``; its latency
     adds to ``a``.
+
+    ``data_parallel_size`` D ranks of N GPUs each (one step of every rank at once) keep the
+    experts on all G = D·N GPUs: each GPU holds 1/G of them and serves every rank's tokens,
+    the ranks assumed equally busy (D times this rank's tokens choose its experts, and its
+    share of the expert FLOPs per own token is unchanged). Each MoE layer then sends every
+    token's hidden state out and back (dispatch and combine, in place of the MLP's
+    all-reduce): to its k experts' GPUs under ``expert_parallel``, else to all D ranks (each
+    expert split over every GPU, every rank's tokens gathered), (G−1)/G of them off the GPU,
+    the N GPUs of a rank sharing the sending; each adds its latency to ``a``.
     """
-    tp = tensor_parallel_size
+    tp, dp = tensor_parallel_size, data_parallel_size
+    gpus = tp * dp
+    spread = model.is_moe and gpus > 1 and (dp > 1 or expert_parallel)
     per_token_flops = 2.0 * model.flops_params / tp
-    per_token_allreduce_s = 0.0
-    allreduce_fixed_s = 0.0
-    if tp > 1:
+    per_token_link_s = 0.0
+    link_fixed_s = 0.0
+    if tp > 1 or spread:
         if not gpu.interconnect_bytes_per_s:
             raise ValueError(f"{gpu.name}: no interconnect bandwidth, which tensor parallelism "
-                             "needs")
-        allreduces = 2 * model.num_layers
-        ring_bytes_per_token = 2.0 * (tp - 1) / tp * model.hidden_size * model.dtype_bytes
-        per_token_allreduce_s = allreduces * ring_bytes_per_token / gpu.interconnect_bytes_per_s
-        allreduce_fixed_s = allreduces * allreduce_latency_s
-    gpus = gpu.name if tp == 1 else f"{tp} × {gpu.name}"
+                             "and experts spread over GPUs need")
+        link = gpu.interconnect_bytes_per_s
+        token_bytes = model.hidden_size * model.dtype_bytes
+        exchanges = model.moe_layers if spread else 0
+        if tp > 1:  # after attention, and after each MLP the experts do not combine
+            allreduces = 2 * model.num_layers - exchanges
+            per_token_link_s += allreduces * 2.0 * (tp - 1) / tp * token_bytes / link
+            link_fixed_s += allreduces * allreduce_latency_s
+        if spread:
+            copies = (model.experts_per_token or 1) if expert_parallel else dp
+            per_token_link_s += (exchanges * 2.0 * copies * (gpus - 1) / gpus / tp
+                                 * token_bytes / link)
+            link_fixed_s += 2 * exchanges * allreduce_latency_s
+    name = gpu.name if tp == 1 else f"{tp} × {gpu.name}"
+    if spread:
+        name = (f"{dp} ranks of {name}" if dp > 1 else name) + (
+            ", expert parallel" if expert_parallel else "")
+    heads_per_gpu = model.num_heads / tp
+    attention_flops_per_token = (4.0 * model.num_layers * heads_per_gpu
+                                 * (model.kv_latent_dim or model.head_dim))
     return StepTimeModel(
-        a=(model.weight_bytes / tp / gpu.hbm_bandwidth_bytes_per_s + step_overhead_s
-           + allreduce_fixed_s),
-        b=per_token_flops / gpu.peak_flops + per_token_allreduce_s,
-        c=model.kv_bytes_per_token_per_gpu(tp) / gpu.hbm_bandwidth_bytes_per_s,
-        d=per_token_flops / gpu.peak_flops + per_token_allreduce_s,
+        a=(model.weight_bytes_per_gpu(tp, gpus) / gpu.hbm_bandwidth_bytes_per_s
+           + step_overhead_s + link_fixed_s),
+        b=per_token_flops / gpu.peak_flops + per_token_link_s,
+        c=max(model.kv_bytes_per_token_per_gpu(tp) / gpu.hbm_bandwidth_bytes_per_s,
+              attention_flops_per_token / gpu.peak_flops),
+        d=per_token_flops / gpu.peak_flops + per_token_link_s,
         e=2.0 * model.num_layers * model.attention_dim / tp / gpu.peak_flops,
-        source=f"roofline({model.name}, {gpus})",
-        expert_s=model.routed_expert_bytes / tp / gpu.hbm_bandwidth_bytes_per_s,
+        source=f"roofline({model.name}, {name})",
+        expert_s=model.routed_expert_bytes / gpus / gpu.hbm_bandwidth_bytes_per_s,
         expert_share=model.expert_share,
+        expert_batch_ranks=dp,
     )
 
 

@@ -180,7 +180,18 @@ def random_scenario(seed: int) -> dict:
     speculative = system.get("speculative")
     if speculative and speculative["method"] == "eagle" and rng.random() < 0.5:
         speculative["draft_params"] = rng.choice([5e7, 4e8])
+    # Drawn last, as the above: a mixture of experts over data-parallel ranks (engines of
+    # their own, the experts spread over every rank's GPUs), balanced as vLLM balances them
+    # where no router is given.
+    parallel: dict = {}
+    if (model in ("qwen3-30b-a3b", "deepseek-v2-lite") and "disaggregation" not in engine
+            and rng.random() < 0.4):
+        parallel = {"data_parallel_size": rng.choice([2, 4]),
+                    "expert_parallel": rng.random() < 0.5}
+        if router["policy"] in ("round_robin", "least_loaded") and rng.random() < 0.5:
+            del router["policy"]
     return {
+        **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",
         "model": model,
         "memory": memory,

@@ -161,7 +161,8 @@ def explicit(**model) -> dict:
 def test_an_explicit_model_in_its_config_json_terms():
     mla = scenario_from_dict(explicit(hidden_size=2048, kv_latent_dim=576,
                                       active_params=2.4e9, num_experts=64,
-                                      experts_per_token=6)).model_spec()
+                                      experts_per_token=6,
+                                      num_dense_layers=1)).model_spec()
     assert mla == dataclasses.replace(MODEL_PRESETS["deepseek-v2-lite"], name="custom",
                                       max_model_len=8192)
     mha = scenario_from_dict(explicit()).model_spec()

@@ -1,0 +1,195 @@
+"""Data-parallel ranks of a mixture of experts: each rank its own KV cache and batch, the
+routed experts spread over every rank's GPUs (vLLM's --data-parallel-size, with or without
+--enable-expert-parallel)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from sim.engine import build_timing, memory_summary, run_scenario, scenario_pool_slots
+from sim.presets import GIB, kv_pool_slots, lookup_gpu, lookup_model
+from sim.scenario import ScenarioError, scenario_from_dict
+from sim.timing import roofline
+
+V3 = lookup_model("deepseek-v3")
+H200 = lookup_gpu("h200-141g")
+
+
+def scenario(parallel: dict, model: str = "deepseek-v3", **overrides) -> dict:
+    data = {
+        "name": "dp", "model": model, "gpu": "h200-141g", "parallel": parallel,
+        "workload": {"arrival": {"process": "poisson", "rate": 40},
+                     "prompt_len": {"dist": "uniform", "low": 50, "high": 400},
+                     "output_len": {"dist": "uniform", "low": 5, "high": 60}},
+        "systems": [{"name": "paged", "allocator": {"kind": "paged", "block_size": 64}}],
+        "stop": {"num_requests": 60},
+    }
+    data.update(overrides)
+    return data
+
+
+def test_a_rank_holds_the_dense_weights_and_its_share_of_the_experts():
+    experts = V3.routed_expert_bytes
+    dense = V3.weight_bytes - experts
+    assert V3.num_dense_layers == 3 and V3.moe_layers == 58
+    assert V3.weight_bytes_per_gpu(8) == V3.weight_bytes / 8  # tensor parallel alone
+    assert V3.weight_bytes_per_gpu(1, 8) == pytest.approx(dense + experts / 8)
+    assert V3.weight_bytes_per_gpu(2, 8) == pytest.approx(dense / 2 + experts / 8)
+    usable = H200.memory_bytes * 0.9
+    per_token = V3.kv_bytes_per_token_per_gpu(1)
+    rank = kv_pool_slots(V3, H200, data_parallel_size=8)
+    assert rank == int((usable - dense - experts / 8) // per_token)
+    # Tensor parallelism keeps the whole latent on every GPU: 8 GPUs hold one pool; eight
+    # ranks hold eight, each a little smaller (a rank's GPU keeps all the dense weights).
+    engine = kv_pool_slots(V3, H200, tensor_parallel_size=8)
+    assert engine == int((usable - V3.weight_bytes / 8) // per_token)
+    assert 0.5 * engine < rank < engine and 8 * rank > 5 * engine
+
+
+def test_the_weights_that_do_not_fit_say_how_they_are_split():
+    small = lookup_gpu("h100-80g")
+    with pytest.raises(ValueError, match=r"1/1 of the dense ones, 1/4 of the experts\) "
+                       r"\(167.8 GiB\) do not fit .*; spread the experts over 6 ranks "
+                       r"\(parallel.data_parallel_size: 6\)"):
+        kv_pool_slots(V3, H200, data_parallel_size=4)
+    with pytest.raises(ValueError, match=r"no 8 GPUs of one board hold the dense weights "
+                       r"and 1/8 of the experts"):
+        kv_pool_slots(V3, small, data_parallel_size=8)
+
+
+def test_the_roofline_of_a_rank_reads_its_experts_for_every_ranks_tokens():
+    tp1 = roofline(V3, H200)
+    dp = roofline(V3, H200, data_parallel_size=8, expert_parallel=True)
+    bandwidth = H200.hbm_bandwidth_bytes_per_s
+    assert dp.expert_s == pytest.approx(V3.routed_expert_bytes / 8 / bandwidth)
+    assert dp.expert_batch_ranks == 8
+    # The experts a step of one token reads are those of 8 tokens (one a rank), of 1/8 of
+    # the experts, plus the dispatch and combine's latencies.
+    latency = 2 * V3.moe_layers * 10e-6
+    read_of_8 = tp1.expert_s * (1 - (1 - V3.expert_share) ** 8)
+    dense_s = (V3.weight_bytes - V3.routed_expert_bytes) / bandwidth
+    assert dp.fixed_s(1) == pytest.approx(dense_s + 1e-3 + latency + read_of_8 / 8)
+    # A token goes out to its 8 experts' GPUs and back in each of the 58 MoE layers, 7/8 of
+    # them off the GPU; without expert parallelism, to all 8 ranks (as many here).
+    link = H200.interconnect_bytes_per_s
+    sent = 2 * 58 * 8 * 7 / 8 * V3.hidden_size * 2
+    assert dp.b - tp1.b == pytest.approx(sent / link)
+    gathered = roofline(V3, H200, data_parallel_size=4)
+    assert gathered.b - tp1.b == pytest.approx(2 * 58 * 4 * 3 / 4 * V3.hidden_size * 2 / link)
+    # Expert parallelism within one tensor-parallel group: the MLP's all-reduce gives way to
+    # the dispatch and combine in the MoE layers; the experts' weights are split the same.
+    tp8 = roofline(V3, H200, tensor_parallel_size=8)
+    ep8 = roofline(V3, H200, tensor_parallel_size=8, expert_parallel=True)
+    assert ep8.a - tp8.a == pytest.approx(58 * 10e-6)  # 58 all-reduces out, 116 latencies in
+    assert ep8.expert_s == tp8.expert_s and ep8.expert_batch_ranks == 1
+    allreduce = 2 * 7 / 8 * V3.hidden_size * 2 / link
+    assert ep8.b - tp8.b == pytest.approx(58 * (2 * 8 * 7 / 8 / 8 * V3.hidden_size * 2 / link
+                                                - allreduce))
+
+
+def test_mla_attention_on_one_gpu_is_bound_by_its_flops():
+    # DeepSeek-V3's 128 heads each read the 576-element latent: on one GPU 4·61·128·576 FLOP
+    # a context token take longer than its 68.6 KiB; split 8 ways, the bytes bound it.
+    flops = 4 * 61 * 128 * 576
+    assert roofline(V3, H200).c == pytest.approx(flops / H200.peak_flops)
+    assert flops / H200.peak_flops > V3.kv_bytes_per_token / H200.hbm_bandwidth_bytes_per_s
+    assert roofline(V3, H200, tensor_parallel_size=8).c == (
+        V3.kv_bytes_per_token / H200.hbm_bandwidth_bytes_per_s)
+    llama = lookup_model("llama-3-8b")
+    assert roofline(llama, H200).c == llama.kv_bytes_per_token / H200.hbm_bandwidth_bytes_per_s
+
+
+@pytest.mark.parametrize("parallel, words", [
+    ({"data_parallel_size": 2}, "data_parallel_size 2: llama-2-7b is dense"),
+    ({"expert_parallel": True}, "expert_parallel: llama-2-7b is dense"),
+])
+def test_a_dense_model_has_no_experts_to_spread(parallel, words):
+    with pytest.raises(ScenarioError, match=words):
+        scenario_from_dict(scenario(parallel, model="llama-2-7b"))
+
+
+def test_ranks_beyond_one_board_are_refused():
+    with pytest.raises(ScenarioError, match=r"data_parallel_size 8 × tensor_parallel_size 2: "
+                       r"NVLink joins 8"):
+        scenario_from_dict(scenario({"data_parallel_size": 8, "tensor_parallel_size": 2}))
+    gpu = {"name": "x", "memory_gib": 141, "hbm_bandwidth_gbps": 4800, "peak_tflops": 989}
+    with pytest.raises(ScenarioError, match=r"all-reduces and expert dispatches need "
+                       r"gpu\.interconnect_gbps"):
+        scenario_from_dict(scenario({"data_parallel_size": 2}, gpu=gpu))
+
+
+def test_what_is_not_modelled_with_ranks_is_refused_in_one_line():
+    with pytest.raises(ScenarioError, match=r"engine\.disaggregation with "
+                       r"parallel\.data_parallel_size > 1 is not modelled"):
+        scenario_from_dict(scenario({"data_parallel_size": 2},
+                                    engine={"replicas": 2,
+                                            "disaggregation": {"prefill_replicas": 1}}))
+    with pytest.raises(ScenarioError, match=r"timing\.calibration: a calibration times one "
+                       r"tensor-parallel group"):
+        scenario_from_dict(scenario({"expert_parallel": True, "tensor_parallel_size": 8},
+                                    timing={"calibration": "c.yaml"}))
+
+
+def test_expert_parallel_on_one_gpu_is_noted_as_changing_nothing():
+    notes = scenario_from_dict(scenario({"expert_parallel": True})).setting_notes()
+    assert any("parallel.expert_parallel changes nothing here" in n for n in notes)
+    assert roofline(V3, H200, expert_parallel=True) == roofline(V3, H200)
+
+
+def test_each_rank_runs_as_an_engine_of_its_own_balanced_by_load():
+    ranks = scenario_from_dict(scenario({"data_parallel_size": 8, "expert_parallel": True}))
+    assert ranks.ranks == 8 and ranks.router_policy == "least_loaded"
+    result = run_scenario(ranks).systems["paged"]
+    summary = result.summary
+    assert summary["replicas"] == 8 and summary["gpus"] == 8
+    assert scenario_pool_slots(ranks) == kv_pool_slots(V3, H200, data_parallel_size=8)
+    assert summary["capacity_slots"] == scenario_pool_slots(ranks) // 64 * 64
+    assert set(result.requests["replica"]) == set(range(8))
+    # The default is least_loaded, exactly; round robin, when asked, routes otherwise.
+    explicit = run_scenario(scenario_from_dict(scenario(
+        {"data_parallel_size": 8, "expert_parallel": True},
+        engine={"router": {"policy": "least_loaded"}}))).systems["paged"]
+    pd.testing.assert_frame_equal(result.requests, explicit.requests)
+    in_turn = run_scenario(scenario_from_dict(scenario(
+        {"data_parallel_size": 8, "expert_parallel": True},
+        engine={"router": {"policy": "round_robin"}}))).systems["paged"]
+    assert (in_turn.requests["replica"] == in_turn.requests["request"] % 8).all()
+    assert not in_turn.requests["replica"].equals(result.requests["replica"])
+    # Two engines of eight ranks: sixteen ranks, sixteen GPUs.
+    two = scenario_from_dict(scenario({"data_parallel_size": 8}, engine={"replicas": 2}))
+    assert two.ranks == 16 and run_scenario(two).systems["paged"].summary["gpus"] == 16
+
+
+def test_the_memory_line_speaks_of_ranks():
+    line = memory_summary(scenario_from_dict(scenario({"data_parallel_size": 8,
+                                                       "expert_parallel": True})))
+    rank_gib = V3.weight_bytes_per_gpu(1, 8) / GIB
+    assert line.startswith(f"memory: deepseek-v3 on 8 data-parallel ranks of h200-141g "
+                           f"(experts whole over 8 GPUs): weights {rank_gib:.1f} GiB a GPU")
+    assert "tokens a rank of 68.6 KiB a GPU" in line
+
+
+def test_ranks_pay_for_their_dense_weights_and_gain_batch_room():
+    # At a load that fills one TP8 engine's pool, eight ranks hold more requests at once.
+    work = {"arrival": {"process": "poisson", "rate": 400},
+            "prompt_len": {"dist": "constant", "value": 6000},
+            "output_len": {"dist": "constant", "value": 400}}
+    kwargs = {"workload": work, "stop": {"num_requests": 800},
+              "systems": [{"name": "paged", "allocator": {"kind": "paged", "block_size": 64},
+                           "scheduler": {"max_num_seqs": 1024,
+                                         "max_num_batched_tokens": 16384,
+                                         "chunked_prefill": True}}]}
+    tp = run_scenario(scenario_from_dict(scenario({"tensor_parallel_size": 8}, **kwargs)))
+    dp = run_scenario(scenario_from_dict(scenario({"data_parallel_size": 8,
+                                                   "expert_parallel": True}, **kwargs)))
+    tp_sum, dp_sum = tp.systems["paged"].summary, dp.systems["paged"].summary
+    # The TP engine's batch is what its pool holds; the ranks' together, five times that.
+    assert tp_sum["preemptions"] > 0 and tp_sum["peak_batch"] < 1024
+    assert 8 * dp_sum["peak_batch"] > 5 * tp_sum["peak_batch"]
+    assert dp_sum["throughput_tok_s"] > tp_sum["throughput_tok_s"]
+    timing = build_timing(scenario_from_dict(scenario({"data_parallel_size": 8,
+                                                       "expert_parallel": True})), Path())
+    assert timing.source == "roofline(deepseek-v3, 8 ranks of h200-141g, expert parallel)"
