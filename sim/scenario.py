@@ -916,7 +916,7 @@ class Scenario(ConfigModel):
         parallel = self.parallel
         if parallel.data_parallel_size > 1 and self.engine.disaggregation is not None:
             raise ValueError("engine.disaggregation with parallel.data_parallel_size > 1 is "
-                             "not modelled (split engines of one rank each, or drop one)")
+                             "not modelled; set data_parallel_size 1, or drop the disaggregation")
         if parallel.spreads_experts and self.timing.calibration:
             raise ValueError("timing.calibration: a calibration times one tensor-parallel "
                              "group, not experts spread over other GPUs "
