@@ -157,11 +157,11 @@ class ModelSpec:
         """The weights one GPU holds: 1/N of them over a tensor-parallel group of N, but the
         routed experts split over ``expert_parallel_gpus`` (every GPU of the data-parallel
         ranks, as vLLM spreads a MoE layer's experts; N when None)."""
-        if expert_parallel_gpus in (None, tensor_parallel_size):
+        expert_gpus = expert_parallel_gpus or tensor_parallel_size
+        if expert_gpus == tensor_parallel_size:
             return self.weight_bytes / tensor_parallel_size
         experts = self.routed_expert_bytes
-        return ((self.weight_bytes - experts) / tensor_parallel_size
-                + experts / expert_parallel_gpus)  # type: ignore[operator]
+        return (self.weight_bytes - experts) / tensor_parallel_size + experts / expert_gpus
 
     @property
     def flops_params(self) -> float:
@@ -362,11 +362,12 @@ def kv_pool_slots(
     usable_bytes = gpu.memory_bytes * gpu_memory_utilization
     pool_bytes = usable_bytes - weight_bytes_per_gpu
     if pool_bytes <= 0:
-        share = ("" if gpus == 1 else f" (1/{tensor_parallel_size} of them)"
-                 if data_parallel_size == 1 else
-                 f" (1/{tensor_parallel_size} of the dense ones, 1/{gpus} of the experts)")
-        hint = (_sharding_hint(model, gpu, usable_bytes) if data_parallel_size == 1
-                else _ranks_hint(model, gpu, usable_bytes, tensor_parallel_size))
+        if data_parallel_size > 1:
+            share = f" (1/{tensor_parallel_size} of the dense ones, 1/{gpus} of the experts)"
+            hint = _ranks_hint(model, gpu, usable_bytes, tensor_parallel_size)
+        else:
+            share = "" if gpus == 1 else f" (1/{tensor_parallel_size} of them)"
+            hint = _sharding_hint(model, gpu, usable_bytes)
         raise SizingError(
             f"{model.name} weights{share} ({weight_bytes_per_gpu / GIB:.1f} GiB) do not fit in "
             f"{gpu_memory_utilization:.0%} of {gpu.name} ({usable_bytes / GIB:.1f} GiB): no KV "
