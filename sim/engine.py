@@ -13,6 +13,11 @@ it finishes; they always run on the replica of the request they wait on, so ever
 happens at one of that replica's own event times. Open arrivals go round-robin, assigned up
 front, or through a load- or cache-aware :class:`~sim.router.Router`, which routes each one
 when the first replica's clock reaches it; replicas then also stop at every open arrival.
+
+The data-parallel ranks of a mixture of experts are replicas that cannot keep their own
+time: their MoE layers exchange tokens, so one process drives an engine's ranks through
+rounds, like carriages coupled into one train, each round as long as its slowest rank's
+step (:class:`_RankGroup`).
 """
 
 from __future__ import annotations
@@ -517,28 +522,48 @@ class _Replica:
                         f"{len(sched.running)} requests run and {len(sched.waiting)} wait")
                 snap = sched.snapshot()
                 quiet = None
-                timing = sim.timings[batch.draft_tokens]
-                duration = timing.step_time(batch.decode_seqs, batch.context_tokens,
-                                            batch.prefill_tokens, batch.prefill_pairs, self.rho,
-                                            batch.skipped_context, batch.skipped_pairs)
-                if batch.loaded_tokens:  # host-cache hits, read up for the step
-                    duration = with_transfer(duration, batch.loaded_tokens
-                                             * sim.host_s_per_token, sim.pipelined_layers)
-                if batch.swapped_slots:  # copied before the step computes, as vLLM v0 does
-                    duration += batch.swapped_slots * sim.host_s_per_token
-                clock = start + duration
+                clock = start + self.step_duration(batch)
                 steps = 1
-                finished = sched.finish_step(batch, clock)
-                if sim.router is not None and self.role != "decode":
-                    sim.tell_first_tokens(self, batch, clock)
-            sim.recorder.record(self.index, start, clock - start, steps, batch, sched, snap,
-                                quiet, len(finished))
-            self.clock = clock
-            for request in finished:
-                self._account_finish(request)
-                sim.on_done(self, request, clock, start)
+                finished = self.finish_step(batch, clock)
+            self.end_steps(start, clock, steps, batch, snap, quiet, finished)
             if clock > self.env.now:
                 yield self.env.timeout(clock - self.env.now)
+
+    def step_duration(self, batch: Batch, round_tokens: int = 0) -> float:
+        """Seconds ``batch`` takes as one step (``round_tokens``: all data-parallel ranks'
+        tokens in a step they take together; see :meth:`StepTimeModel.step_time`)."""
+        sim = self.sim
+        timing = sim.timings[batch.draft_tokens]
+        duration = timing.step_time(batch.decode_seqs, batch.context_tokens,
+                                    batch.prefill_tokens, batch.prefill_pairs, self.rho,
+                                    batch.skipped_context, batch.skipped_pairs, round_tokens)
+        if batch.loaded_tokens:  # host-cache hits, read up for the step
+            duration = with_transfer(duration, batch.loaded_tokens * sim.host_s_per_token,
+                                     sim.pipelined_layers)
+        if batch.swapped_slots:  # copied before the step computes, as vLLM v0 does
+            duration += batch.swapped_slots * sim.host_s_per_token
+        return duration
+
+    def finish_step(self, batch: Batch, clock_s: float) -> list[Request]:
+        """End the step of ``batch`` at ``clock_s``: the requests it finished (the router
+        told of the prompts it read)."""
+        finished = self.scheduler.finish_step(batch, clock_s)
+        if self.sim.router is not None and self.role != "decode":
+            self.sim.tell_first_tokens(self, batch, clock_s)
+        return finished
+
+    def end_steps(self, start_s: float, clock_s: float, steps: int, batch: Batch,
+                  snap: MemorySnapshot, quiet: QuietDecode | None,
+                  finished: list[Request]) -> None:
+        """Record the step (or ``quiet`` run of steps) from ``start_s`` to ``clock_s``
+        that began holding ``snap``, and be done with the requests it ``finished``."""
+        sim = self.sim
+        sim.recorder.record(self.index, start_s, clock_s - start_s, steps, batch,
+                            self.scheduler, snap, quiet, len(finished))
+        self.clock = clock_s
+        for request in finished:
+            self._account_finish(request)
+            sim.on_done(self, request, clock_s, start_s)
 
     def _account_finish(self, request: Request) -> None:
         # Allocation at finish time, for the "waste at completion" figure (seed: 63.4 %).
@@ -548,6 +573,91 @@ class _Replica:
             bs = self.allocator.block_size  # type: ignore[attr-defined]
             per_sample = -(-request.final_len // bs) * bs
         self.sim.allocated_at_finish[request.index] = per_sample * request.n
+
+
+def cuda_graph_tokens(system: SystemConfig) -> int:
+    """The most tokens a step of ``system`` runs in a CUDA graph, as vLLM sizes its largest
+    by default (``max_cudagraph_capture_size``): twice a full batch of decodes and their
+    drafts, at most 512 and the step's token budget. A larger step runs without one."""
+    scheduler = system.scheduler
+    drafts = system.speculative.num_speculative_tokens if system.speculative else 0
+    return min(scheduler.max_num_seqs * (1 + drafts) * 2, 512,
+               scheduler.max_num_batched_tokens)
+
+
+class _RankGroup:
+    """The data-parallel ranks of one engine of a mixture of experts. Every MoE layer sends
+    each rank's tokens to their experts, on all the ranks' GPUs, and back, so the ranks step
+    together, as rowers in one boat pull one stroke at a time: a round lasts as long as its
+    slowest rank's step, and a rank with nothing to do waits it out (vLLM runs it a dummy
+    batch) while any other works. A new request joins its rank at the next round. Rounds go
+    step by step in either engine mode."""
+
+    def __init__(self, env: simpy.Environment, ranks: list[_Replica],
+                 cuda_graph_tokens: int) -> None:
+        self.env = env
+        self.ranks = ranks
+        self.cuda_graph_tokens = cuda_graph_tokens  # the most tokens a rank's graphs run
+        self.clock = 0.0
+        # Rank-seconds of the rounds' busy ranks, and of that spent waiting on a slower one.
+        self.busy_s = 0.0
+        self.waited_s = 0.0
+
+    def run(self):  # type: ignore[no-untyped-def]
+        """SimPy process: every rank schedules → the round steps → advance, until no rank
+        has work left."""
+        env = self.env
+        while True:
+            busy = []
+            for rank in self.ranks:
+                rank.clock = self.clock
+                rank.scheduler.notice_time(self.clock)
+                rank.pull_arrivals()
+                if rank.scheduler.running or rank.scheduler.waiting:
+                    busy.append(rank)
+            if not busy:
+                t = min(rank.next_arrival() for rank in self.ranks)
+                if t == math.inf:
+                    return
+                if t > env.now:
+                    # Until the next arrival to any rank (the ranks share one wake event).
+                    wake = env.event()
+                    for rank in self.ranks:
+                        rank.idle, rank.wake = True, wake
+                    yield wake | env.timeout(t - env.now)
+                    for rank in self.ranks:
+                        rank.idle = False
+                    t = env.now
+                self.clock = max(self.clock, t)
+                continue
+            start = self.clock
+            planned = []
+            for rank in busy:
+                sched = rank.scheduler
+                batch = sched.schedule(start)
+                if batch.empty:
+                    raise SimulationError(
+                        f"replica {rank.index}: nothing can run although "
+                        f"{len(sched.running)} requests run and {len(sched.waiting)} wait")
+                planned.append((rank, batch, sched.snapshot()))
+            tokens = [batch.decode_seqs * (1 + batch.draft_tokens) + batch.prefill_tokens
+                      for _, batch, _ in planned]
+            # A round every rank's CUDA graphs can run pads each to the most tokens of any,
+            # idle ones too (vLLM's DP padding), and the padding goes to experts as well.
+            most = max(tokens)
+            round_tokens = (len(self.ranks) * most if most <= self.cuda_graph_tokens
+                            else sum(tokens))
+            own_s = [rank.step_duration(batch, round_tokens) for rank, batch, _ in planned]
+            round_s = max(own_s)
+            clock = start + round_s
+            for (rank, batch, snap), step_s in zip(planned, own_s, strict=True):
+                rank.end_steps(start, clock, 1, batch, snap, None,
+                               rank.finish_step(batch, clock))
+                self.busy_s += round_s
+                self.waited_s += round_s - step_s
+            self.clock = clock
+            if clock > env.now:
+                yield env.timeout(clock - env.now)
 
 
 class _SystemRun:
@@ -589,6 +699,9 @@ class _SystemRun:
                                 "which python -O removes; run without -O, or set it false")
         self.duration_s = scenario.stop.duration_s
         self.gpus_per_replica = scenario.parallel.tensor_parallel_size  # one rank's
+        # Data-parallel ranks: replicas [g·D, (g+1)·D) step together as engine g.
+        self.data_parallel_size = scenario.parallel.data_parallel_size
+        self.rank_groups: list[_RankGroup] = []
         self.usd_per_gpu_hour = scenario.cost.usd_per_gpu_hour if scenario.cost else None
         self.slo = scenario.slo
         # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode.
@@ -872,7 +985,16 @@ class _SystemRun:
         for replica in self.replicas:
             if self.router is None:  # routed replicas wake at every open arrival anyway
                 self.env.process(replica.arrivals())
-            self.env.process(replica.run())
+        ranks = self.data_parallel_size
+        if ranks > 1:
+            for first in range(0, len(self.replicas), ranks):
+                group = _RankGroup(self.env, self.replicas[first:first + ranks],
+                                   cuda_graph_tokens(self.system))
+                self.rank_groups.append(group)
+                self.env.process(group.run())
+        else:
+            for replica in self.replicas:
+                self.env.process(replica.run())
         self.env.run()
         for replica in self.replicas:
             sched = replica.scheduler
@@ -918,6 +1040,10 @@ class _SystemRun:
         for key in ("swap_preemptions", "swapped_out_slots", "swapped_in_slots"):
             extra[key] = (sum(getattr(r.scheduler, key) for r in self.replicas) if swaps
                           else None)
+        # None (shown "—") without data-parallel ranks: their time waiting on slower ones.
+        busy_s = sum(group.busy_s for group in self.rank_groups)
+        extra["rank_wait_frac"] = (sum(group.waited_s for group in self.rank_groups) / busy_s
+                                   if busy_s else 0.0) if self.rank_groups else None
         # None (shown "—") without speculative decoding: the drafts a decode step verified.
         decoding = steps[steps["decode_seqs"] > 0]
         extra["mean_draft_tokens"] = (

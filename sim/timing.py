@@ -25,6 +25,11 @@ a′, where no pass of its own read them)::
 (With K drafts by batch size, k is the step's K; at K = 0 a drafter still makes one pass, as
 vLLM runs it to keep the drafter's KV in step.)
 
+Data-parallel ranks of a mixture of experts step together, as their MoE layers exchange
+tokens: a round lasts as long as its slowest rank's step, in which the R tokens of all D
+ranks choose the experts each GPU reads (in ``a``), and each GPU computes its experts' share
+of their FLOPs, R/D tokens' worth, in place of its own tokens' (in ``b`` and ``d``).
+
 Defaults are a roofline of the model on the GPU preset; a calibration YAML written by
 ``gpu_validate`` (format in :class:`Calibration`) replaces them with measured values.
 """
@@ -69,9 +74,11 @@ class StepTimeModel:
     # k/E of them each token goes to. A step reads only the experts its tokens choose.
     expert_s: float = 0.0
     expert_share: float = 0.0
-    # Data parallelism: the ranks whose tokens every GPU's experts serve, each assumed to
-    # pass as many tokens through a step as this one.
+    # Data parallelism: the ranks whose tokens every GPU's experts serve (a step's
+    # ``round_tokens``, or each rank assumed to pass as many tokens as this one), and the
+    # part of ``b`` and ``d`` that is the routed experts' FLOPs per token.
     expert_batch_ranks: int = 1
+    expert_flops_s: float = 0.0
     # The share of the layers that attend to a sliding window only (their reads past it are
     # skipped); 0: every layer attends to every token.
     sliding_share: float = 0.0
@@ -80,15 +87,15 @@ class StepTimeModel:
     speculative_tokens: int = 0
     drafter: StepTimeModel | None = None
 
-    def fixed_s(self, tokens: int) -> float:
+    def fixed_s(self, tokens: int, round_tokens: int = 0) -> float:
         """``a`` for a step that passes ``tokens`` tokens through the model: all of it, but
         for a mixture of experts only the experts they choose, each token k of E at random,
-        so that a share 1 − (1 − k/E)^tokens of them is read (of every rank's tokens, under
-        data parallelism)."""
+        so that a share 1 − (1 − k/E)^tokens of them is read (of every rank's tokens under
+        data parallelism: ``round_tokens``, or this rank's times the ranks)."""
         if not self.expert_s:
             return self.a
         return self.a - self.expert_s * (1.0 - self.expert_share) ** (
-            tokens * self.expert_batch_ranks)
+            round_tokens or tokens * self.expert_batch_ranks)
 
     @property
     def min_fixed_s(self) -> float:
@@ -114,17 +121,23 @@ class StepTimeModel:
 
     def step_time(self, decode_seqs: int, context_tokens: int, prefill_tokens: int,
                   prefill_pairs: int, rho: float, skipped_context: int = 0,
-                  skipped_pairs: int = 0) -> float:
+                  skipped_pairs: int = 0, round_tokens: int = 0) -> float:
         """Seconds for one step of the given shape (ρ already chosen for the allocator);
-        ``skipped_context`` and ``skipped_pairs`` lie past a sliding window."""
+        ``skipped_context`` and ``skipped_pairs`` lie past a sliding window. Data-parallel
+        ranks step together: ``round_tokens``, the tokens all of them pass through the step
+        (0: as many on each as on this one), choose the experts this GPU reads, and it
+        computes its experts' share of them, the mean rank's tokens' worth."""
         read: float = context_tokens
         pairs: float = prefill_pairs
         if self.sliding_share:
             read -= self.sliding_share * skipped_context
             pairs -= self.sliding_share * skipped_pairs
         drafts = decode_seqs * self.speculative_tokens
-        step_s = (self.fixed_s(decode_seqs + drafts + prefill_tokens) + self.b * decode_seqs
+        tokens = decode_seqs + drafts + prefill_tokens
+        step_s = (self.fixed_s(tokens, round_tokens) + self.b * decode_seqs
                   + rho * self.c * read + self.d * prefill_tokens + self.e * pairs)
+        if round_tokens:  # (b and d charge this rank's tokens the experts' FLOPs)
+            step_s += self.expert_flops_s * (round_tokens / self.expert_batch_ranks - tokens)
         if not self.speculates:
             return step_s
         step_s += self._speculation_s(decode_seqs, read, rho)
@@ -160,7 +173,9 @@ class StepTimeModel:
         coefficient scaled, none of its own speculation."""
         return replace(self, a=self.a * fraction, b=self.b * fraction, c=self.c * fraction,
                        d=self.d * fraction, e=self.e * fraction,
-                       expert_s=self.expert_s * fraction, source=source, sliding_share=0.0,
+                       expert_s=self.expert_s * fraction,
+                       expert_flops_s=self.expert_flops_s * fraction, source=source,
+                       sliding_share=0.0,
                        speculative_tokens=0, drafter=None)
 
     def decode_step_time(self, decode_seqs: int, rho: float) -> Callable[[int, int], float]:
@@ -219,9 +234,10 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
     adds to ``a``.
 
     ``data_parallel_size`` D ranks of N GPUs each (one step of every rank at once) keep the
-    experts on all G = D·N GPUs: each GPU holds 1/G of them and serves every rank's tokens,
-    the ranks assumed equally busy (D times this rank's tokens choose its experts, and its
-    share of the expert FLOPs per own token is unchanged). Each MoE layer then sends every
+    experts on all G = D·N GPUs: each GPU holds 1/G of them and serves every rank's tokens
+    (a step's ``round_tokens`` choose its experts, and it computes 1/D of their expert FLOPs,
+    ``expert_flops_s`` each; without them, the ranks are taken as equally busy, D times this
+    rank's tokens, whose FLOPs per own token are then unchanged). Each MoE layer then sends every
     token's hidden state out and back (dispatch and combine, in place of the MLP's
     all-reduce): to its k experts' GPUs under ``expert_parallel``, else to all D ranks (each
     expert split over every GPU, every rank's tokens gathered), (G−1)/G of them off the GPU,
@@ -268,6 +284,8 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
         expert_s=model.routed_expert_bytes / gpus / gpu.hbm_bandwidth_bytes_per_s,
         expert_share=model.expert_share,
         expert_batch_ranks=dp,
+        expert_flops_s=(2.0 * model.routed_expert_params * model.expert_share / tp
+                        / gpu.peak_flops),
     )
 
 

@@ -193,3 +193,66 @@ def test_ranks_pay_for_their_dense_weights_and_gain_batch_room():
     timing = build_timing(scenario_from_dict(scenario({"data_parallel_size": 8,
                                                        "expert_parallel": True})), Path())
     assert timing.source == "roofline(deepseek-v3, 8 ranks of h200-141g, expert parallel)"
+
+
+def test_a_round_lasts_as_long_as_its_slowest_rank_and_reads_every_ranks_experts():
+    dp = roofline(V3, H200, data_parallel_size=8, expert_parallel=True)
+    assert dp.expert_flops_s == pytest.approx(
+        2 * V3.routed_expert_params * V3.expert_share / H200.peak_flops)
+    # Eight ranks of as many tokens each: the round is the step of balanced ranks.
+    assert dp.step_time(40, 9000, 0, 0, 1.0, round_tokens=8 * 40) == pytest.approx(
+        dp.step_time(40, 9000, 0, 0, 1.0))
+    # A prefill of 8192 tokens beside seven idle ranks: its GPU computes its experts' share
+    # of those tokens (1/8 of their expert FLOPs), and reads the experts they choose.
+    alone = dp.step_time(0, 0, 8192, 0, 1.0, round_tokens=8192)
+    balanced = dp.step_time(0, 0, 8192, 0, 1.0)
+    assert balanced - alone == pytest.approx(
+        dp.expert_flops_s * 8192 * 7 / 8 + dp.fixed_s(8192) - dp.fixed_s(8192, 8192))
+    assert dp.fixed_s(1, 8) == dp.fixed_s(1)
+
+
+def test_ranks_step_together_at_the_pace_of_the_slowest(tmp_path):
+    # A long answer on rank 0; later, a long prompt on rank 1, read in one step.
+    rows = [(0.0, 100, 1000), (1.0, 6000, 2)]
+    pd.DataFrame(rows, columns=["t", "prompt", "output"]).to_csv(tmp_path / "t.csv",
+                                                                   index=False)
+    trace = {"kind": "trace", "path": str(tmp_path / "t.csv"), "format": "csv",
+             "columns": {"arrival": "t", "prompt_len": "prompt", "output_len": "output"}}
+    data = scenario({"data_parallel_size": 2, "expert_parallel": True}, "deepseek-v2-lite",
+                    workload=trace, engine={"router": {"policy": "round_robin"}})
+    ranks = scenario_from_dict(data)
+    run = run_scenario(ranks).systems["paged"]
+    steps = run.steps
+    assert set(steps["replica"]) == {0, 1}
+    # Every step of a round, on whichever rank, lasts the round.
+    assert (steps.groupby("time_s")["duration_s"].nunique() == 1).all()
+    prefill = steps[steps["prefill_tokens"] == 6000]
+    assert len(prefill) == 1
+    beside = steps[(steps["time_s"] == prefill["time_s"].iloc[0]) & (steps["replica"] == 0)]
+    assert beside["decode_seqs"].tolist() == [1]
+    decodes = steps[(steps["replica"] == 0) & (steps["prefill_tokens"] == 0)]
+    assert beside["duration_s"].iloc[0] > 10 * decodes["duration_s"].median()
+    # A decode beside an idle rank: the idle rank pads to its one token (CUDA graphs), so
+    # the experts read are those of two tokens.
+    timing = build_timing(ranks, Path())
+    lone = decodes[decodes["time_s"] < 1.0].iloc[-1]
+    assert lone["duration_s"] == pytest.approx(timing.step_time(
+        1, int(lone["context_tokens"]), 0, 0, timing.rho(64), round_tokens=2), rel=1e-12)
+    # That round: the prefill's step, its GPU computing half the experts' FLOPs of the
+    # round's 6001 tokens (no CUDA graph runs so many, so nothing pads).
+    assert beside["duration_s"].iloc[0] == pytest.approx(timing.step_time(
+        0, 0, 6000, 6000 * 6000, timing.rho(64), round_tokens=6001), rel=1e-12)
+    # Rank 0 waited out the prefill, less its own step; rank 1 its two steps' share.
+    waited = beside["duration_s"].iloc[0] - timing.step_time(
+        1, int(beside["context_tokens"].iloc[0]), 0, 0, timing.rho(64), round_tokens=6001)
+    busy = steps["duration_s"].sum()
+    assert waited / busy < run.summary["rank_wait_frac"] < 2 * waited / busy
+    # The answer's tokens come slower than on a rank of its own.
+    solo = pd.DataFrame(rows[:1], columns=["t", "prompt", "output"])
+    solo.to_csv(tmp_path / "t.csv", index=False)
+    alone = run_scenario(scenario_from_dict(data)).systems["paged"]
+    assert alone.summary["rank_wait_frac"] == 0.0
+    assert run.requests["finished_s"].iloc[0] > alone.requests["finished_s"].iloc[0] + waited
+    tp = run_scenario(scenario_from_dict(scenario({"tensor_parallel_size": 2},
+                                                  "deepseek-v2-lite", workload=trace)))
+    assert tp.systems["paged"].summary["rank_wait_frac"] is None

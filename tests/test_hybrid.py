@@ -638,11 +638,11 @@ class _RecordingTiming(StepTimeModel):
     """The roofline, noting the shape of every step it times (step mode times each)."""
 
     def step_time(self, decode_seqs, context_tokens, prefill_tokens, prefill_pairs, rho,
-                  skipped_context=0, skipped_pairs=0):
+                  skipped_context=0, skipped_pairs=0, round_tokens=0):
         SHAPES.append((decode_seqs, context_tokens, prefill_tokens, prefill_pairs,
                        skipped_context, skipped_pairs))
         return super().step_time(decode_seqs, context_tokens, prefill_tokens, prefill_pairs,
-                                 rho, skipped_context, skipped_pairs)
+                                 rho, skipped_context, skipped_pairs, round_tokens)
 
 
 SHAPES: list[tuple[int, ...]] = []
