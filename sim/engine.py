@@ -605,8 +605,10 @@ class _RankGroup:
 
     def run(self):  # type: ignore[no-untyped-def]
         """SimPy process: every rank schedules → the round steps → advance, until no rank
-        has work left."""
+        has work left (or, when replicas hand requests over, forever: SimPy stops when no
+        event is left)."""
         env = self.env
+        handovers = self.ranks[0].sim.handovers
         while True:
             busy = []
             for rank in self.ranks:
@@ -616,30 +618,31 @@ class _RankGroup:
                 if rank.scheduler.running or rank.scheduler.waiting:
                     busy.append(rank)
             if not busy:
-                t = min(rank.next_arrival() for rank in self.ranks)
-                if t == math.inf:
+                t = self.next_arrival()
+                if t == math.inf and not handovers:
                     return
-                if t > env.now:
-                    # Until the next arrival to any rank (the ranks share one wake event).
-                    wake = env.event()
-                    for rank in self.ranks:
-                        rank.idle, rank.wake = True, wake
-                    yield wake | env.timeout(t - env.now)
-                    for rank in self.ranks:
-                        rank.idle = False
-                    t = env.now
-                self.clock = max(self.clock, t)
+                self.clock = max(self.clock, (yield from self.idle_until(t)))
                 continue
             start = self.clock
             planned = []
             for rank in busy:
                 sched = rank.scheduler
+                while rank.held and rank.held[0][0] <= start:
+                    sched.release(heapq.heappop(rank.held)[2])
                 batch = sched.schedule(start)
+                if batch.empty and rank.held:
+                    continue  # what waits needs memory still being sent on: it sits out
                 if batch.empty:
                     raise SimulationError(
                         f"replica {rank.index}: nothing can run although "
                         f"{len(sched.running)} requests run and {len(sched.waiting)} wait")
                 planned.append((rank, batch, sched.snapshot()))
+            if not planned:
+                # Every busy rank waits for its memory to be sent on: until the first is, or
+                # until a request arrives that another rank may run.
+                t = min(self.next_arrival(), *(rank.held[0][0] for rank in busy))
+                self.clock = max(self.clock, (yield from self.idle_until(t)))
+                continue
             tokens = [batch.decode_seqs * (1 + batch.draft_tokens) + batch.prefill_tokens
                       for _, batch, _ in planned]
             # A round every rank's CUDA graphs can run pads each to the most tokens of any,
@@ -658,6 +661,24 @@ class _RankGroup:
             self.clock = clock
             if clock > env.now:
                 yield env.timeout(clock - env.now)
+
+    def next_arrival(self) -> float:
+        """When a request may next join any of the ranks."""
+        return min(rank.next_arrival() for rank in self.ranks)
+
+    def idle_until(self, t: float):  # type: ignore[no-untyped-def]
+        """Wait until ``t`` (if later than now), or until another replica hands a rank a
+        request (the ranks share one wake event); the time it is then."""
+        env = self.env
+        if t > env.now:
+            wake = env.event()
+            for rank in self.ranks:
+                rank.idle, rank.wake = True, wake
+            yield wake if t == math.inf else wake | env.timeout(t - env.now)
+            for rank in self.ranks:
+                rank.idle = False
+            return env.now
+        return t
 
 
 class _SystemRun:
@@ -704,9 +725,10 @@ class _SystemRun:
         self.rank_groups: list[_RankGroup] = []
         self.usd_per_gpu_hour = scenario.cost.usd_per_gpu_hour if scenario.cost else None
         self.slo = scenario.slo
-        # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode.
+        # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode
+        # (counted in ranks: P is the prefill engines' ranks).
         split = scenario.engine.disaggregation
-        self.prefill_replicas = split.prefill_replicas if split else 0
+        self.prefill_replicas = scenario.prefill_ranks
         self.handovers = split is not None  # replicas receive requests from one another
         self.decode_replicas = scenario.ranks - self.prefill_replicas if split else 0
         self.least_loaded_decode = split is not None and split.decode_router == "least_loaded"

@@ -748,9 +748,10 @@ class SloConfig(ConfigModel):
 
 class DisaggregationConfig(ConfigModel):
     """Prefill/decode disaggregation (DistServe, Splitwise, Mooncake): the first
-    ``prefill_replicas`` replicas only read prompts and give each request its first token;
-    its KV then travels to a decode replica (``kv_transfer_gbps`` per GPU, one direction,
-    plus ``kv_transfer_latency_s``), which generates the rest."""
+    ``prefill_replicas`` replicas (all their data-parallel ranks) only read prompts and give
+    each request its first token; its KV then travels to a decode replica's rank
+    (``kv_transfer_gbps`` per GPU, one direction, plus ``kv_transfer_latency_s``), which
+    generates the rest."""
 
     prefill_replicas: PositiveInt
     kv_transfer_gbps: PositiveFloat = Field(
@@ -914,9 +915,6 @@ class Scenario(ConfigModel):
     @model_validator(mode="after")
     def _experts_spread_alone(self):  # type: ignore[no-untyped-def]
         parallel = self.parallel
-        if parallel.data_parallel_size > 1 and self.engine.disaggregation is not None:
-            raise ValueError("engine.disaggregation with parallel.data_parallel_size > 1 is "
-                             "not modelled; set data_parallel_size 1, or drop the disaggregation")
         if parallel.spreads_experts and self.timing.calibration:
             raise ValueError("timing.calibration: a calibration times one tensor-parallel "
                              "group, not experts spread over other GPUs "
@@ -929,6 +927,13 @@ class Scenario(ConfigModel):
         """The engines the simulation runs side by side: every data-parallel rank of every
         replica (a rank schedules its own batch over its own KV cache)."""
         return self.engine.replicas * self.parallel.data_parallel_size
+
+    @property
+    def prefill_ranks(self) -> int:
+        """Of :attr:`ranks`, those of the prefill replicas under disaggregation (the
+        first ones; 0 without it)."""
+        split = self.engine.disaggregation
+        return split.prefill_replicas * self.parallel.data_parallel_size if split else 0
 
     @property
     def router_policy(self) -> Literal["round_robin", "least_loaded", "cache_aware",
@@ -1009,8 +1014,7 @@ class Scenario(ConfigModel):
         only in them should know they cannot differ."""
         notes = []
         router = self.router_policy
-        split = self.engine.disaggregation
-        routed = split.prefill_replicas if split else self.ranks
+        routed = self.prefill_ranks or self.ranks
         if self.parallel.expert_parallel and self.parallel.gpus == 1:
             notes.append("parallel.expert_parallel changes nothing here: one GPU holds every "
                          "expert")

@@ -190,6 +190,10 @@ def random_scenario(seed: int) -> dict:
                     "expert_parallel": rng.random() < 0.5}
         if router["policy"] in ("round_robin", "least_loaded") and rng.random() < 0.5:
             del router["policy"]
+        # Drawn last, as the above: engines of ranks that prefill and engines that decode.
+        if "sampling" not in workload and rng.random() < 0.5:
+            engine["replicas"] = 2
+            engine["disaggregation"] = {"prefill_replicas": 1}
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",
