@@ -524,7 +524,7 @@ class _Replica:
                 quiet = None
                 clock = start + self.step_duration(batch)
                 steps = 1
-                finished = self.finish_step(batch, clock)
+                finished = self.finish_step(batch, start, clock)
             self.end_steps(start, clock, steps, batch, snap, quiet, finished)
             if clock > self.env.now:
                 yield self.env.timeout(clock - self.env.now)
@@ -544,12 +544,12 @@ class _Replica:
             duration += batch.swapped_slots * sim.host_s_per_token
         return duration
 
-    def finish_step(self, batch: Batch, clock_s: float) -> list[Request]:
-        """End the step of ``batch`` at ``clock_s``: the requests it finished (the router
-        told of the prompts it read)."""
+    def finish_step(self, batch: Batch, start_s: float, clock_s: float) -> list[Request]:
+        """End the step of ``batch`` from ``start_s`` at ``clock_s``: the requests it
+        finished (the router told of the requests it seated and the prompts it read)."""
         finished = self.scheduler.finish_step(batch, clock_s)
         if self.sim.router is not None and self.role != "decode":
-            self.sim.tell_first_tokens(self, batch, clock_s)
+            self.sim.tell_router(self, batch, start_s, clock_s)
         return finished
 
     def end_steps(self, start_s: float, clock_s: float, steps: int, batch: Batch,
@@ -655,7 +655,7 @@ class _RankGroup:
             clock = start + round_s
             for (rank, batch, snap), step_s in zip(planned, own_s, strict=True):
                 rank.end_steps(start, clock, 1, batch, snap, None,
-                               rank.finish_step(batch, clock))
+                               rank.finish_step(batch, start, clock))
                 self.busy_s += round_s
                 self.waited_s += round_s - step_s
             self.clock = clock
@@ -779,7 +779,7 @@ class _SystemRun:
         replicas = scenario.ranks  # (engines, or their data-parallel ranks)
         routed = self.prefill_replicas or replicas  # the replicas new requests go to
         routing = scenario.engine.router
-        policy = scenario.router_policy
+        policy = routing.policy
         self.replica_of = np.zeros(len(trace), dtype=np.int64)
         roots = np.flatnonzero(after < 0)
         self.router: Router | None = None
@@ -949,13 +949,17 @@ class _SystemRun:
             self.decode_in_flight[position] += 1
         self.release(decode, arrival_s, index, rest)
 
-    def tell_first_tokens(self, replica: _Replica, batch: Batch, now_s: float) -> None:
-        """Tell the router which prompts ``replica`` finished reading in the step ending at
-        ``now_s`` (their first token is out), as it learns of finishes."""
+    def tell_router(self, replica: _Replica, batch: Batch, start_s: float,
+                    now_s: float) -> None:
+        """Tell the router which requests ``replica`` seated for the first time in the step
+        from ``start_s`` and which prompts it finished reading by ``now_s`` (their first
+        token is out), as it learns of finishes."""
         router = self.router
         if router is None:
             return
         for request, _, _ in batch.prefill:
+            if request.admitted_s == start_s:
+                router.admitted(request.index, replica.index, start_s)
             if not request.in_prefill:
                 router.prefilled(request.index, replica.index, now_s)
 

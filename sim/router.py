@@ -1,20 +1,22 @@
 """Routers: which engine replica serves each new request.
 
 A router is the host at a restaurant's door. ``round_robin`` seats parties at each table in
-turn; ``least_loaded`` at the table with the fewest parties still eating; ``cache_aware``
+turn; ``least_loaded`` at the table with the fewest parties still eating; ``vllm_dp`` (vLLM's
+balancer of its data-parallel ranks) counts a party still waiting for its table four times
+one already served; ``cache_aware``
 (SGLang's router) remembers which table already has a party's friends, seats it there while
 the room is balanced, and falls back to the emptiest table when it is not; ``kv_aware``
 (NVIDIA Dynamo's KV router) prices every table, the dishes its kitchen has yet to cook, the
 party's included, plus the plates already on it, and picks the cheapest (or, with a
 temperature, draws a table, the cheaper the likelier).
 
-Routers know only what a real router knows: what they sent where, which requests have given
-their first token, and which have finished; ``kv_aware`` with KV events also what each
-replica's prefix cache holds, from the blocks its pool logged as stored or removed, as vLLM
-publishes them to Dynamo. They learn each fact at the simulated time it happens (events
-applied up to, and excluding, the arrival being routed), never from a replica's state as it
-is when the router looks, so the same trace gives the same routing whether the engine steps
-or jumps.
+Routers know only what a real router knows: what they sent where, which requests have been
+seated, which have given their first token, and which have finished; ``kv_aware`` with KV
+events also what each replica's prefix cache holds, from the blocks its pool logged as
+stored or removed, as vLLM publishes them to Dynamo. They learn each fact at the simulated
+time it happens (events applied up to, and excluding, the arrival being routed), never from
+a replica's state as it is when the router looks, so the same trace gives the same routing
+whether the engine steps or jumps.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ from typing import Literal
 from sim.memory.content import BlockHasher
 
 Segments = Sequence[tuple[int, int]]
-RouterPolicy = Literal["least_loaded", "cache_aware", "kv_aware"]  # round robin needs none
+RouterPolicy = Literal["least_loaded", "vllm_dp", "cache_aware", "kv_aware"]  # (round
+# robin needs none)
 
 # Order of simultaneous events: fixed, not by insertion.
-_ARRIVE, _TOUCH, _PREFILLED, _FINISH = 0, 1, 2, 3
+_ARRIVE, _TOUCH, _ADMITTED, _PREFILLED, _FINISH = 0, 1, 2, 3, 4
+
+# vLLM's DP load balancer scores a rank 4 × its waiting requests + its running ones.
+VLLM_DP_WAITING_WEIGHT = 4
 
 # How long Dynamo's router without KV events believes a block it sent stays cached
 # (--router-ttl-secs).
@@ -148,10 +154,11 @@ class CacheEvents:
 
 
 class Router:
-    """Routes open arrivals by load and cache (``least_loaded``, ``cache_aware``,
-    ``kv_aware``); ``round_robin`` needs no state and the engine assigns it up front. The
-    engine tells the router of every request that will run on a replica (:meth:`assign` as it
-    routes, :meth:`expect` for a session's later turns), of every first token
+    """Routes open arrivals by load and cache (``least_loaded``, ``vllm_dp``,
+    ``cache_aware``, ``kv_aware``); ``round_robin`` needs no state and the engine assigns it
+    up front. The engine tells the router of every request that will run on a replica
+    (:meth:`assign` as it routes, :meth:`expect` for a session's later turns), of every first
+    seating (:meth:`admitted`, which only ``vllm_dp`` heeds), of every first token
     (:meth:`prefilled`, which only ``kv_aware`` heeds) and of every finish (:meth:`finished`),
     each at its simulated time. ``cache_slots`` is what one replica can cache (its GPU pool
     and host tier), which bounds ``cache_aware``'s memory of prefixes; ``kv_aware``'s forgets
@@ -177,6 +184,9 @@ class Router:
         # A string seed is hashed the same way on every platform and Python version.
         self._rng = random.Random(f"kvsim router {seed}")
         self.load = [0] * replicas  # requests arrived and not finished, as of the last route
+        # vllm_dp: of those, the ones not yet seated (vLLM's waiting), by request.
+        self.waiting = [0] * replicas
+        self._unseated: dict[int, int] = {}  # request -> its replica
         self.trees = [ApproximateTree(None, ttl_s) if policy == "kv_aware"
                       else ApproximateTree(cache_slots) for _ in range(replicas)]
         self._now_s = 0.0  # the time of the arrival being routed
@@ -205,12 +215,12 @@ class Router:
 
     @property
     def _tracks_cache(self) -> bool:
-        return self.policy != "least_loaded"
+        return self.policy not in ("least_loaded", "vllm_dp")
 
     def assign(self, replica: int, segments: Segments, request: int) -> None:
         """Request ``request``, just routed, will run on ``replica``: it loads it from now
         on (requests that arrive together see each other)."""
-        self.load[replica] += 1
+        self._arrive(request, replica)
         if self._tracks_cache:
             chain = prefix_chain(segments)
             if self.policy == "kv_aware":
@@ -269,6 +279,24 @@ class Router:
             if not held[key]:
                 del held[key]
 
+    def _arrive(self, request: int, replica: int) -> None:
+        self.load[replica] += 1
+        if self.policy == "vllm_dp":
+            self._unseated[request] = replica
+            self.waiting[replica] += 1
+
+    def _seat(self, request: int) -> None:
+        # Seated, or finished unseated (a request its replica turned away never counts).
+        replica = self._unseated.pop(request, None)
+        if replica is not None:
+            self.waiting[replica] -= 1
+
+    def admitted(self, request: int, replica: int, admitted_s: float) -> None:
+        """``request`` was first seated on ``replica`` (its prefill scheduled) at
+        ``admitted_s``: it runs there rather than waits (only ``vllm_dp`` counts that)."""
+        if self.policy == "vllm_dp":
+            heapq.heappush(self._events, (admitted_s, _ADMITTED, request, replica, []))
+
     def prefilled(self, request: int, replica: int, first_token_s: float) -> None:
         """``request`` gave its first token on ``replica`` at ``first_token_s``: its prompt
         no longer waits there (only ``kv_aware`` counts that)."""
@@ -293,11 +321,14 @@ class Router:
             if caches is not None:
                 caches.catch_up(event_s)
             if kind == _ARRIVE:
-                self.load[replica] += 1
+                self._arrive(request, replica)
+            elif kind == _ADMITTED:
+                self._seat(request)
             elif kind == _PREFILLED:
                 self._end_prefill(request)
             elif kind == _FINISH:
                 self.load[replica] -= 1
+                self._seat(request)
                 if self.policy == "kv_aware":
                     self._hold(replica, self._chains.pop(request), -1)
                     self._end_prefill(request)
@@ -324,6 +355,12 @@ class Router:
                 self._routed = (segments, hashes)
             cached = [self._cached(r, chain, hashes) for r in range(self.replicas)]
             return self._cheapest(chain, prompt_len, cached)
+        if self.policy == "vllm_dp":
+            # 4 × waiting + running = load + 3 × waiting; ties to the first, as vLLM's
+            # client with one API server.
+            weight = VLLM_DP_WAITING_WEIGHT - 1
+            return min(range(self.replicas),
+                       key=lambda r: (self.load[r] + weight * self.waiting[r], r))
         if self.policy == "least_loaded" or self._imbalanced():
             replica = self._least_loaded()
         else:
@@ -378,5 +415,5 @@ class Router:
         return len(weights) - 1  # rounding left the point at the very end
 
 
-__all__ = ["DYNAMO_TTL_S", "ApproximateTree", "CacheEvents", "Router", "RouterPolicy",
-           "prefix_chain"]
+__all__ = ["DYNAMO_TTL_S", "VLLM_DP_WAITING_WEIGHT", "ApproximateTree", "CacheEvents", "Router",
+           "RouterPolicy", "prefix_chain"]

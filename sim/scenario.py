@@ -646,16 +646,19 @@ class CostConfig(ConfigModel):
 
 class RouterConfig(ConfigModel):
     """Which replica serves each new request (a session's later turns stay with its first).
-    ``cache_aware`` is SGLang's router: the replica holding the longest prefix of the prompt
-    when that is over ``cache_threshold`` of it, else the one caching least; the least loaded
-    whenever loads differ by more than ``balance_abs_threshold`` requests and
-    ``balance_rel_threshold`` times. ``kv_aware`` is NVIDIA Dynamo's KV router: the replica
+    ``vllm_dp`` is vLLM's balancer of its data-parallel ranks: the replica of the lowest
+    4 × waiting (sent, not yet seated) + running requests. ``cache_aware`` is SGLang's
+    router: the replica holding the longest prefix of the prompt when that is over
+    ``cache_threshold`` of it, else the one caching least; the least loaded whenever loads
+    differ by more than ``balance_abs_threshold`` requests and ``balance_rel_threshold``
+    times. ``kv_aware`` is NVIDIA Dynamo's KV router: the replica
     with the lowest cost, ``overlap_score_weight`` × the prompt tokens it would compute (its
     queue's and this prompt's, less what its cache holds) + the prompt tokens it would then
     hold in flight, or one drawn by ``temperature``; it believes a replica caches what it
     sent there within the last ``ttl_s``, or, with ``kv_events``, knows what it caches."""
 
-    policy: Literal["round_robin", "least_loaded", "cache_aware", "kv_aware"] = "round_robin"
+    policy: Literal["round_robin", "least_loaded", "vllm_dp", "cache_aware",
+                    "kv_aware"] = "round_robin"
     cache_threshold: float = Field(default=0.5, ge=0, le=1)
     balance_abs_threshold: int = Field(default=32, ge=0)
     balance_rel_threshold: float = Field(default=1.0001, ge=1)
@@ -935,15 +938,23 @@ class Scenario(ConfigModel):
         split = self.engine.disaggregation
         return split.prefill_replicas * self.parallel.data_parallel_size if split else 0
 
-    @property
-    def router_policy(self) -> Literal["round_robin", "least_loaded", "cache_aware",
-                                       "kv_aware"]:
-        """``engine.router.policy``; when not given, data-parallel ranks are balanced by
-        their load (least_loaded), as vLLM balances its ranks by their queues."""
-        router = self.engine.router
-        if self.parallel.data_parallel_size > 1 and "policy" not in router.model_fields_set:
-            return "least_loaded"
-        return router.policy
+    @model_validator(mode="before")
+    @classmethod
+    def _ranks_balanced_as_vllm_balances_them(cls, data: Any) -> Any:
+        """Where no ``engine.router.policy`` is given, data-parallel ranks are routed by
+        vLLM's balancer (vllm_dp), written into the scenario so that it stays when the
+        scenario is saved and read again (a sweep's points, a capacity search's loads)."""
+        if not isinstance(data, dict):
+            return data
+        parallel, engine = data.get("parallel"), data.get("engine") or {}
+        if not (isinstance(parallel, dict) and isinstance(engine, dict)):
+            return data
+        ranks = parallel.get("data_parallel_size", 1)
+        router = engine.get("router") or {}
+        if (isinstance(ranks, int) and ranks > 1 and isinstance(router, dict)
+                and "policy" not in router):
+            data = {**data, "engine": {**engine, "router": {**router, "policy": "vllm_dp"}}}
+        return data
 
     @model_validator(mode="after")
     def _draft_models_split_evenly(self):  # type: ignore[no-untyped-def]
@@ -1013,7 +1024,7 @@ class Scenario(ConfigModel):
         (a sweep may set them for some points only), but a reader comparing runs that differ
         only in them should know they cannot differ."""
         notes = []
-        router = self.router_policy
+        router = self.engine.router.policy
         routed = self.prefill_ranks or self.ranks
         if self.parallel.expert_parallel and self.parallel.gpus == 1:
             notes.append("parallel.expert_parallel changes nothing here: one GPU holds every "

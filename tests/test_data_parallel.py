@@ -136,23 +136,30 @@ def test_expert_parallel_on_one_gpu_is_noted_as_changing_nothing():
 
 def test_each_rank_runs_as_an_engine_of_its_own_balanced_by_load():
     ranks = scenario_from_dict(scenario({"data_parallel_size": 8, "expert_parallel": True}))
-    assert ranks.ranks == 8 and ranks.router_policy == "least_loaded"
+    assert ranks.ranks == 8 and ranks.engine.router.policy == "vllm_dp"
     result = run_scenario(ranks).systems["paged"]
     summary = result.summary
     assert summary["replicas"] == 8 and summary["gpus"] == 8
     assert scenario_pool_slots(ranks) == kv_pool_slots(V3, H200, data_parallel_size=8)
     assert summary["capacity_slots"] == scenario_pool_slots(ranks) // 64 * 64
     assert set(result.requests["replica"]) == set(range(8))
-    # The default is least_loaded, exactly; round robin, when asked, routes otherwise.
+    # The default is vLLM's balancer, exactly; round robin, when asked, routes otherwise.
     explicit = run_scenario(scenario_from_dict(scenario(
         {"data_parallel_size": 8, "expert_parallel": True},
-        engine={"router": {"policy": "least_loaded"}}))).systems["paged"]
+        engine={"router": {"policy": "vllm_dp"}}))).systems["paged"]
     pd.testing.assert_frame_equal(result.requests, explicit.requests)
     in_turn = run_scenario(scenario_from_dict(scenario(
         {"data_parallel_size": 8, "expert_parallel": True},
         engine={"router": {"policy": "round_robin"}}))).systems["paged"]
     assert (in_turn.requests["replica"] == in_turn.requests["request"] % 8).all()
     assert not in_turn.requests["replica"].equals(result.requests["replica"])
+    # The default is written into the scenario: it stays when a sweep or a capacity search
+    # saves the scenario and reads it again; a policy given stays as given.
+    again = scenario_from_dict(ranks.model_dump(mode="json"))
+    assert again.engine.router.policy == "vllm_dp"
+    assert scenario_from_dict(scenario({"data_parallel_size": 2}, engine={
+        "router": {"policy": "round_robin"}})).engine.router.policy == "round_robin"
+    assert scenario_from_dict(scenario({})).engine.router.policy == "round_robin"
     # Two engines of eight ranks: sixteen ranks, sixteen GPUs.
     two = scenario_from_dict(scenario({"data_parallel_size": 8}, engine={"replicas": 2}))
     assert two.ranks == 16 and run_scenario(two).systems["paged"].summary["gpus"] == 16

@@ -194,6 +194,9 @@ def random_scenario(seed: int) -> dict:
         if "sampling" not in workload and rng.random() < 0.5:
             engine["replicas"] = 2
             engine["disaggregation"] = {"prefill_replicas": 1}
+    # Drawn last, as the above: vLLM's balancer, which learns when requests are seated.
+    if router.get("policy") == "least_loaded" and rng.random() < 0.5:
+        router["policy"] = "vllm_dp"
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",

@@ -180,6 +180,49 @@ def test_router_rules():
     assert shortest.route(0.0, chain, 700) == 1
 
 
+def test_vllm_dp_weighs_a_waiting_request_four_times_a_running_one():
+    chain = [(1, 100)]
+    router = Router("vllm_dp", 3, cache_slots=10_000)
+    assert router.route(0.0, chain, 100) == 0  # all alike: the first
+    for request, replica in ((0, 0), (1, 0), (2, 0), (3, 1)):
+        router.assign(replica, chain, request)
+    # Replica 0 runs three (seated at 1.0), replica 1 has one waiting: 3 against 4.
+    for request in range(3):
+        router.admitted(request, 0, 1.0)
+    assert router.route(1.0, chain, 100) == 2  # (a seating counts only once it is past)
+    router.assign(2, chain, request=4)
+    router.admitted(4, 2, 1.5)
+    # Now 3 against 4 against 1: replica 2, seated, though it holds as many as replica 1.
+    assert router.route(2.0, chain, 100) == 2 and router.waiting == [0, 1, 0]
+    router.assign(2, chain, request=5)
+    assert router.route(2.0, chain, 100) == 0  # 3, 4, 1 + 4
+    # A request finished unseated (one token, or a prefill replica's) waits no more; a
+    # session's later turn waits from its arrival on.
+    router.finished(3, 1, 3.0)
+    router.expect(6, 1, 3.5, chain)
+    router.route(3.2, chain, 100)
+    assert router.waiting == [0, 0, 1] and router.load == [3, 0, 2]
+    router.route(4.0, chain, 100)
+    assert router.waiting == [0, 1, 1] and router.load == [3, 1, 2]
+    # One waiting request weighs as four running: 4 running against 1 waiting is a tie
+    # (the first wins), 5 running against it is not.
+    weighed = Router("vllm_dp", 3, cache_slots=10_000)
+    for request, replica in enumerate([0] * 4 + [1] + [2] * 5):
+        weighed.assign(replica, chain, request)
+        if replica != 1:
+            weighed.admitted(request, replica, 0.0)
+    assert weighed.route(1.0, chain, 100) == 0
+    weighed.finished(0, 0, 1.0)
+    weighed.assign(2, chain, request=10)
+    weighed.admitted(10, 2, 1.0)
+    assert weighed.route(2.0, chain, 100) == 0  # 3, 4, 6
+    weighed.assign(0, chain, request=11)
+    weighed.admitted(11, 0, 2.0)
+    weighed.assign(0, chain, request=12)
+    weighed.admitted(12, 0, 2.0)
+    assert weighed.route(3.0, chain, 100) == 1  # 5, 4, 6
+
+
 def test_kv_aware_router_prices_prefill_and_tokens_in_flight():
     # Dynamo's cost: overlap_score_weight x the prompt tokens a replica lacks in cache, plus
     # the prompt tokens it would hold in flight, a prefix shared there counted once (the
@@ -281,7 +324,7 @@ def test_kv_aware_router_temperature_draws_by_softmax_of_scaled_costs():
     assert runs[0] == runs[1] != runs[2]
 
 
-@pytest.mark.parametrize("policy", ["least_loaded", "cache_aware", "kv_aware"])
+@pytest.mark.parametrize("policy", ["least_loaded", "vllm_dp", "cache_aware", "kv_aware"])
 @pytest.mark.parametrize("seed", range(6))
 def test_routing_is_the_same_in_jump_and_step_mode(policy, seed):
     rng = random.Random(seed)
@@ -425,7 +468,7 @@ def test_settings_that_change_nothing_are_noted(tmp_path):
 
 def test_router_settings_are_checked():
     with pytest.raises(ScenarioError, match=r"engine.router.policy: Input should be "
-                       r"'round_robin', 'least_loaded', 'cache_aware' or 'kv_aware'"):
+                       r"'round_robin', 'least_loaded', 'vllm_dp', 'cache_aware' or 'kv_aware'"):
         scenario_from_dict(routed(2, "sticky"))
     with pytest.raises(ScenarioError, match=r"engine.router: overlap_score_weight is for "
                        r"policy kv_aware, not cache_aware"):
@@ -492,3 +535,30 @@ def test_the_report_shows_each_replica_only_when_there_are_several(tmp_path):
     assert write_report(tmp_path / "three").read_text().count("<img ") == 6
     assert replica_balance(run_scenario(scenario_from_dict(routed(1, "round_robin",
                                                                   requests=50)))) is None
+
+
+def test_vllm_dp_routes_each_request_by_the_queues_it_could_know(tmp_path):
+    # Replayed from the results: at each arrival, every replica's requests routed before it
+    # and not finished, those not yet seated counted four times; the lowest score wins,
+    # ties to the first. A small pool and few seats keep queues waiting.
+    data = routed(3, "vllm_dp", requests=300, rate=60)
+    data["systems"][0]["scheduler"] = {"max_num_seqs": 8}
+    data["engine"]["mode"] = "step"
+    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    requests = run.requests.sort_values(["arrival_s", "request"], kind="stable")
+    assert not requests["rejected"].any()
+    seen: list[tuple[int, float, float]] = []  # (replica, admitted, finished) routed so far
+    waited = 0
+    for row in requests.itertuples():
+        t = row.arrival_s
+        scores = [0] * 3
+        for replica, admitted, finished in seen:
+            if finished >= t:
+                scores[replica] += 4 if admitted >= t else 1
+                waited += admitted >= t
+        assert row.replica == scores.index(min(scores)), row.request
+        seen.append((row.replica, row.admitted_s, row.finished_s))
+    assert waited > 100  # queues did wait: the weight was put to the test
+    counted = run_scenario(scenario_from_dict(
+        dict(data, engine={**data["engine"], "router": {"policy": "least_loaded"}})))
+    assert not counted.systems["paged"].requests["replica"].equals(run.requests["replica"])
