@@ -23,9 +23,11 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    SerializerFunctionWrapHandler,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import ErrorDetails
@@ -217,6 +219,16 @@ class PredictorConfig(ConfigModel):
             raise ValueError("sigma applies to source: model only (source: trace takes the "
                              "trace's own predictions)")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_an_unused_sigma(self, handler: SerializerFunctionWrapHandler
+                                 ) -> dict[str, Any]:
+        # The trace's predictions have no sigma: left out, so that the scenario read back
+        # (a sweep's points, a capacity search's loads) is not refused for giving one.
+        data: dict[str, Any] = handler(self)
+        if self.source == "trace":
+            data.pop("sigma", None)
+        return data
 
 
 class ContiguousConfig(ConfigModel):

@@ -200,6 +200,25 @@ def test_shipped_scenarios_validate():
         assert all(isinstance(note, str) for note in scenario.setting_notes())
 
 
+def test_a_scenario_saved_and_read_again_is_the_same_scenario():
+    # Sweeps and capacity searches hand each run the scenario as saved (model_dump), so
+    # reading it back must neither refuse it nor change a default resolved from the rest.
+    from sim.sweep import load_sweep_points
+
+    scenarios = [load_scenario(path) for path in sorted((ROOT / "scenarios").rglob("*.yaml"))]
+    for path in sorted((ROOT / "scenarios" / "sweeps").glob("*.yaml")):
+        scenarios += [scenario_from_dict(point.scenario)
+                      for point in load_sweep_points(path)[1]]
+    predicted = small(systems=[{"name": "guess", "allocator": {"kind": "contiguous",
+                                                                "reserve_policy": "predicted"},
+                                "predictor": {"source": "trace"}}])
+    scenarios.append(scenario_from_dict(predicted))
+    for scenario in scenarios:
+        saved = scenario.model_dump(mode="json")
+        again = scenario_from_dict(saved, scenario.name)
+        assert again == scenario and again.model_dump(mode="json") == saved, scenario.name
+
+
 def test_preemption_and_recompute_under_pressure():
     data = small(memory={"kv_memory_gib": 0.15})
     data["systems"] = [{"name": "paged", "allocator": {"kind": "paged", "watermark": 0},
