@@ -589,9 +589,9 @@ class _RankGroup:
     """The data-parallel ranks of one engine of a mixture of experts. Every MoE layer sends
     each rank's tokens to their experts, on all the ranks' GPUs, and back, so the ranks step
     together, as carriages coupled into one train leave each station together: a round lasts
-    as long as its slowest rank's step, and a rank with nothing to do waits it out (vLLM runs it a dummy
-    batch) while any other works. A new request joins its rank at the next round. Rounds go
-    step by step in either engine mode."""
+    as long as its slowest rank's step, and a rank with nothing to do waits it out (vLLM runs
+    it a dummy batch) while any other works. A new request joins its rank at the next round.
+    Rounds go step by step in either engine mode."""
 
     def __init__(self, env: simpy.Environment, ranks: list[_Replica],
                  cuda_graph_tokens: int) -> None:

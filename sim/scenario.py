@@ -961,10 +961,12 @@ class Scenario(ConfigModel):
         parallel, engine = data.get("parallel"), data.get("engine") or {}
         if not (isinstance(parallel, dict) and isinstance(engine, dict)):
             return data
-        ranks = parallel.get("data_parallel_size", 1)
+        try:
+            ranks = int(parallel.get("data_parallel_size", 1))
+        except (TypeError, ValueError):
+            return data  # (the field's own check says what is wrong)
         router = engine.get("router") or {}
-        if (isinstance(ranks, int) and ranks > 1 and isinstance(router, dict)
-                and "policy" not in router):
+        if ranks > 1 and isinstance(router, dict) and "policy" not in router:
             data = {**data, "engine": {**engine, "router": {**router, "policy": "vllm_dp"}}}
         return data
 
