@@ -151,11 +151,17 @@ class SweepPoint:
     key: str
 
 
-# Fields of each system added with a default other than null, and the value that does what
-# kvsim did before they existed: left out of the key at that value, as a null is.
+# Fields added with a default other than null, of each system and of the scenario, and the
+# value that does what kvsim did before they existed: left out of the key at that value, as
+# a null is.
 _AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
     ("allocator", "hybrid_kv_cache"): True,  # no effect on a model without a window
     ("scheduler", "prefill_allocation"): "whole_prompt",
+}
+_SCENARIO_AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
+    ("parallel", "data_parallel_size"): 1,
+    ("parallel", "expert_parallel"): False,
+    ("model", "num_dense_layers"): 0,  # (a model given by its shape)
 }
 
 
@@ -166,24 +172,27 @@ def config_key(resolved: dict[str, Any]) -> str:
     before them, are left out, so a kvsim that adds one more feature keys every scenario
     not using it as before, and a resumed sweep keeps its runs.
     """
-    material = {k: v for k, v in resolved.items()
-                if k not in ("name", "description", "output_dir", "sweep")}
+    material = _without_as_before({k: v for k, v in resolved.items()
+                                   if k not in ("name", "description", "output_dir", "sweep")},
+                                  _SCENARIO_AS_BEFORE_FIELDS)
     if isinstance(material.get("systems"), list):
-        material["systems"] = [_without_as_before(system) for system in material["systems"]]
+        material["systems"] = [_without_as_before(system, _AS_BEFORE_FIELDS)
+                               for system in material["systems"]]
     text = json.dumps(_without_nulls(material), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _without_as_before(system: Any) -> Any:
-    """A system's resolved settings less the later fields at their as-before value."""
-    if not isinstance(system, dict):
-        return system
-    system = dict(system)
-    for (section, field_name), value in _AS_BEFORE_FIELDS.items():
-        settings = system.get(section)
-        if isinstance(settings, dict) and settings.get(field_name, None) == value:
-            system[section] = {k: v for k, v in settings.items() if k != field_name}
-    return system
+def _without_as_before(settings: Any, fields: dict[tuple[str, str], Any]) -> Any:
+    """Resolved settings (a system's, or the scenario's) less the later ``fields`` at their
+    as-before value."""
+    if not isinstance(settings, dict):
+        return settings
+    settings = dict(settings)
+    for (section, field_name), value in fields.items():
+        part = settings.get(section)
+        if isinstance(part, dict) and field_name in part and part[field_name] == value:
+            settings[section] = {k: v for k, v in part.items() if k != field_name}
+    return settings
 
 
 def _without_nulls(value: Any) -> Any:

@@ -134,6 +134,22 @@ def test_keys_ignore_later_fields_at_the_value_that_does_as_before():
     per_chunk = copy.deepcopy(point.scenario)
     per_chunk["systems"][1]["scheduler"]["prefill_allocation"] = "per_chunk"
     assert config_key(per_chunk) != point.key
+    # Of the scenario too: one engine of one rank, its experts where tensor parallelism puts
+    # them, and a model's shape without dense first layers.
+    assert point.scenario["parallel"]["data_parallel_size"] == 1
+    for field in ("data_parallel_size", "expert_parallel"):
+        del older["parallel"][field]
+    assert config_key(older) == point.key
+    shaped = expand(dict(BASE, model={"name": "m", "num_layers": 4, "num_heads": 4,
+                                      "head_dim": 64, "num_params": 1e8,
+                                      "max_model_len": 4096},
+                         sweep={"grid": {"workload.arrival.rate": [1]}}), "x.yaml")[0]
+    before = copy.deepcopy(shaped.scenario)
+    assert before["model"].pop("num_dense_layers") == 0
+    assert config_key(before) == shaped.key
+    ranks = copy.deepcopy(point.scenario)
+    ranks["parallel"]["expert_parallel"] = True
+    assert config_key(ranks) != point.key
 
 
 @pytest.mark.parametrize(("sweep", "message"), [
