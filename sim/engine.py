@@ -203,6 +203,7 @@ def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
                     tensor_parallel_size=parallel.tensor_parallel_size,
                     data_parallel_size=parallel.data_parallel_size,
                     expert_parallel=parallel.expert_parallel,
+                    expert_load_imbalance=parallel.expert_load_imbalance,
                     allreduce_latency_s=parallel.allreduce_latency_s)
     return with_sliding_window(replace(base, paged_alpha=scenario.timing.paged_alpha), model)
 

@@ -187,6 +187,11 @@ class ParallelConfig(ConfigModel):
     allreduce_latency_s: float = Field(default=DEFAULT_ALLREDUCE_LATENCY_S, ge=0,
                                        description="fixed cost of one all-reduce (or one "
                                        "dispatch, or combine, of the experts' tokens)")
+    expert_load_imbalance: float = Field(
+        default=1.0, ge=1, description="under expert_parallel: the busiest GPU's share of "
+        "the routed tokens over the mean GPU's (1: the router spreads them evenly, as "
+        "vLLM's EPLB aims to; real routers choose some experts more), which every other GPU "
+        "waits for in each MoE layer; at most the GPUs the experts spread over")
 
     @property
     def gpus(self) -> int:
@@ -855,6 +860,10 @@ class Scenario(ConfigModel):
             raise ValueError(f"{what}: {model.name} is dense, it has no experts to spread "
                              "over GPUs (ranks of a dense model share nothing: "
                              "engine.replicas runs independent engines)")
+        if value.expert_load_imbalance > gpus:
+            raise ValueError(f"expert_load_imbalance {value.expert_load_imbalance:g}: the "
+                             f"busiest GPU holds at most all the routed tokens, {gpus} times "
+                             f"the mean over {gpus} GPUs")
         if gpus == 1 or "gpu" not in info.data:
             return value
         problem = model.tensor_parallel_problem(tp)
@@ -1040,9 +1049,13 @@ class Scenario(ConfigModel):
         notes = []
         router = self.engine.router.policy
         routed = self.prefill_ranks or self.ranks
-        if self.parallel.expert_parallel and self.parallel.gpus == 1:
+        parallel = self.parallel
+        if parallel.expert_parallel and parallel.gpus == 1:
             notes.append("parallel.expert_parallel changes nothing here: one GPU holds every "
                          "expert")
+        if parallel.expert_load_imbalance > 1 and not parallel.expert_parallel:
+            notes.append("parallel.expert_load_imbalance changes nothing here: without "
+                         "expert_parallel every expert is split evenly over the GPUs")
         if router != "round_robin" and routed == 1:
             notes.append(f"engine.router.policy {router} changes nothing here: one replica "
                          f"takes every new request")

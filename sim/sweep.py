@@ -161,6 +161,7 @@ _AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
 _SCENARIO_AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
     ("parallel", "data_parallel_size"): 1,
     ("parallel", "expert_parallel"): False,
+    ("parallel", "expert_load_imbalance"): 1.0,
     ("model", "num_dense_layers"): 0,  # (a model given by its shape)
 }
 

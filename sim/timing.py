@@ -209,7 +209,7 @@ def with_transfer(compute_s: float, transfer_s: float, pipelined_layers: int) ->
 def roofline(model: ModelSpec, gpu: GpuSpec,
              step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S, *,
              tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-             expert_parallel: bool = False,
+             expert_parallel: bool = False, expert_load_imbalance: float = 1.0,
              allreduce_latency_s: float = DEFAULT_ALLREDUCE_LATENCY_S) -> StepTimeModel:
     """Coefficients from first principles, for one GPU of a ``tensor_parallel_size`` group
     (all of them work at once, so the slowest, i.e. any, sets the step time).
@@ -242,11 +242,20 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
     all-reduce): to its k experts' GPUs under ``expert_parallel``, else to all D ranks (each
     expert split over every GPU, every rank's tokens gathered), (G−1)/G of them off the GPU,
     the N GPUs of a rank sharing the sending; each adds its latency to ``a``.
+
+    Whole experts on GPUs of their own (``expert_parallel``) get what the router sends them:
+    the busiest GPU gets ``expert_load_imbalance`` times the mean GPU's tokens, and every GPU
+    waits for it in each MoE layer, so its experts' FLOPs, the tokens it receives and the
+    chance that a token chooses one of its experts are that many times the mean.
     """
     tp, dp = tensor_parallel_size, data_parallel_size
     gpus = tp * dp
     spread = model.is_moe and gpus > 1 and (dp > 1 or expert_parallel)
+    # The busiest GPU's routed work over the mean's: 1 but for whole experts on each GPU.
+    hot = expert_load_imbalance if spread and expert_parallel else 1.0
     per_token_flops = 2.0 * model.flops_params / tp
+    expert_flops_s = hot * 2.0 * model.routed_expert_params * model.expert_share / tp / (
+        gpu.peak_flops)
     per_token_link_s = 0.0
     link_fixed_s = 0.0
     if tp > 1 or spread:
@@ -262,7 +271,7 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
             link_fixed_s += allreduces * allreduce_latency_s
         if spread:
             copies = (model.experts_per_token or 1) if expert_parallel else dp
-            per_token_link_s += (exchanges * 2.0 * copies * (gpus - 1) / gpus / tp
+            per_token_link_s += (hot * exchanges * 2.0 * copies * (gpus - 1) / gpus / tp
                                  * token_bytes / link)
             link_fixed_s += 2 * exchanges * allreduce_latency_s
     name = gpu.name if tp == 1 else f"{tp} × {gpu.name}"
@@ -272,20 +281,23 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
     heads_per_gpu = model.num_heads / tp
     attention_flops_per_token = (4.0 * model.num_layers * heads_per_gpu
                                  * (model.kv_latent_dim or model.head_dim))
+    per_token_s = per_token_flops / gpu.peak_flops + per_token_link_s
+    if hot > 1:  # the busiest GPU's experts compute more than their even share
+        per_token_s += expert_flops_s * (1 - 1 / hot)
+        name += f", expert load {hot:g}× the mean"
     return StepTimeModel(
         a=(model.weight_bytes_per_gpu(tp, gpus) / gpu.hbm_bandwidth_bytes_per_s
            + step_overhead_s + link_fixed_s),
-        b=per_token_flops / gpu.peak_flops + per_token_link_s,
+        b=per_token_s,
         c=max(model.kv_bytes_per_token_per_gpu(tp) / gpu.hbm_bandwidth_bytes_per_s,
               attention_flops_per_token / gpu.peak_flops),
-        d=per_token_flops / gpu.peak_flops + per_token_link_s,
+        d=per_token_s,
         e=2.0 * model.num_layers * model.attention_dim / tp / gpu.peak_flops,
         source=f"roofline({model.name}, {name})",
         expert_s=model.routed_expert_bytes / gpus / gpu.hbm_bandwidth_bytes_per_s,
-        expert_share=model.expert_share,
+        expert_share=min(1.0, hot * model.expert_share),
         expert_batch_ranks=dp,
-        expert_flops_s=(2.0 * model.routed_expert_params * model.expert_share / tp
-                        / gpu.peak_flops),
+        expert_flops_s=expert_flops_s,
     )
 
 

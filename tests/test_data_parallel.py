@@ -323,3 +323,46 @@ def test_a_prefill_rank_short_of_memory_sits_rounds_out_until_its_kv_is_sent(tmp
     assert later.first_token_s < second.admitted_s
     prefill = run.steps[run.steps["replica"] < 2]
     assert prefill[prefill["time_s"] == later.admitted_s]["replica"].tolist() == [1]
+
+
+def test_the_busiest_gpus_experts_set_the_pace():
+    even = roofline(V3, H200, data_parallel_size=8, expert_parallel=True)
+    assert roofline(V3, H200, data_parallel_size=8, expert_parallel=True,
+                    expert_load_imbalance=1.0) == even
+    hot = roofline(V3, H200, data_parallel_size=8, expert_parallel=True,
+                   expert_load_imbalance=1.5)
+    assert hot.source.endswith("expert parallel, expert load 1.5× the mean)")
+    # Its experts compute half as much again, receive half as many tokens again, and are
+    # chosen half as often again; the dense part is the same.
+    assert hot.expert_flops_s == pytest.approx(1.5 * even.expert_flops_s)
+    link = H200.interconnect_bytes_per_s
+    sent = 2 * 58 * 8 * 7 / 8 * V3.hidden_size * 2 / link
+    assert hot.b - even.b == pytest.approx(even.expert_flops_s / 2 + sent / 2)
+    assert hot.d == hot.b and hot.a == even.a and hot.c == even.c
+    assert hot.expert_share == pytest.approx(1.5 * V3.expert_share)
+    assert hot.fixed_s(1) > even.fixed_s(1)
+    # In a round, its share of the round's tokens' expert FLOPs is 1.5 / 8 of them.
+    assert hot.step_time(0, 0, 8192, 0, 1.0, round_tokens=8192) - hot.step_time(
+        0, 0, 8192, 0, 1.0) == pytest.approx(
+        hot.expert_flops_s * (8192 / 8 - 8192) + hot.fixed_s(8192, 8192) - hot.fixed_s(8192))
+    # Experts split evenly over the GPUs (no expert parallelism) have no busiest GPU.
+    assert roofline(V3, H200, data_parallel_size=8, expert_load_imbalance=1.5) == roofline(
+        V3, H200, data_parallel_size=8)
+
+
+def test_an_expert_load_beyond_reason_is_refused_and_an_idle_one_noted():
+    with pytest.raises(ScenarioError, match=r"parallel: expert_load_imbalance 9: the busiest "
+                       r"GPU holds at most all the routed tokens, 8 times the mean over 8 GPUs"):
+        scenario_from_dict(scenario({"data_parallel_size": 8, "expert_parallel": True,
+                                     "expert_load_imbalance": 9}))
+    with pytest.raises(ScenarioError, match=r"expert_load_imbalance: Input should be greater "
+                       r"than or equal to 1"):
+        scenario_from_dict(scenario({"data_parallel_size": 8, "expert_load_imbalance": 0.5}))
+    notes = scenario_from_dict(scenario({"data_parallel_size": 8,
+                                         "expert_load_imbalance": 1.3})).setting_notes()
+    assert any("parallel.expert_load_imbalance changes nothing here" in n for n in notes)
+    # In a run, an uneven load slows every rank's steps.
+    runs = [run_scenario(scenario_from_dict(scenario(
+        {"data_parallel_size": 8, "expert_parallel": True, "expert_load_imbalance": load})))
+        .systems["paged"].summary for load in (1.0, 2.0)]
+    assert runs[1]["tpot_p50_s"] > runs[0]["tpot_p50_s"]

@@ -137,7 +137,7 @@ def test_keys_ignore_later_fields_at_the_value_that_does_as_before():
     # Of the scenario too: one engine of one rank, its experts where tensor parallelism puts
     # them, and a model's shape without dense first layers.
     assert point.scenario["parallel"]["data_parallel_size"] == 1
-    for field in ("data_parallel_size", "expert_parallel"):
+    for field in ("data_parallel_size", "expert_parallel", "expert_load_imbalance"):
         del older["parallel"][field]
     assert config_key(older) == point.key
     shaped = expand(dict(BASE, model={"name": "m", "num_layers": 4, "num_heads": 4,
