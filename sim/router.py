@@ -2,13 +2,12 @@
 
 A router is the host at a restaurant's door. ``round_robin`` seats parties at each table in
 turn; ``least_loaded`` at the table with the fewest parties still eating; ``vllm_dp`` (vLLM's
-balancer of its data-parallel ranks) counts a party still waiting for its table four times
-one already served; ``cache_aware``
-(SGLang's router) remembers which table already has a party's friends, seats it there while
-the room is balanced, and falls back to the emptiest table when it is not; ``kv_aware``
-(NVIDIA Dynamo's KV router) prices every table, the dishes its kitchen has yet to cook, the
-party's included, plus the plates already on it, and picks the cheapest (or, with a
-temperature, draws a table, the cheaper the likelier).
+balancer of its data-parallel ranks) counts a party still waiting at a table four times one
+already eating; ``cache_aware`` (SGLang's router) remembers which table already has a
+party's friends, seats it there while the room is balanced, and falls back to the emptiest
+table when it is not; ``kv_aware`` (NVIDIA Dynamo's KV router) prices every table, the
+dishes its kitchen has yet to cook, the party's included, plus the plates already on it, and
+picks the cheapest (or, with a temperature, draws a table, the cheaper the likelier).
 
 Routers know only what a real router knows: what they sent where, which requests have been
 seated, which have given their first token, and which have finished; ``kv_aware`` with KV
@@ -31,8 +30,8 @@ from typing import Literal
 from sim.memory.content import BlockHasher
 
 Segments = Sequence[tuple[int, int]]
-RouterPolicy = Literal["least_loaded", "vllm_dp", "cache_aware", "kv_aware"]  # (round
-# robin needs none)
+# The policies a Router follows (round robin needs none).
+RouterPolicy = Literal["least_loaded", "vllm_dp", "cache_aware", "kv_aware"]
 
 # Order of simultaneous events: fixed, not by insertion.
 _ARRIVE, _TOUCH, _ADMITTED, _PREFILLED, _FINISH = 0, 1, 2, 3, 4

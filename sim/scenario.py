@@ -668,11 +668,11 @@ class RouterConfig(ConfigModel):
     router: the replica holding the longest prefix of the prompt when that is over
     ``cache_threshold`` of it, else the one caching least; the least loaded whenever loads
     differ by more than ``balance_abs_threshold`` requests and ``balance_rel_threshold``
-    times. ``kv_aware`` is NVIDIA Dynamo's KV router: the replica
-    with the lowest cost, ``overlap_score_weight`` × the prompt tokens it would compute (its
-    queue's and this prompt's, less what its cache holds) + the prompt tokens it would then
-    hold in flight, or one drawn by ``temperature``; it believes a replica caches what it
-    sent there within the last ``ttl_s``, or, with ``kv_events``, knows what it caches."""
+    times. ``kv_aware`` is NVIDIA Dynamo's KV router: the replica with the lowest cost,
+    ``overlap_score_weight`` × the prompt tokens it would compute (its queue's and this
+    prompt's, less what its cache holds) + the prompt tokens it would then hold in flight,
+    or one drawn by ``temperature``; it believes a replica caches what it sent there within
+    the last ``ttl_s``, or, with ``kv_events``, knows what it caches."""
 
     policy: Literal["round_robin", "least_loaded", "vllm_dp", "cache_aware",
                     "kv_aware"] = "round_robin"
