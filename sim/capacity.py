@@ -265,7 +265,7 @@ def capacity_rows(scenario: Scenario, knob: LoadKnob, capacities: list[Capacity]
                   ) -> list[dict[str, Any]]:
     """One row per system searched: its capacity in requests/s (and per GPU), the lightest
     load that missed, and the summary of the run at capacity."""
-    gpus = scenario.engine.replicas * scenario.parallel.gpus
+    gpus = scenario.gpus
     rows = []
     for c in capacities:
         held = c.at(c.held)

@@ -363,9 +363,10 @@ class _Recorder:
 
     def record(self, replica: int, start_s: float, duration_s: float, steps: int, batch: Batch,
                sched: Scheduler, snap: MemorySnapshot, quiet: QuietDecode | None,
-               finished: int) -> None:
+               finished: int, pool_scale: float = 1.0) -> None:
         """One step, or a run of ``quiet`` decode steps, that began holding ``snap`` and
-        ended with ``finished`` requests done."""
+        ended with ``finished`` requests done; its slots count ``pool_scale`` times in the
+        averages (a pool's slots in those of the pool the summary is of)."""
         running, waiting = len(sched.running), len(sched.waiting)
         self.steps.append((replica, start_s, duration_s, steps, batch.decode_seqs,
                            batch.draft_tokens, batch.context_tokens, batch.prefill_tokens,
@@ -376,10 +377,10 @@ class _Recorder:
         last_step_s = duration_s
         if quiet is None:
             for key, slots in zip(MEMORY_COLUMNS, snap, strict=True):
-                self.weighted[key] += duration_s * slots
+                self.weighted[key] += duration_s * slots * pool_scale
         else:
             for key, slot_s in zip(MEMORY_COLUMNS, quiet.slot_seconds, strict=True):
-                self.weighted[key] += slot_s
+                self.weighted[key] += slot_s * pool_scale
             last_step_s = quiet.last_step_s  # the finishes came at its end
         self.weighted["running"] += (duration_s - last_step_s) * (running + finished) + (
             last_step_s * running)
@@ -402,17 +403,19 @@ class _Replica:
     """One engine instance: a scheduler over its own allocator, driven by SimPy."""
 
     def __init__(self, env: simpy.Environment, index: int, sim: _SystemRun,
-                 allocator: KVAllocator, role: str = "both") -> None:
+                 allocator: KVAllocator, setup: _RoleSetup, role: str = "both") -> None:
         self.env = env
         self.index = index
         self.role = role  # "both", or "prefill" / "decode" under disaggregation
         self.sim = sim
+        self.setup = setup  # its GPUs, pool and step times, as its role's replicas share them
         self.allocator = allocator
+        self.pool_scale = 1.0  # its slots in those of the pool the summary is of (see run)
         self.scheduler = Scheduler(
-            allocator, sim.system.scheduler, sim.debug, sim.swap_slots, sim.predicted_output,
+            allocator, sim.system.scheduler, sim.debug, setup.swap_slots, sim.predicted_output,
             overflow_to_max=getattr(sim.system.allocator, "on_overflow", None) == "request_max",
-            sliding_window=sim.sliding_window, speculative=sim.speculative)
-        self.rho = sim.rho
+            sliding_window=sim.sliding_window, speculative=setup.speculative)
+        self.rho = setup.rho
         self.open: list[int] = []  # open-arrival request indices, in arrival order
         self.open_pos = 0
         # (release time, request index, the Request if already made) heap: session turns,
@@ -505,7 +508,7 @@ class _Replica:
                 if self.role == "decode" and heeded:
                     stop_at = min(stop_at, sim.handover_horizon())
                 stop_at = min(stop_at, sched.next_promotion_s())
-                timing = sim.timings[batch.draft_tokens]
+                timing = self.setup.timings[batch.draft_tokens]
                 quiet = sched.decode_quietly(
                     timing.decode_step_time(batch.decode_seqs, self.rho), start, stop_at, snap)
                 steps, clock, finished = quiet.steps, quiet.clock_s, quiet.finished
@@ -533,16 +536,16 @@ class _Replica:
     def step_duration(self, batch: Batch, round_tokens: int = 0) -> float:
         """Seconds ``batch`` takes as one step (``round_tokens``: all data-parallel ranks'
         tokens in a step they take together; see :meth:`StepTimeModel.step_time`)."""
-        sim = self.sim
-        timing = sim.timings[batch.draft_tokens]
+        setup = self.setup
+        timing = setup.timings[batch.draft_tokens]
         duration = timing.step_time(batch.decode_seqs, batch.context_tokens,
                                     batch.prefill_tokens, batch.prefill_pairs, self.rho,
                                     batch.skipped_context, batch.skipped_pairs, round_tokens)
         if batch.loaded_tokens:  # host-cache hits, read up for the step
-            duration = with_transfer(duration, batch.loaded_tokens * sim.host_s_per_token,
-                                     sim.pipelined_layers)
+            duration = with_transfer(duration, batch.loaded_tokens * setup.host_s_per_token,
+                                     self.sim.pipelined_layers)
         if batch.swapped_slots:  # copied before the step computes, as vLLM v0 does
-            duration += batch.swapped_slots * sim.host_s_per_token
+            duration += batch.swapped_slots * setup.host_s_per_token
         return duration
 
     def finish_step(self, batch: Batch, start_s: float, clock_s: float) -> list[Request]:
@@ -560,7 +563,7 @@ class _Replica:
         that began holding ``snap``, and be done with the requests it ``finished``."""
         sim = self.sim
         sim.recorder.record(self.index, start_s, clock_s - start_s, steps, batch,
-                            self.scheduler, snap, quiet, len(finished))
+                            self.scheduler, snap, quiet, len(finished), self.pool_scale)
         self.clock = clock_s
         for request in finished:
             self._account_finish(request)
@@ -682,47 +685,85 @@ class _RankGroup:
         return t
 
 
-class _SystemRun:
-    """Everything one system's simulation shares between its replicas."""
+@dataclass
+class _RoleSetup:
+    """What the replicas of one role share (all of them, or under disaggregation the prefill
+    or the decode replicas, whose GPUs may be spread otherwise): their GPUs, pool and step
+    times, from the scenario as they see it."""
 
-    def __init__(self, scenario: Scenario, system: SystemConfig, trace: Trace,
-                 timing: StepTimeModel, pool_slots: int, unit_slots: int,
-                 progress: Callable[[int], None] | None, base_dir: Path) -> None:
-        self.system = system
-        self.trace = trace
-        self.timing = with_speculation(timing, scenario, system, base_dir)
-        self.block_table = isinstance(system.allocator, PagedConfig)
-        model = scenario.model_spec()
-        self.sliding_window = model.sliding_window  # 0: none
-        self.unit_slots = unit_slots  # a block, a page, or 1 (see allocation_unit)
+    scenario: Scenario  # with the role's parallelism
+    pool_slots: int
+    unit_slots: int  # a block, a page, or 1 (see allocation_unit)
+    host_slots: int
+    swap_slots: int
+    host_s_per_token: float
+    timing: StepTimeModel  # with its speculation
+    rho: float
+    # The model of a step that verifies K drafts, for every K a step may (one, unless K goes
+    # by batch size), and the K by batch size an auto schedule chose (None for any other).
+    timings: dict[int, StepTimeModel]
+    speculative: SpeculativeConfig | None
+    auto_schedule: list[tuple[int, int, int]] | None
+
+    @classmethod
+    def build(cls, scenario: Scenario, system: SystemConfig, trace: Trace,
+              timing: StepTimeModel, pool_slots: int, base_dir: Path) -> _RoleSetup:
+        """The setup of replicas that see ``scenario``, timed by ``timing`` (before
+        speculation) with pools of ``pool_slots``."""
+        timing = with_speculation(timing, scenario, system, base_dir)
+        unit_slots = allocation_unit(scenario, system)
         # Only a block table costs attention its indirection: contiguous extents and
         # contiguous virtual memory are read directly.
-        self.rho = self.timing.rho(unit_slots if self.block_table else None)
-        # The model of a step that verifies K drafts, for every K a step may (one, unless K
-        # goes by batch size); an auto schedule chosen by them, for the mean context a
-        # decode step reads for a sequence: each request's mean (its prompt and half its
-        # output) weighted by its decode steps, as the long ones fill more of the batch.
+        rho = timing.rho(unit_slots if isinstance(system.allocator, PagedConfig) else None)
+        # An auto schedule is chosen by the mean context a decode step reads for a
+        # sequence: each request's mean (its prompt and half its output) weighted by its
+        # decode steps, as the long ones fill more of the batch.
         spec = system.speculative
-        self.timings = {drafts: replace(self.timing, speculative_tokens=drafts)
-                        for drafts in (spec.draft_counts if spec else [0])}
-        self.auto_schedule: list[tuple[int, int, int]] | None = None
+        timings = {drafts: replace(timing, speculative_tokens=drafts)
+                   for drafts in (spec.draft_counts if spec else [0])}
+        auto_schedule = None
         if spec is not None and spec.num_speculative_tokens_per_batch_size == "auto":
             context = float(np.average(trace.prompt_len + trace.output_len / 2,
                                        weights=trace.output_len))
             widest = int(trace.n.max()) if len(trace) else 1  # sequences a request decodes
-            self.auto_schedule = best_draft_schedule(
-                self.timings, spec, context, self.rho, system.scheduler.max_num_seqs * widest)
-            spec = spec.with_schedule(self.auto_schedule)
-        self.speculative = spec
+            auto_schedule = best_draft_schedule(
+                timings, spec, context, rho, system.scheduler.max_num_seqs * widest)
+            spec = spec.with_schedule(auto_schedule)
+        host_slots, swap_slots, host_s_per_token = host_memory(scenario, system)
+        return cls(scenario, pool_slots, unit_slots, host_slots, swap_slots, host_s_per_token,
+                   timing, rho, timings, spec, auto_schedule)
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs of one of its replicas' ranks (its tensor-parallel group)."""
+        return self.scenario.parallel.tensor_parallel_size
+
+    @property
+    def ranks(self) -> int:
+        """The data-parallel ranks of one of its replicas, which step together."""
+        return self.scenario.parallel.data_parallel_size
+
+
+class _SystemRun:
+    """Everything one system's simulation shares between its replicas."""
+
+    def __init__(self, scenario: Scenario, system: SystemConfig, trace: Trace,
+                 decode: _RoleSetup, prefill: _RoleSetup,
+                 progress: Callable[[int], None] | None) -> None:
+        self.system = system
+        self.trace = trace
+        # The replicas' setups: the scenario's (colocated, or decode replicas), and the
+        # prefill replicas' under disaggregation (the same one unless spread otherwise).
+        self.decode_setup, self.prefill_setup = decode, prefill
+        model = scenario.model_spec()
+        self.sliding_window = model.sliding_window  # 0: none
         self.jump = scenario.engine.mode == "jump"
         self.debug = scenario.engine.debug_invariants
         if self.debug and not __debug__:
             raise ScenarioError("engine.debug_invariants: its checks are assert statements, "
                                 "which python -O removes; run without -O, or set it false")
         self.duration_s = scenario.stop.duration_s
-        self.gpus_per_replica = scenario.parallel.tensor_parallel_size  # one rank's
-        # Data-parallel ranks: replicas [g·D, (g+1)·D) step together as engine g.
-        self.data_parallel_size = scenario.parallel.data_parallel_size
+        # Data-parallel ranks: each engine's D ranks step together (see run).
         self.rank_groups: list[_RankGroup] = []
         self.usd_per_gpu_hour = scenario.cost.usd_per_gpu_hour if scenario.cost else None
         self.slo = scenario.slo
@@ -738,10 +779,11 @@ class _SystemRun:
         self.decode_in_flight = [0] * self.decode_replicas
         self.decode_done: list[tuple[float, int]] = []
         if split is not None:
-            tp = scenario.parallel.tensor_parallel_size
-            # Each GPU sends its share of the KV heads over its own link, side by side.
-            self.transfer_s_per_token = (model.kv_bytes_per_token_per_gpu(tp)
-                                         / (split.kv_transfer_gbps * 1e9))
+            # Each GPU sends its share of the KV heads over its own link, side by side, and
+            # receives its share likewise: the side with fewer GPUs a rank sets the pace.
+            per_gpu = max(model.kv_bytes_per_token_per_gpu(setup.gpus)
+                          for setup in (prefill, decode))
+            self.transfer_s_per_token = per_gpu / (split.kv_transfer_gbps * 1e9)
             self.transfer_latency_s = split.kv_transfer_latency_s
             self.transfer_layers = (model.num_layers
                                     if split.kv_transfer == "layerwise" else 0)
@@ -749,7 +791,6 @@ class _SystemRun:
             # first token sees.
             self.sliding_transfer_share = (model.num_sliding_layers / model.num_layers
                                            if uses_hybrid_kv_cache(model, system) else 0.0)
-        host_slots, self.swap_slots, self.host_s_per_token = host_memory(scenario, system)
         self.predicted_output = (
             predicted_output_lengths(trace, system.length_predictor, scenario.seed)
             if system.uses_predictor else None)
@@ -792,7 +833,7 @@ class _SystemRun:
                 self.replica_of[index] = self.replica_of[after[index]]
         else:
             # What a replica can cache: its GPU pool and its host tier.
-            self.router = Router(policy, routed, pool_slots + host_slots,
+            self.router = Router(policy, routed, prefill.pool_slots + prefill.host_slots,
                                  cache_threshold=routing.cache_threshold,
                                  balance_abs_threshold=routing.balance_abs_threshold,
                                  balance_rel_threshold=routing.balance_rel_threshold,
@@ -805,11 +846,12 @@ class _SystemRun:
         self.env = simpy.Environment()
         self.replicas = []
         for r in range(replicas):
-            allocator = build_allocator(system, pool_slots, model.max_model_len, host_slots,
-                                        self.unit_slots, model)
             role = ("both" if not self.handovers
                     else "prefill" if r < self.prefill_replicas else "decode")
-            replica = _Replica(self.env, r, self, allocator, role)
+            setup = prefill if role == "prefill" else decode
+            allocator = build_allocator(system, setup.pool_slots, model.max_model_len,
+                                        setup.host_slots, setup.unit_slots, model)
+            replica = _Replica(self.env, r, self, allocator, setup, role)
             if self.router is None:
                 replica.open = roots[self.replica_of[roots] == r].tolist()
             self.replicas.append(replica)
@@ -856,14 +898,15 @@ class _SystemRun:
         """Request ``index`` as ``replica`` serves it (see :meth:`serve_as`)."""
         return self.serve_as(Request(self.trace, index, arrival_s), replica)
 
-    @staticmethod
-    def serve_as(request: Request, replica: _Replica) -> Request:
+    def serve_as(self, request: Request, replica: _Replica) -> Request:
         """``request`` as ``replica`` serves it: a prefill replica reads the prompt and
         gives the first token, so for it the request ends there. One that no decode replica
-        could ever hold (every pool is alike) is marked rejected first: the prefill replica
-        turns it away on arrival, as a colocated replica does, rather than read its prompt."""
+        could ever hold (every decode pool is alike) is marked rejected first: the prefill
+        replica turns it away on arrival, as a colocated replica does, rather than read its
+        prompt (as it does one whose prompt its own pool cannot hold)."""
         if replica.role == "prefill":
-            request.rejected = not replica.scheduler.fits_ever(request)
+            decode = self.replicas[self.prefill_replicas]
+            request.rejected = not decode.scheduler.fits_ever(request)
             request.output_len = 1
             request.max_len = request.prompt_len + 1
             request.spec_cache = None  # fits_ever described the whole request
@@ -898,7 +941,7 @@ class _SystemRun:
             else:
                 start = max(replica.clock, replica.next_arrival())
             earliest = min(earliest, start)
-        return earliest + self.timing.min_fixed_s + self.transfer_latency_s
+        return earliest + self.prefill_setup.timing.min_fixed_s + self.transfer_latency_s
 
     def _least_loaded_decode(self) -> int:
         """The decode replica (counted from the first) with the fewest requests in flight
@@ -1012,16 +1055,23 @@ class _SystemRun:
         for replica in self.replicas:
             if self.router is None:  # routed replicas wake at every open arrival anyway
                 self.env.process(replica.arrivals())
-        ranks = self.data_parallel_size
-        if ranks > 1:
-            for first in range(0, len(self.replicas), ranks):
+        # Memory fractions are of a decode (or colocated) replica's pool: another pool's
+        # slots count in proportion.
+        reference = self.replicas[self.prefill_replicas].allocator.capacity_slots
+        for replica in self.replicas:
+            replica.pool_scale = reference / replica.allocator.capacity_slots
+        # An engine of D ranks steps them together; one of one rank is a replica alone.
+        first = 0
+        while first < len(self.replicas):
+            ranks = self.replicas[first].setup.ranks
+            if ranks > 1:
                 group = _RankGroup(self.env, self.replicas[first:first + ranks],
                                    cuda_graph_tokens(self.system))
                 self.rank_groups.append(group)
                 self.env.process(group.run())
-        else:
-            for replica in self.replicas:
-                self.env.process(replica.run())
+            else:
+                self.env.process(self.replicas[first].run())
+            first += ranks
         self.env.run()
         for replica in self.replicas:
             sched = replica.scheduler
@@ -1038,7 +1088,7 @@ class _SystemRun:
         requests["finished_s"] = requests["finished_s"].astype(float)
         steps = self.recorder.steps.frame()
         memory = self.recorder.memory.frame()
-        capacity = self.replicas[0].allocator.capacity_slots
+        capacity = self.replicas[self.prefill_replicas].allocator.capacity_slots
         lookup = sum(r.scheduler.lookup_tokens for r in self.replicas)
         hits = sum(r.scheduler.hit_tokens for r in self.replicas)
         preempted_lookup = sum(r.scheduler.preempted_lookup_tokens for r in self.replicas)
@@ -1055,7 +1105,7 @@ class _SystemRun:
                  "replica_imbalance": _imbalance(requests["replica"],
                                                  self.prefill_replicas or len(self.replicas)),
                  "prefill_replicas": self.prefill_replicas,
-                 "gpus": len(self.replicas) * self.gpus_per_replica,
+                 "gpus": sum(replica.setup.gpus for replica in self.replicas),
                  "usd_per_gpu_hour": self.usd_per_gpu_hour}
         loaded = sum(r.scheduler.first_loaded_tokens for r in self.replicas)
         # None (shown "—") without a host tier, as the hit rate without a prefix cache.
@@ -1077,8 +1127,8 @@ class _SystemRun:
             float((decoding["draft_tokens"] * decoding["steps"]).sum() / decoding["steps"].sum())
             if len(decoding) else 0.0) if self.system.speculative else None
         # The K by batch size an auto schedule chose (None for any other).
-        extra["draft_schedule"] = (json.dumps(self.auto_schedule)
-                                   if self.auto_schedule is not None else None)
+        schedule = self.decode_setup.auto_schedule
+        extra["draft_schedule"] = json.dumps(schedule) if schedule is not None else None
         # None (shown "—") but for a contiguous reservation sized by a predictor.
         extra["reservation_overflows"] = (
             sum(r.scheduler.reservation_overflows for r in self.replicas)
@@ -1161,6 +1211,9 @@ def memory_summary(scenario: Scenario) -> str:
                  f"{model.num_sliding_layers} of {model.num_layers} layers: the hybrid KV cache "
                  f"manager keeps {full} full-attention and {sliding} sliding-window group"
                  f"{'s' if sliding > 1 else ''} of {layers} layers")
+    view = scenario.prefill_view()
+    if view is not scenario:  # prefill replicas spread otherwise: their line too
+        text += "; prefill replicas: " + memory_summary(view).removeprefix("memory: ")
     for system, system_slots in drafted.items():
         spec = system.speculative
         assert spec is not None
@@ -1188,8 +1241,15 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
     if pool_slots < smallest:
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than the "
                           f"smallest request ({smallest} tokens)")
-    return _SystemRun(scenario, system, trace, timing, pool_slots,
-                      allocation_unit(scenario, system), progress, base_dir).run()
+    decode = _RoleSetup.build(scenario, system, trace, timing, pool_slots, base_dir)
+    prefill = decode
+    view = scenario.prefill_view()
+    if view is not scenario:  # prefill replicas spread over GPUs otherwise
+        prefill_slots = system_pool_slots(view, system)
+        check_pool(view, system, prefill_slots)
+        prefill = _RoleSetup.build(view, system, trace, build_timing(view, base_dir),
+                                   prefill_slots, base_dir)
+    return _SystemRun(scenario, system, trace, decode, prefill, progress).run()
 
 
 def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) -> Trace:

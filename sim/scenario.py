@@ -788,6 +788,10 @@ class DisaggregationConfig(ConfigModel):
         default="round_robin", description="which decode replica takes a request: in turn by "
         "its index, or the one with the fewest requests in flight (handed over and not yet "
         "finished), as Splitwise's join-the-shortest-queue")
+    prefill_parallel: ParallelConfig | None = Field(
+        default=None, description="how each prefill replica spreads over GPUs, where it "
+        "differs from the decode replicas' (the scenario's parallel), e.g. tensor "
+        "parallelism to read prompts fast and data-parallel ranks to hold many decodes")
 
 
 class EngineConfig(ConfigModel):
@@ -810,6 +814,44 @@ class EngineConfig(ConfigModel):
                              f"must leave decode replicas among engine.replicas "
                              f"({self.replicas})")
         return self
+
+
+def parallel_problem(value: ParallelConfig, model: ModelSpec,
+                     gpu: str | GpuConfig | None) -> str | None:
+    """What is wrong with spreading ``model`` over GPUs as ``value`` says (None: nothing; a
+    ``gpu`` of None is not checked, as one already refused)."""
+    tp, gpus = value.tensor_parallel_size, value.gpus
+    if gpus == 1 and not value.expert_parallel:
+        return None  # nothing to split
+    if (value.data_parallel_size > 1 or value.expert_parallel) and not model.is_moe:
+        what = ("expert_parallel" if value.data_parallel_size == 1
+                else f"data_parallel_size {value.data_parallel_size}")
+        return (f"{what}: {model.name} is dense, it has no experts to spread over GPUs "
+                "(ranks of a dense model share nothing: engine.replicas runs independent "
+                "engines)")
+    if value.expert_load_imbalance > gpus:
+        return (f"expert_load_imbalance {value.expert_load_imbalance:g}: the busiest GPU "
+                f"holds at most all the routed tokens, {gpus} times the mean over {gpus} GPUs")
+    if gpus == 1 or gpu is None:
+        return None
+    problem = model.tensor_parallel_problem(tp)
+    if problem:
+        return f"tensor_parallel_size {tp}: {problem}"
+    split = (f"tensor_parallel_size {tp}" if gpus == tp else
+             f"data_parallel_size {value.data_parallel_size} × tensor_parallel_size {tp}")
+    if isinstance(gpu, GpuConfig):
+        if gpu.interconnect_gbps is None:
+            needs = "all-reduces" if gpus == tp else "all-reduces and expert dispatches"
+            return (f"{split}: the {needs} need gpu.interconnect_gbps (GPU-to-GPU GB/s, one "
+                    "direction)")
+        return None
+    joined = GPU_PRESETS[gpu.lower()].interconnect_gpus
+    if joined is not None and gpus > joined:
+        return (f"{split}: NVLink joins {joined} {gpu} GPUs (one board) and the simulator "
+                f"models no network between boards; use at most {joined} GPUs an engine, or "
+                "engine.replicas for more GPUs, or give gpu explicitly with the "
+                "interconnect_gbps you have")
+    return None
 
 
 class Scenario(ConfigModel):
@@ -850,40 +892,11 @@ class Scenario(ConfigModel):
     @field_validator("parallel")
     @classmethod
     def _splits_evenly(cls, value: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
-        tp, gpus = value.tensor_parallel_size, value.gpus
-        if (gpus == 1 and not value.expert_parallel) or "model" not in info.data:
-            return value  # nothing to split, or the model already refused
-        model = _model_spec(info.data["model"])
-        if (value.data_parallel_size > 1 or value.expert_parallel) and not model.is_moe:
-            what = ("expert_parallel" if value.data_parallel_size == 1
-                    else f"data_parallel_size {value.data_parallel_size}")
-            raise ValueError(f"{what}: {model.name} is dense, it has no experts to spread "
-                             "over GPUs (ranks of a dense model share nothing: "
-                             "engine.replicas runs independent engines)")
-        if value.expert_load_imbalance > gpus:
-            raise ValueError(f"expert_load_imbalance {value.expert_load_imbalance:g}: the "
-                             f"busiest GPU holds at most all the routed tokens, {gpus} times "
-                             f"the mean over {gpus} GPUs")
-        if gpus == 1 or "gpu" not in info.data:
-            return value
-        problem = model.tensor_parallel_problem(tp)
+        if "model" not in info.data:
+            return value  # the model already refused
+        problem = parallel_problem(value, _model_spec(info.data["model"]), info.data.get("gpu"))
         if problem:
-            raise ValueError(f"tensor_parallel_size {tp}: {problem}")
-        split = (f"tensor_parallel_size {tp}" if gpus == tp else
-                 f"data_parallel_size {value.data_parallel_size} × tensor_parallel_size {tp}")
-        gpu = info.data["gpu"]
-        if isinstance(gpu, GpuConfig):
-            if gpu.interconnect_gbps is None:
-                needs = "all-reduces" if gpus == tp else "all-reduces and expert dispatches"
-                raise ValueError(f"{split}: the {needs} need gpu.interconnect_gbps "
-                                 "(GPU-to-GPU GB/s, one direction)")
-            return value
-        joined = GPU_PRESETS[gpu.lower()].interconnect_gpus
-        if joined is not None and gpus > joined:
-            raise ValueError(f"{split}: NVLink joins {joined} {gpu} GPUs (one board) and the "
-                             f"simulator models no network between boards; use at most "
-                             f"{joined} GPUs an engine, or engine.replicas for more GPUs, or "
-                             "give gpu explicitly with the interconnect_gbps you have")
+            raise ValueError(problem)
         return value
 
     @field_validator("max_model_len")
@@ -938,26 +951,56 @@ class Scenario(ConfigModel):
 
     @model_validator(mode="after")
     def _experts_spread_alone(self):  # type: ignore[no-untyped-def]
-        parallel = self.parallel
-        if parallel.spreads_experts and self.timing.calibration:
+        split = self.engine.disaggregation
+        prefill = split.prefill_parallel if split else None
+        if prefill is not None:
+            problem = parallel_problem(prefill, self.model_spec(), self.gpu)
+            if problem:
+                raise ValueError(f"engine.disaggregation.prefill_parallel: {problem}")
+        spread = any(p.spreads_experts for p in (self.parallel, prefill) if p is not None)
+        if spread and self.timing.calibration:
             raise ValueError("timing.calibration: a calibration times one tensor-parallel "
                              "group, not experts spread over other GPUs "
                              "(parallel.data_parallel_size, expert_parallel); drop it to "
                              "use the roofline")
         return self
 
+    def prefill_view(self) -> Scenario:
+        """The scenario as its prefill replicas see it: their own parallelism in place of
+        ``parallel`` (the decode replicas'), where disaggregation gives one."""
+        split = self.engine.disaggregation
+        if split is None or split.prefill_parallel is None:
+            return self
+        alone = split.model_copy(update={"prefill_parallel": None})  # (a view of itself)
+        return self.model_copy(update={
+            "parallel": split.prefill_parallel,
+            "engine": self.engine.model_copy(update={"disaggregation": alone})})
+
     @property
     def ranks(self) -> int:
         """The engines the simulation runs side by side: every data-parallel rank of every
         replica (a rank schedules its own batch over its own KV cache)."""
-        return self.engine.replicas * self.parallel.data_parallel_size
+        split = self.engine.disaggregation
+        decode_replicas = self.engine.replicas - (split.prefill_replicas if split else 0)
+        return self.prefill_ranks + decode_replicas * self.parallel.data_parallel_size
 
     @property
     def prefill_ranks(self) -> int:
         """Of :attr:`ranks`, those of the prefill replicas under disaggregation (the
         first ones; 0 without it)."""
         split = self.engine.disaggregation
-        return split.prefill_replicas * self.parallel.data_parallel_size if split else 0
+        if split is None:
+            return 0
+        return split.prefill_replicas * self.prefill_view().parallel.data_parallel_size
+
+    @property
+    def gpus(self) -> int:
+        """Every GPU of every replica."""
+        split = self.engine.disaggregation
+        if split is None:
+            return self.engine.replicas * self.parallel.gpus
+        return (split.prefill_replicas * self.prefill_view().parallel.gpus
+                + (self.engine.replicas - split.prefill_replicas) * self.parallel.gpus)
 
     @model_validator(mode="before")
     @classmethod
@@ -967,8 +1010,15 @@ class Scenario(ConfigModel):
         scenario is saved and read again (a sweep's points, a capacity search's loads)."""
         if not isinstance(data, dict):
             return data
-        parallel, engine = data.get("parallel"), data.get("engine") or {}
-        if not (isinstance(parallel, dict) and isinstance(engine, dict)):
+        engine = data.get("engine") or {}
+        if not isinstance(engine, dict):
+            return data
+        # The ranks new requests go to: the prefill replicas' under disaggregation.
+        parallel = data.get("parallel") or {}
+        split = engine.get("disaggregation")
+        if isinstance(split, dict) and split.get("prefill_parallel") is not None:
+            parallel = split["prefill_parallel"]
+        if not isinstance(parallel, dict):
             return data
         try:
             ranks = int(parallel.get("data_parallel_size", 1))

@@ -366,3 +366,36 @@ def test_an_expert_load_beyond_reason_is_refused_and_an_idle_one_noted():
         {"data_parallel_size": 8, "expert_parallel": True, "expert_load_imbalance": load})))
         .systems["paged"].summary for load in (1.0, 2.0)]
     assert runs[1]["tpot_p50_s"] > runs[0]["tpot_p50_s"]
+
+
+def test_a_tensor_parallel_prefill_engine_beside_decode_ranks():
+    # A prefill engine of tensor parallelism 2 reads prompts on two GPUs; a decode engine of
+    # two ranks holds twice the requests. Requests go to the one prefill engine; the
+    # decode ranks step together.
+    work = {"arrival": {"process": "poisson", "rate": 30},
+            "prompt_len": {"dist": "uniform", "low": 2000, "high": 6000},
+            "output_len": {"dist": "uniform", "low": 50, "high": 200}}
+    systems = [{"name": "paged", "allocator": {"kind": "paged", "block_size": 64},
+                "scheduler": {"chunked_prefill": True}}]
+    split = {"prefill_replicas": 1, "prefill_parallel": {"tensor_parallel_size": 2}}
+    data = scenario({"data_parallel_size": 2, "expert_parallel": True}, "deepseek-v2-lite",
+                    workload=work, systems=systems, stop={"num_requests": 100},
+                    engine={"replicas": 2, "disaggregation": split})
+    parsed = scenario_from_dict(data)
+    assert (parsed.ranks, parsed.prefill_ranks, parsed.gpus) == (3, 1, 4)
+    assert parsed.engine.router.policy == "round_robin"  # one prefill engine to route to
+    run = run_scenario(parsed).systems["paged"]
+    requests, steps = run.requests, run.steps
+    assert not requests["rejected"].any() and set(requests["replica"]) == {0}
+    assert set(requests["decode_replica"]) == {1, 2}
+    decoding = steps[steps["replica"] >= 1]
+    assert (decoding.groupby("time_s")["duration_s"].nunique() == 1).all()
+    assert run.summary["gpus"] == 4 and run.summary["rank_wait_frac"] is not None
+    memory = sum(run.summary[f"{c}_frac"] for c in ("token", "reserved", "internal",
+                                                     "external", "cached", "free"))
+    assert memory == pytest.approx(1.0)
+    # Prefill ranks are balanced as vLLM balances them; decode ranks do not route.
+    ranked = dict(split, prefill_parallel={"data_parallel_size": 2, "expert_parallel": True})
+    flipped = scenario({"tensor_parallel_size": 2}, "deepseek-v2-lite",
+                       engine={"replicas": 2, "disaggregation": ranked})
+    assert scenario_from_dict(flipped).engine.router.policy == "vllm_dp"

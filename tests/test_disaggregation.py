@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from reports.run_figures import memory_over_time, replica_balance
-from sim.engine import build_timing, run_scenario
+from sim.engine import build_timing, memory_summary, run_scenario, scenario_pool_slots
 from sim.presets import lookup_model
 from sim.scenario import ScenarioError, scenario_from_dict
 
@@ -290,3 +290,74 @@ def test_gpt_oss_split_seats_more_where_the_windows_are_all_a_decode_replica_kee
     assert hybrid["slo_attainment"] >= 0.99 > flat["slo_attainment"] + 0.05
     assert flat["slo_ttft_attainment"] == hybrid["slo_ttft_attainment"] == 1.0
     assert hybrid["peak_running"] > 1.5 * flat["peak_running"]
+
+
+def test_prefill_replicas_may_spread_over_gpus_otherwise():
+    # One prompt, a prefill replica of two GPUs and a decode replica of one: the prefill
+    # step splits the work in two; its two GPUs send half the KV each, which the decode GPU
+    # receives whole, so the transfer takes as long as from one GPU.
+    def run(prefill_parallel=None):
+        data = scenario(prefill_replicas=1, replicas=2, kv_transfer_gbps=1,
+                        kv_transfer_latency_s=0.002)
+        if prefill_parallel:
+            data["engine"]["disaggregation"]["prefill_parallel"] = prefill_parallel
+        data["workload"]["prompt_len"] = {"dist": "constant", "value": 1000}
+        data["workload"]["output_len"] = {"dist": "constant", "value": 20}
+        data["stop"] = {"num_requests": 1}
+        parsed = scenario_from_dict(data)
+        return parsed, run_scenario(parsed).systems["paged"]
+    parsed, spread = run({"tensor_parallel_size": 2})
+    _, alike = run()
+    assert parsed.gpus == 3 and parsed.ranks == 2 and spread.summary["gpus"] == 3
+    assert "; prefill replicas: llama-2-7b on 2 × a100-80g: " in memory_summary(parsed)
+    steps = spread.steps
+    prefill = steps[steps["replica"] == 0].iloc[0]
+    assert prefill["duration_s"] < 0.6 * alike.steps["duration_s"].iloc[0]
+    transfer_s = 1000 * lookup_model("llama-2-7b").kv_bytes_per_token / 1e9
+    first_decode_step = steps[steps["replica"] == 1]["time_s"].min()
+    assert first_decode_step == pytest.approx(prefill["time_s"] + prefill["duration_s"]
+                                              + transfer_s + 0.002)
+    # The summary's pool is the decode replica's.
+    assert spread.summary["capacity_slots"] == alike.summary["capacity_slots"]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "output"), [(1, 2, 20), (2, 1, 2000)])
+def test_a_request_either_pool_cannot_hold_is_turned_away_unread(tmp_path, prefill_tp,
+                                                                  decode_tp, output):
+    # On 16 GiB GPUs Llama-2-7B's weights leave one GPU a small pool (about 3,700 tokens)
+    # and two, which split them, a large one. A 5,000-token prompt does not fit a prefill
+    # replica of one GPU; a request of 5,000 tokens in all does not fit a decode replica of
+    # one, so the prefill replica of two turns it away before reading its prompt.
+    rows = [(0.0, 5000 - output, output), (0.1, 500, 20)]
+    pd.DataFrame(rows, columns=["t", "prompt", "output"]).to_csv(tmp_path / "t.csv",
+                                                               index=False)
+    data = scenario(prefill_replicas=1, replicas=2,
+                    prefill_parallel={"tensor_parallel_size": prefill_tp})
+    data["gpu"] = {"name": "small", "memory_gib": 16, "hbm_bandwidth_gbps": 1000,
+                   "peak_tflops": 300, "interconnect_gbps": 300}
+    data["parallel"] = {"tensor_parallel_size": decode_tp}
+    del data["memory"]
+    data["systems"] = [{"name": "paged", "allocator": {"kind": "paged", "watermark": 0}}]
+    data["workload"] = {"kind": "trace", "format": "csv", "path": "t.csv",
+                        "columns": {"arrival": "t", "prompt_len": "prompt",
+                                    "output_len": "output"}}
+    parsed = scenario_from_dict(data)
+    small, large = sorted([scenario_pool_slots(parsed),
+                           scenario_pool_slots(parsed.prefill_view())])
+    assert small < 4000 and large > 20_000
+    run = run_scenario(parsed, tmp_path).systems["paged"]
+    requests = run.requests
+    assert requests["rejected"].tolist() == [True, False]
+    assert np.isnan(requests["first_token_s"].iloc[0])  # its prompt never read
+    assert run.steps[run.steps["replica"] == 0]["prefill_tokens"].sum() == 500
+    assert run.summary["capacity_slots"] == scenario_pool_slots(parsed) // 16 * 16
+    assert run.summary["gpus"] == prefill_tp + decode_tp
+
+
+def test_prefill_parallelism_is_checked_as_the_scenarios_is():
+    with pytest.raises(ScenarioError, match=r"engine\.disaggregation\.prefill_parallel: "
+                       r"data_parallel_size 2: llama-2-7b is dense"):
+        scenario_from_dict(scenario(prefill_parallel={"data_parallel_size": 2}))
+    with pytest.raises(ScenarioError, match=r"engine\.disaggregation\.prefill_parallel: "
+                       r"tensor_parallel_size 3: "):
+        scenario_from_dict(scenario(prefill_parallel={"tensor_parallel_size": 3}))

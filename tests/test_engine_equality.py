@@ -194,6 +194,8 @@ def random_scenario(seed: int) -> dict:
         if "sampling" not in workload and rng.random() < 0.5:
             engine["replicas"] = 2
             engine["disaggregation"] = {"prefill_replicas": 1}
+            if rng.random() < 0.5:  # a prefill engine of tensor parallelism instead
+                engine["disaggregation"]["prefill_parallel"] = {"tensor_parallel_size": 2}
     # Drawn last, as the above: vLLM's balancer, which learns when requests are seated.
     if router.get("policy") == "least_loaded" and rng.random() < 0.5:
         router["policy"] = "vllm_dp"
