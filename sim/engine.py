@@ -493,8 +493,7 @@ class _Replica:
                     t = self.env.now
                 self.clock = max(self.clock, t)
                 continue
-            while self.held and self.held[0][0] <= self.clock:
-                sched.release(heapq.heappop(self.held)[2])
+            self.release_sent(self.clock)
             start = self.clock
             if sim.jump and sched.fast_step_ready() and sched.fast_step():
                 # Pure decode with nothing to decide: run steps until an event needs one.
@@ -521,9 +520,7 @@ class _Replica:
                         yield self.env.timeout(self.clock - self.env.now)
                     continue
                 if batch.empty:
-                    raise SimulationError(
-                        f"replica {self.index}: nothing can run although "
-                        f"{len(sched.running)} requests run and {len(sched.waiting)} wait")
+                    raise self.stuck()
                 snap = sched.snapshot()
                 quiet = None
                 clock = start + self.step_duration(batch)
@@ -532,6 +529,18 @@ class _Replica:
             self.end_steps(start, clock, steps, batch, snap, quiet, finished)
             if clock > self.env.now:
                 yield self.env.timeout(clock - self.env.now)
+
+    def release_sent(self, now_s: float) -> None:
+        """Free the KV this prefill replica held for requests sent on by ``now_s``."""
+        while self.held and self.held[0][0] <= now_s:
+            self.scheduler.release(heapq.heappop(self.held)[2])
+
+    def stuck(self) -> SimulationError:
+        """The error of a step with work to do and nothing it can run."""
+        sched = self.scheduler
+        return SimulationError(f"replica {self.index}: nothing can run although "
+                               f"{len(sched.running)} requests run and {len(sched.waiting)} "
+                               "wait")
 
     def step_duration(self, batch: Batch, round_tokens: int = 0) -> float:
         """Seconds ``batch`` takes as one step (``round_tokens``: all data-parallel ranks'
@@ -631,15 +640,12 @@ class _RankGroup:
             planned = []
             for rank in busy:
                 sched = rank.scheduler
-                while rank.held and rank.held[0][0] <= start:
-                    sched.release(heapq.heappop(rank.held)[2])
+                rank.release_sent(start)
                 batch = sched.schedule(start)
                 if batch.empty and rank.held:
                     continue  # what waits needs memory still being sent on: it sits out
                 if batch.empty:
-                    raise SimulationError(
-                        f"replica {rank.index}: nothing can run although "
-                        f"{len(sched.running)} requests run and {len(sched.waiting)} wait")
+                    raise rank.stuck()
                 planned.append((rank, batch, sched.snapshot()))
             if not planned:
                 # Every busy rank waits for its memory to be sent on: until the first is, or
@@ -763,6 +769,7 @@ class _SystemRun:
             raise ScenarioError("engine.debug_invariants: its checks are assert statements, "
                                 "which python -O removes; run without -O, or set it false")
         self.duration_s = scenario.stop.duration_s
+        self.gpus = scenario.gpus
         # Data-parallel ranks: each engine's D ranks step together (see run).
         self.rank_groups: list[_RankGroup] = []
         self.usd_per_gpu_hour = scenario.cost.usd_per_gpu_hour if scenario.cost else None
@@ -1105,7 +1112,7 @@ class _SystemRun:
                  "replica_imbalance": _imbalance(requests["replica"],
                                                  self.prefill_replicas or len(self.replicas)),
                  "prefill_replicas": self.prefill_replicas,
-                 "gpus": sum(replica.setup.gpus for replica in self.replicas),
+                 "gpus": self.gpus,
                  "usd_per_gpu_hour": self.usd_per_gpu_hour}
         loaded = sum(r.scheduler.first_loaded_tokens for r in self.replicas)
         # None (shown "—") without a host tier, as the hit rate without a prefix cache.

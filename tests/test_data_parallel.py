@@ -18,6 +18,14 @@ V3 = lookup_model("deepseek-v3")
 H200 = lookup_gpu("h200-141g")
 
 
+# Prompts long enough that a prefill chunk stalls the decodes beside it, read in chunks.
+LONG_PROMPTS = {"arrival": {"process": "poisson", "rate": 30},
+                "prompt_len": {"dist": "uniform", "low": 2000, "high": 6000},
+                "output_len": {"dist": "uniform", "low": 50, "high": 200}}
+CHUNKED = [{"name": "paged", "allocator": {"kind": "paged", "block_size": 64},
+            "scheduler": {"chunked_prefill": True}}]
+
+
 def scenario(parallel: dict, model: str = "deepseek-v3", **overrides) -> dict:
     data = {
         "name": "dp", "model": model, "gpu": "h200-141g", "parallel": parallel,
@@ -263,13 +271,8 @@ def test_ranks_step_together_at_the_pace_of_the_slowest(tmp_path):
 def test_prefill_and_decode_engines_of_ranks_each_step_together():
     # Two engines of four ranks: one reads the prompts, the other decodes; against both
     # colocated, the decodes no longer wait out prefill chunks.
-    work = {"arrival": {"process": "poisson", "rate": 30},
-            "prompt_len": {"dist": "uniform", "low": 2000, "high": 6000},
-            "output_len": {"dist": "uniform", "low": 50, "high": 200}}
-    systems = [{"name": "paged", "allocator": {"kind": "paged", "block_size": 64},
-                "scheduler": {"chunked_prefill": True}}]
     split = scenario({"data_parallel_size": 4, "expert_parallel": True}, "deepseek-v2-lite",
-                     workload=work, systems=systems, stop={"num_requests": 150},
+                     workload=LONG_PROMPTS, systems=CHUNKED, stop={"num_requests": 150},
                      engine={"replicas": 2, "disaggregation": {"prefill_replicas": 1}})
     ranks = scenario_from_dict(split)
     assert ranks.ranks == 8 and ranks.prefill_ranks == 4
@@ -372,14 +375,9 @@ def test_a_tensor_parallel_prefill_engine_beside_decode_ranks():
     # A prefill engine of tensor parallelism 2 reads prompts on two GPUs; a decode engine of
     # two ranks holds twice the requests. Requests go to the one prefill engine; the
     # decode ranks step together.
-    work = {"arrival": {"process": "poisson", "rate": 30},
-            "prompt_len": {"dist": "uniform", "low": 2000, "high": 6000},
-            "output_len": {"dist": "uniform", "low": 50, "high": 200}}
-    systems = [{"name": "paged", "allocator": {"kind": "paged", "block_size": 64},
-                "scheduler": {"chunked_prefill": True}}]
     split = {"prefill_replicas": 1, "prefill_parallel": {"tensor_parallel_size": 2}}
     data = scenario({"data_parallel_size": 2, "expert_parallel": True}, "deepseek-v2-lite",
-                    workload=work, systems=systems, stop={"num_requests": 100},
+                    workload=LONG_PROMPTS, systems=CHUNKED, stop={"num_requests": 100},
                     engine={"replicas": 2, "disaggregation": split})
     parsed = scenario_from_dict(data)
     assert (parsed.ranks, parsed.prefill_ranks, parsed.gpus) == (3, 1, 4)
