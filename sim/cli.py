@@ -179,7 +179,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 SWEEP_TABLE_METRICS = ("throughput_tok_s", "usd_per_million_tokens", "e2e_p90_s",
                        "slo_attainment", "slo_tightest_attainment", "waste_frac",
                        "prefix_hit_rate", "swap_preemptions", "reservation_overflows",
-                       "rank_wait_frac")
+                       "rank_wait_frac", "pipeline_bubble_frac")
 
 
 def _sweep_means(table: pd.DataFrame, metrics: Sequence[str]) -> str:
@@ -258,7 +258,8 @@ def _print_probe(probe: Any, slo: dict[str, Any]) -> None:
 
 CAPACITY_TABLE_METRICS = ("capacity_req_s", "slo_attainment", "slo_tightest_attainment",
                           "ttft_p99_s", "tpot_p50_s", "throughput_tok_s",
-                          "usd_per_million_tokens", "rank_wait_frac")
+                          "usd_per_million_tokens", "rank_wait_frac",
+                          "pipeline_bubble_frac")
 
 
 def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:

@@ -18,6 +18,11 @@ The data-parallel ranks of a mixture of experts are replicas that cannot keep th
 time: their MoE layers exchange tokens, so one process drives an engine's ranks through
 rounds, like carriages coupled into one train, each round as long as its slowest rank's
 step (:class:`_RankGroup`).
+
+Pipeline stages are stations down one line: a batch leaves the first stage for the next as
+soon as that stage is done with it, and the first takes the next batch, so as many batches
+as stages are in flight, each of its own requests, through the stages in order
+(:meth:`_Replica.run_pipeline`).
 """
 
 from __future__ import annotations
@@ -57,11 +62,12 @@ from sim.scenario import (
     SystemConfig,
     VirtualConfig,
 )
-from sim.scheduler import Batch, QuietDecode, Request, Scheduler
+from sim.scheduler import Batch, QuietDecode, Request, Scheduler, WaitingLine
 from sim.timing import (
     Calibration,
     CalibrationError,
     StepTimeModel,
+    pipeline_hop_s_per_token,
     roofline,
     with_transfer,
 )
@@ -279,7 +285,7 @@ def drafter_memory(scenario: Scenario, system: SystemConfig) -> tuple[float, flo
             draft = replace(draft, kv_dtype_bytes=KV_CACHE_DTYPE_BYTES[kv_dtype])
         return draft.weight_bytes / tp, float(draft.kv_bytes_per_token_per_gpu(tp))
     share = spec.drafter_layers / model.num_layers
-    weight_bytes = model.weight_bytes_per_gpu(tp, scenario.parallel.gpus)
+    weight_bytes = model.weight_bytes_per_gpu(tp, scenario.parallel.stage_gpus)
     return share * weight_bytes, share * model.kv_bytes_per_token_per_gpu(tp)
 
 
@@ -363,11 +369,19 @@ class _Recorder:
 
     def record(self, replica: int, start_s: float, duration_s: float, steps: int, batch: Batch,
                sched: Scheduler, snap: MemorySnapshot, quiet: QuietDecode | None,
-               finished: int, pool_scale: float = 1.0) -> None:
+               finished: int, pool_scale: float = 1.0,
+               peers: list[Scheduler] | None = None) -> None:
         """One step, or a run of ``quiet`` decode steps, that began holding ``snap`` and
         ended with ``finished`` requests done; its slots count ``pool_scale`` times in the
-        averages (a pool's slots in those of the pool the summary is of)."""
+        averages (a pool's slots in those of the pool the summary is of). Under pipeline
+        parallelism ``peers`` are the schedulers of every batch, whose requests count."""
         running, waiting = len(sched.running), len(sched.waiting)
+        preemptions, hits, lookups = sched.num_preemptions, sched.hit_tokens, sched.lookup_tokens
+        if peers is not None:
+            running = sum(len(peer.running) for peer in peers)
+            preemptions = sum(peer.num_preemptions for peer in peers)
+            hits = sum(peer.hit_tokens for peer in peers)
+            lookups = sum(peer.lookup_tokens for peer in peers)
         self.steps.append((replica, start_s, duration_s, steps, batch.decode_seqs,
                            batch.draft_tokens, batch.context_tokens, batch.prefill_tokens,
                            len(batch.prefill),
@@ -387,9 +401,8 @@ class _Recorder:
         self.weight += duration_s
         if start_s - self._last_sample >= self.sample_interval_s:
             self._last_sample = start_s
-            self.memory.append((replica, start_s, *snap, running,
-                                waiting, batch.decode_seqs, sched.num_preemptions,
-                                sched.hit_tokens, sched.lookup_tokens))
+            self.memory.append((replica, start_s, *snap, running, waiting,
+                                batch.decode_seqs, preemptions, hits, lookups))
 
     def averages(self) -> dict[str, float]:
         """Slots of each kind and running requests per replica, averaged over the time the
@@ -411,10 +424,26 @@ class _Replica:
         self.setup = setup  # its GPUs, pool and step times, as its role's replicas share them
         self.allocator = allocator
         self.pool_scale = 1.0  # its slots in those of the pool the summary is of (see run)
-        self.scheduler = Scheduler(
-            allocator, sim.system.scheduler, sim.debug, setup.swap_slots, sim.predicted_output,
-            overflow_to_max=getattr(sim.system.allocator, "on_overflow", None) == "request_max",
-            sliding_window=sim.sliding_window, speculative=setup.speculative)
+        overflow_to_max = getattr(sim.system.allocator, "on_overflow", None) == "request_max"
+
+        def scheduler(waiting: WaitingLine | None = None) -> Scheduler:
+            return Scheduler(allocator, sim.system.scheduler, sim.debug, setup.swap_slots,
+                             sim.predicted_output, overflow_to_max=overflow_to_max,
+                             sliding_window=sim.sliding_window, speculative=setup.speculative,
+                             waiting=waiting)
+
+        self.scheduler = scheduler()
+        # Pipeline stages: a scheduler for each batch in flight, all of one allocator, one
+        # waiting line and one max_num_seqs (vLLM's one scheduler never schedules a request
+        # again before the batch it is in comes back).
+        self.schedulers = [self.scheduler, *(scheduler(self.scheduler.waiting)
+                                             for _ in setup.stage_shares[1:])]
+        if len(self.schedulers) > 1:
+            for sched in self.schedulers:
+                sched.share_seats(self.schedulers)
+        # Stage-seconds the stages computed, and seconds some batch was in flight.
+        self.stage_busy_s = 0.0
+        self.in_flight_s = 0.0
         self.rho = setup.rho
         self.open: list[int] = []  # open-arrival request indices, in arrival order
         self.open_pos = 0
@@ -474,6 +503,9 @@ class _Replica:
 
     def run(self):  # type: ignore[no-untyped-def]
         """SimPy process: schedule → step → advance, until no work is left."""
+        if len(self.schedulers) > 1:
+            yield from self.run_pipeline()
+            return
         sim = self.sim
         sched = self.scheduler
         while True:
@@ -483,15 +515,7 @@ class _Replica:
                 t = self.next_arrival()
                 if t == math.inf and not sim.handovers:
                     return
-                if t > self.env.now:
-                    # Until the next arrival, or until another replica hands one over.
-                    self.idle = True
-                    self.wake = self.env.event()
-                    yield (self.wake if t == math.inf
-                           else self.wake | self.env.timeout(t - self.env.now))
-                    self.idle = False
-                    t = self.env.now
-                self.clock = max(self.clock, t)
+                self.clock = max(self.clock, (yield from self.idle_until(t)))
                 continue
             self.release_sent(self.clock)
             start = self.clock
@@ -530,6 +554,95 @@ class _Replica:
             if clock > self.env.now:
                 yield self.env.timeout(clock - self.env.now)
 
+    def idle_until(self, t: float):  # type: ignore[no-untyped-def]
+        """Wait until ``t`` (if later than now), or until another replica hands this one a
+        request; the time it is then."""
+        if t <= self.env.now:
+            return t
+        self.idle = True
+        self.wake = self.env.event()
+        yield self.wake if t == math.inf else self.wake | self.env.timeout(t - self.env.now)
+        self.idle = False
+        return self.env.now
+
+    def run_pipeline(self):  # type: ignore[no-untyped-def]
+        """SimPy process of an engine in pipeline stages: every batch slot not in flight
+        schedules a batch of its own requests, which passes the stages in turn, each taking
+        the next batch when done with the last; the slot schedules again when its batch
+        comes out of the last stage. Until no work is left (stepping in either mode)."""
+        env = self.env
+        schedulers = self.schedulers
+        stage_free = [0.0] * len(schedulers)  # when each stage is done with its last batch
+        ready = list(range(len(schedulers)))  # slots not in flight, as they came back
+        in_flight = []  # (when done, launch order, slot, batch, launched at, memory then)
+        launches = 0
+        covered_s = 0.0  # in-flight time is counted up to here
+        while True:
+            now = self.clock
+            for sched in schedulers:
+                sched.notice_time(now)
+            self.pull_arrivals()
+            for slot in list(ready):
+                sched = schedulers[slot]
+                if not sched.running and not sched.waiting:
+                    continue
+                batch = sched.schedule(now)
+                if batch.empty:
+                    continue  # its line's head waits for memory the batches in flight hold
+                ready.remove(slot)
+                done = self.pipeline_pass(batch, now, stage_free)
+                self.in_flight_s += done - max(now, covered_s)
+                covered_s = done
+                heapq.heappush(in_flight, (done, launches, slot, batch, now, self.snapshot()))
+                launches += 1
+            if not in_flight:
+                if self.scheduler.waiting or any(s.running for s in schedulers):
+                    raise self.stuck()
+                t = self.next_arrival()
+                if t == math.inf:
+                    return
+                self.clock = max(self.clock, (yield from self.idle_until(t)))
+                continue
+            # The next batch out, or an arrival a free slot may take before that.
+            t = in_flight[0][0]
+            arrival = self.next_arrival() if ready else math.inf
+            if self.clock < arrival < t:
+                self.clock = arrival
+            else:
+                _, _, slot, batch, start, snap = heapq.heappop(in_flight)
+                sched = schedulers[slot]
+                self.end_steps(start, t, 1, batch, snap, None,
+                               self.finish_step(batch, start, t, sched))
+                ready.append(slot)
+            if self.clock > env.now:
+                yield env.timeout(self.clock - env.now)
+
+    def pipeline_pass(self, batch: Batch, start_s: float, stage_free: list[float]) -> float:
+        """When ``batch``, scheduled at ``start_s``, comes out of the pipeline: each stage
+        computes its layers' share of the step once it has the batch and is done with the
+        one before (``stage_free``, moved on), the activations cross to the next stage, and
+        the step's fixed CPU cost (scheduling, sampling) comes once, at the end."""
+        setup = self.setup
+        compute_s = self.step_duration(batch) - setup.pass_overhead_s
+        hop_s = setup.hop_latency_s + (batch.decode_seqs + batch.prefill_tokens) * (
+            setup.hop_s_per_token)
+        t = start_s
+        for stage, share in enumerate(setup.stage_shares):
+            if stage:
+                t += hop_s
+            t = max(t, stage_free[stage]) + share * compute_s
+            stage_free[stage] = t
+        self.stage_busy_s += compute_s
+        return t + setup.pass_overhead_s
+
+    def snapshot(self) -> MemorySnapshot:
+        """Memory now: the allocator's, with every batch slot's lazily written tokens."""
+        snap = self.scheduler.snapshot()
+        pending = sum(sched.pending_slots() for sched in self.schedulers[1:])
+        if not pending:
+            return snap
+        return snap._replace(token=snap.token + pending, reserved=snap.reserved - pending)
+
     def release_sent(self, now_s: float) -> None:
         """Free the KV this prefill replica held for requests sent on by ``now_s``."""
         while self.held and self.held[0][0] <= now_s:
@@ -557,10 +670,12 @@ class _Replica:
             duration += batch.swapped_slots * setup.host_s_per_token
         return duration
 
-    def finish_step(self, batch: Batch, start_s: float, clock_s: float) -> list[Request]:
-        """End the step of ``batch`` from ``start_s`` at ``clock_s``: the requests it
-        finished (the router told of the requests it seated and the prompts it read)."""
-        finished = self.scheduler.finish_step(batch, clock_s)
+    def finish_step(self, batch: Batch, start_s: float, clock_s: float,
+                    sched: Scheduler | None = None) -> list[Request]:
+        """End the step of ``batch`` (of ``sched``, a pipeline's batch slot, else the
+        replica's scheduler) from ``start_s`` at ``clock_s``: the requests it finished (the
+        router told of the requests it seated and the prompts it read)."""
+        finished = (sched or self.scheduler).finish_step(batch, clock_s)
         if self.sim.router is not None and self.role != "decode":
             self.sim.tell_router(self, batch, start_s, clock_s)
         return finished
@@ -572,7 +687,8 @@ class _Replica:
         that began holding ``snap``, and be done with the requests it ``finished``."""
         sim = self.sim
         sim.recorder.record(self.index, start_s, clock_s - start_s, steps, batch,
-                            self.scheduler, snap, quiet, len(finished), self.pool_scale)
+                            self.scheduler, snap, quiet, len(finished), self.pool_scale,
+                            self.schedulers if len(self.schedulers) > 1 else None)
         self.clock = clock_s
         for request in finished:
             self._account_finish(request)
@@ -710,6 +826,13 @@ class _RoleSetup:
     timings: dict[int, StepTimeModel]
     speculative: SpeculativeConfig | None
     auto_schedule: list[tuple[int, int, int]] | None
+    # Pipeline stages: each one's share of the layers (one stage: (1.0,)), the seconds a
+    # batch's activations take to the next (fixed, and per token), and the CPU part of a
+    # step's fixed cost, which a batch pays once.
+    stage_shares: tuple[float, ...] = (1.0,)
+    hop_latency_s: float = 0.0
+    hop_s_per_token: float = 0.0
+    pass_overhead_s: float = 0.0
 
     @classmethod
     def build(cls, scenario: Scenario, system: SystemConfig, trace: Trace,
@@ -736,8 +859,21 @@ class _RoleSetup:
                 timings, spec, context, rho, system.scheduler.max_num_seqs * widest)
             spec = spec.with_schedule(auto_schedule)
         host_slots, swap_slots, host_s_per_token = host_memory(scenario, system)
-        return cls(scenario, pool_slots, unit_slots, host_slots, swap_slots, host_s_per_token,
-                   timing, rho, timings, spec, auto_schedule)
+        setup = cls(scenario, pool_slots, unit_slots, host_slots, swap_slots, host_s_per_token,
+                    timing, rho, timings, spec, auto_schedule)
+        parallel = scenario.parallel
+        stages = parallel.pipeline_parallel_size
+        if stages == 1:
+            return setup
+        model = scenario.model_spec()
+        return replace(
+            setup, stage_shares=tuple(layers / model.num_layers
+                                      for layers in model.pipeline_stage_layers(stages)),
+            hop_latency_s=parallel.allreduce_latency_s,
+            hop_s_per_token=pipeline_hop_s_per_token(
+                model, scenario.gpu_spec(), parallel.tensor_parallel_size, stages,
+                parallel.pipeline_link_gbps),
+            pass_overhead_s=scenario.timing.step_overhead_s)
 
     @property
     def gpus(self) -> int:
@@ -1081,8 +1217,7 @@ class _SystemRun:
             first += ranks
         self.env.run()
         for replica in self.replicas:
-            sched = replica.scheduler
-            if sched.running or sched.waiting:
+            if any(sched.running or sched.waiting for sched in replica.schedulers):
                 raise SimulationError(f"replica {replica.index} stopped with work left")
         return self._result()
 
@@ -1096,10 +1231,11 @@ class _SystemRun:
         steps = self.recorder.steps.frame()
         memory = self.recorder.memory.frame()
         capacity = self.replicas[self.prefill_replicas].allocator.capacity_slots
-        lookup = sum(r.scheduler.lookup_tokens for r in self.replicas)
-        hits = sum(r.scheduler.hit_tokens for r in self.replicas)
-        preempted_lookup = sum(r.scheduler.preempted_lookup_tokens for r in self.replicas)
-        preempted_hits = sum(r.scheduler.preempted_hit_tokens for r in self.replicas)
+        schedulers = [sched for r in self.replicas for sched in r.schedulers]
+        lookup = sum(s.lookup_tokens for s in schedulers)
+        hits = sum(s.hit_tokens for s in schedulers)
+        preempted_lookup = sum(s.preempted_lookup_tokens for s in schedulers)
+        preempted_hits = sum(s.preempted_hit_tokens for s in schedulers)
         extra = {"lookup_tokens": lookup, "hit_tokens": hits,
                  "preempted_lookup_tokens": preempted_lookup,
                  "preempted_hit_tokens": preempted_hits,
@@ -1114,20 +1250,27 @@ class _SystemRun:
                  "prefill_replicas": self.prefill_replicas,
                  "gpus": self.gpus,
                  "usd_per_gpu_hour": self.usd_per_gpu_hour}
-        loaded = sum(r.scheduler.first_loaded_tokens for r in self.replicas)
+        loaded = sum(s.first_loaded_tokens for s in schedulers)
         # None (shown "—") without a host tier, as the hit rate without a prefix cache.
         has_host = getattr(self.replicas[0].allocator, "host", None) is not None
         extra["host_hit_rate"] = (loaded / lookup if lookup else 0.0) if has_host else None
-        extra["host_loaded_tokens"] = sum(r.scheduler.loaded_tokens for r in self.replicas)
+        extra["host_loaded_tokens"] = sum(s.loaded_tokens for s in schedulers)
         # None (shown "—") for systems that preempt by recompute.
         swaps = self.system.scheduler.preemption_mode == "swap"
         for key in ("swap_preemptions", "swapped_out_slots", "swapped_in_slots"):
-            extra[key] = (sum(getattr(r.scheduler, key) for r in self.replicas) if swaps
+            extra[key] = (sum(getattr(s, key) for s in schedulers) if swaps
                           else None)
         # None (shown "—") without data-parallel ranks: their time waiting on slower ones.
         busy_s = sum(group.busy_s for group in self.rank_groups)
         extra["rank_wait_frac"] = (sum(group.waited_s for group in self.rank_groups) / busy_s
                                    if busy_s else 0.0) if self.rank_groups else None
+        # None (shown "—") without pipeline stages: their time idle while a batch was in
+        # flight (filling, draining, waiting on a slower stage or on the CPU).
+        stages = len(self.decode_setup.stage_shares)
+        in_flight_s = sum(r.in_flight_s for r in self.replicas)
+        extra["pipeline_bubble_frac"] = (
+            1.0 - sum(r.stage_busy_s for r in self.replicas) / (stages * in_flight_s)
+            if in_flight_s else 0.0) if stages > 1 else None
         # None (shown "—") without speculative decoding: the drafts a decode step verified.
         decoding = steps[steps["decode_seqs"] > 0]
         extra["mean_draft_tokens"] = (
@@ -1138,7 +1281,7 @@ class _SystemRun:
         extra["draft_schedule"] = json.dumps(schedule) if schedule is not None else None
         # None (shown "—") but for a contiguous reservation sized by a predictor.
         extra["reservation_overflows"] = (
-            sum(r.scheduler.reservation_overflows for r in self.replicas)
+            sum(s.reservation_overflows for s in schedulers)
             if self.system.predicts_reservations else None)
         summary_requests = requests.fillna({"finished_s": -1.0})
         summary = summarize(summary_requests, steps,
@@ -1160,7 +1303,8 @@ def scenario_pool_slots(scenario: Scenario) -> int:
                          kv_memory_gib=scenario.memory.kv_memory_gib,
                          gpu_memory_utilization=scenario.memory.gpu_memory_utilization,
                          tensor_parallel_size=scenario.parallel.tensor_parallel_size,
-                         data_parallel_size=scenario.parallel.data_parallel_size)
+                         data_parallel_size=scenario.parallel.data_parallel_size,
+                         pipeline_parallel_size=scenario.parallel.pipeline_parallel_size)
 
 
 def check_pool(scenario: Scenario, system: SystemConfig, pool_slots: int) -> None:
@@ -1190,20 +1334,27 @@ def memory_summary(scenario: Scenario) -> str:
         check_pool(scenario, system, system_slots)
         if system_slots != slots:
             drafted[system] = system_slots
-    per_gpu = model.kv_bytes_per_token_per_gpu(tp)
     parallel = scenario.parallel
+    # Under pipeline parallelism, the heaviest stage's GPUs (which set the pool).
+    stage_layers = model.pipeline_stage_layers(parallel.pipeline_parallel_size)
+    stage_share = max(stage_layers) / model.num_layers
+    per_gpu = model.kv_bytes_per_token_per_gpu(tp) * stage_share
     gpus = gpu.name if tp == 1 else f"{tp} × {gpu.name}"
     rank = ""
     if parallel.data_parallel_size > 1:
         gpus = f"{parallel.data_parallel_size} data-parallel ranks of {gpus}"
         rank = " a rank"
+    if parallel.pipeline_parallel_size > 1:
+        gpus = (f"{parallel.pipeline_parallel_size} pipeline stages of {gpus} "
+                f"({'/'.join(map(str, stage_layers))} layers; the figures a GPU are the "
+                "heaviest stage's)")
     if parallel.spreads_experts:
         gpus += (f" (experts {'whole' if parallel.expert_parallel else 'split'} over "
-                 f"{parallel.gpus} GPUs)")
+                 f"{parallel.stage_gpus} GPUs)")
     each = "" if parallel.gpus == 1 else " a GPU"
     source = (" (memory.kv_memory_gib)" if scenario.memory.kv_memory_gib is not None else
               f" ({scenario.memory.gpu_memory_utilization:.0%} of GPU memory less the weights)")
-    weight_gib = model.weight_bytes_per_gpu(tp, parallel.gpus) / GIB
+    weight_gib = model.weight_bytes_per_gpu(tp, parallel.stage_gpus) * stage_share / GIB
     text = (f"memory: {model.name} on {gpus}: weights {weight_gib:.1f} GiB"
             f"{each}, KV pool {slots * per_gpu / GIB:.1f} GiB{each}{source}; GPU KV cache size "
             f"{slots:,} tokens{rank} of {per_gpu / 1024:,.1f} KiB{each}; maximum concurrency "

@@ -43,6 +43,7 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("host_hit_rate", "prefix hits from host memory", "%"),
     ("replica_imbalance", "replica imbalance (max/mean requests)", "{:,.2f}"),
     ("rank_wait_frac", "rank time waiting on slower ranks", "%"),
+    ("pipeline_bubble_frac", "pipeline stage time idle (bubbles)", "%"),
     ("preemptions", "preemptions", "{:,.0f}"),
     ("swap_preemptions", "preemptions by swap", "{:,.0f}"),
     ("reservation_overflows", "preemptions: outgrew a predicted reservation", "{:,.0f}"),
@@ -111,7 +112,7 @@ ONLY_WHEN_ABOVE_ONE = {"throughput_tok_s_per_gpu": "gpus", "replica_imbalance": 
 ONLY_WHEN_SET = {"host_hit_rate", "slo_attainment", "slo_tightest_attainment", "goodput_req_s",
                  "capacity_req_s", "capacity_req_s_per_gpu", "swap_preemptions",
                  "swapped_out_slots", "reservation_overflows", "usd_per_million_tokens",
-                 "mean_draft_tokens", "rank_wait_frac"}
+                 "mean_draft_tokens", "rank_wait_frac", "pipeline_bubble_frac"}
 # A total and its share per GPU, shown beside it where runs use different numbers of GPUs.
 PER_GPU = {"throughput_tok_s": "throughput_tok_s_per_gpu",
            "capacity_req_s": "capacity_req_s_per_gpu"}

@@ -202,6 +202,16 @@ class ModelSpec:
                 * self.kv_elements_per_layer_tensor(tensor_parallel_size)
                 * self.kv_element_bytes)
 
+    def pipeline_stage_layers(self, pipeline_parallel_size: int) -> list[int]:
+        """Layers each pipeline stage holds, first to last, as vLLM splits them
+        (``get_pp_indices``): evenly, the remainder one each to the stages before the last,
+        which also holds the LM head."""
+        base, remainder = divmod(self.num_layers, pipeline_parallel_size)
+        layers = [base] * pipeline_parallel_size
+        for stage in range(2, remainder + 2):
+            layers[-stage] += 1
+        return layers
+
     def tokens_per_page(self, page_bytes: int, tensor_parallel_size: int) -> int:
         """Tokens one physical page holds when, as vAttention lays KV out, every layer's K and
         every layer's V (or MLA latent) is a virtual tensor of its own on each GPU: a page
@@ -337,6 +347,7 @@ def kv_pool_slots(
     gpu_memory_utilization: float = 0.9,
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> int:
     """Token slots in one engine's KV pool: an explicit KV size (all the engine's GPUs
     together), or, per GPU, GPU memory × utilization − its share of the weights.
@@ -345,6 +356,9 @@ def kv_pool_slots(
     slot count is one GPU's pool over one GPU's bytes per token. Under data parallelism (a
     mixture of experts) the pool is one rank's, whose GPUs hold the dense weights as its
     tensor-parallel group splits them and their share of the experts spread over every rank.
+    Pipeline stages each hold their layers' weights and KV: a token takes a slot on every
+    stage, so the stage of the most layers, whose GPUs have the least room for the most
+    bytes a token, sets the count (vLLM sizes the cache by its most constrained worker).
     """
     problem = model.tensor_parallel_problem(tensor_parallel_size)
     if problem:
@@ -358,13 +372,20 @@ def kv_pool_slots(
             f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
         )
     gpus = tensor_parallel_size * data_parallel_size
-    weight_bytes_per_gpu = model.weight_bytes_per_gpu(tensor_parallel_size, gpus)
+    # The share of the layers (and of their weights: the embeddings are few) the heaviest
+    # pipeline stage holds.
+    stage_share = max(model.pipeline_stage_layers(pipeline_parallel_size)) / model.num_layers
+    weight_bytes_per_gpu = model.weight_bytes_per_gpu(tensor_parallel_size, gpus) * stage_share
     usable_bytes = gpu.memory_bytes * gpu_memory_utilization
     pool_bytes = usable_bytes - weight_bytes_per_gpu
     if pool_bytes <= 0:
         if data_parallel_size > 1:
             share = f" (1/{tensor_parallel_size} of the dense ones, 1/{gpus} of the experts)"
             hint = _ranks_hint(model, gpu, usable_bytes, tensor_parallel_size)
+        elif pipeline_parallel_size > 1:
+            share = f" (a {pipeline_parallel_size}-stage pipeline's heaviest stage's"
+            share += ")" if gpus == 1 else f", 1/{tensor_parallel_size} of them)"
+            hint = "; use more pipeline stages or a larger tensor_parallel_size"
         else:
             share = "" if gpus == 1 else f" (1/{tensor_parallel_size} of them)"
             hint = _sharding_hint(model, gpu, usable_bytes)
@@ -373,7 +394,8 @@ def kv_pool_slots(
             f"{gpu_memory_utilization:.0%} of {gpu.name} ({usable_bytes / GIB:.1f} GiB): no KV "
             f"pool left{hint}"
         )
-    return int(pool_bytes // model.kv_bytes_per_token_per_gpu(tensor_parallel_size))
+    return int(pool_bytes // (model.kv_bytes_per_token_per_gpu(tensor_parallel_size)
+                              * stage_share))
 
 
 def _sharding_hint(model: ModelSpec, gpu: GpuSpec, usable_bytes: float) -> str:
@@ -385,6 +407,14 @@ def _sharding_hint(model: ModelSpec, gpu: GpuSpec, usable_bytes: float) -> str:
     if fitting:
         return (f"; shard them over {fitting[0]} GPUs (parallel.tensor_parallel_size: "
                 f"{fitting[0]}) or give memory.kv_memory_gib")
+    stages = [p for p in range(2, model.num_layers + 1)
+              if model.weight_bytes / board * max(model.pipeline_stage_layers(p))
+              / model.num_layers < usable_bytes]
+    if stages and model.tensor_parallel_problem(board) is None:
+        return (f"; no tensor-parallel group of at most {board} {gpu.name} GPUs (one board) "
+                f"holds them: split the layers over boards as {stages[0]} pipeline stages "
+                f"(parallel: {{tensor_parallel_size: {board}, pipeline_parallel_size: "
+                f"{stages[0]}}}), choose a GPU with more memory, or give memory.kv_memory_gib")
     return (f"; no tensor-parallel group of at most {board} {gpu.name} GPUs (one board) holds "
             "them: choose a GPU with more memory, or give memory.kv_memory_gib")
 

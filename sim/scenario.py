@@ -41,7 +41,7 @@ from sim.presets import (
     ModelSpec,
 )
 from sim.router import DYNAMO_TTL_S
-from sim.timing import DEFAULT_ALLREDUCE_LATENCY_S
+from sim.timing import DEFAULT_ALLREDUCE_LATENCY_S, DEFAULT_PIPELINE_NETWORK_GBPS
 from workloads.distributions import ConfigModel
 from workloads.spec import SyntheticWorkload, Workload
 
@@ -170,9 +170,10 @@ class MemoryConfig(ConfigModel):
 class ParallelConfig(ConfigModel):
     """How one engine spreads over GPUs: tensor parallelism, as vLLM's
     ``--tensor-parallel-size`` (weights and KV heads split N ways, two all-reduces a layer),
-    and for a mixture of experts data parallelism, as ``--data-parallel-size`` (ranks of
-    their own KV cache and batch, the experts spread over every rank's GPUs) with or without
-    ``--enable-expert-parallel``."""
+    pipeline parallelism, as ``--pipeline-parallel-size`` (the layers split into stages, a
+    batch in flight on each), and for a mixture of experts data parallelism, as
+    ``--data-parallel-size`` (ranks of their own KV cache and batch, the experts spread over
+    every rank's GPUs) with or without ``--enable-expert-parallel``."""
 
     tensor_parallel_size: PositiveInt = 1
     data_parallel_size: PositiveInt = Field(
@@ -193,15 +194,31 @@ class ParallelConfig(ConfigModel):
         "vLLM's EPLB aims to; real routers choose some experts more), which every other GPU "
         "waits for in each MoE layer; at most the GPUs the experts spread over")
 
+    pipeline_parallel_size: PositiveInt = Field(
+        default=1, description="pipeline stages, as vLLM's --pipeline-parallel-size: each "
+        "holds a share of the layers (their weights and KV) on tensor_parallel_size GPUs of "
+        "its own; a batch passes stage to stage, and as many batches as stages are in flight")
+    pipeline_link_gbps: PositiveFloat | None = Field(
+        default=None, description="GB/s one GPU sends a batch's activations to the next "
+        "stage at (one direction); absent: NVLink where every stage is on one board, else "
+        f"{DEFAULT_PIPELINE_NETWORK_GBPS:g} (a 400 Gb/s InfiniBand NIC a GPU, as DGX "
+        "boards have)")
+
     @property
     def gpus(self) -> int:
-        """The GPUs of one engine: its ranks' tensor-parallel groups."""
+        """The GPUs of one engine: its stages' and ranks' tensor-parallel groups."""
+        return self.stage_gpus * self.pipeline_parallel_size
+
+    @property
+    def stage_gpus(self) -> int:
+        """The GPUs one layer spans: its ranks' tensor-parallel groups (a MoE layer's
+        experts spread over all of them)."""
         return self.tensor_parallel_size * self.data_parallel_size
 
     @property
     def spreads_experts(self) -> bool:
         """Whether a MoE layer spans other GPUs than the tensor-parallel group's."""
-        return self.gpus > 1 and (self.data_parallel_size > 1 or self.expert_parallel)
+        return self.stage_gpus > 1 and (self.data_parallel_size > 1 or self.expert_parallel)
 
 
 class PredictorConfig(ConfigModel):
@@ -820,9 +837,21 @@ def parallel_problem(value: ParallelConfig, model: ModelSpec,
                      gpu: str | GpuConfig | None) -> str | None:
     """What is wrong with spreading ``model`` over GPUs as ``value`` says (None: nothing; a
     ``gpu`` of None is not checked, as one already refused)."""
-    tp, gpus = value.tensor_parallel_size, value.gpus
+    pp = value.pipeline_parallel_size
+    if pp > model.num_layers:
+        return (f"pipeline_parallel_size {pp}: {model.name} has {model.num_layers} layers, "
+                "fewer than the stages")
+    if pp > 1 and value.data_parallel_size > 1:
+        return (f"pipeline_parallel_size {pp} with data_parallel_size "
+                f"{value.data_parallel_size}: pipeline stages of data-parallel ranks are not "
+                "modelled")
+    if pp > 1 and isinstance(gpu, GpuConfig) and (
+            value.pipeline_link_gbps is None and gpu.interconnect_gbps is None):
+        return (f"pipeline_parallel_size {pp}: the activations stages send on need "
+                "pipeline_link_gbps or gpu.interconnect_gbps (GB/s, one direction)")
+    tp, gpus = value.tensor_parallel_size, value.stage_gpus  # (a stage's)
     if gpus == 1 and not value.expert_parallel:
-        return None  # nothing to split
+        return None  # nothing to split within a stage
     if (value.data_parallel_size > 1 or value.expert_parallel) and not model.is_moe:
         what = ("expert_parallel" if value.data_parallel_size == 1
                 else f"data_parallel_size {value.data_parallel_size}")
@@ -848,8 +877,9 @@ def parallel_problem(value: ParallelConfig, model: ModelSpec,
     joined = GPU_PRESETS[gpu.lower()].interconnect_gpus
     if joined is not None and gpus > joined:
         return (f"{split}: NVLink joins {joined} {gpu} GPUs (one board) and the simulator "
-                f"models no network between boards; use at most {joined} GPUs an engine, or "
-                "engine.replicas for more GPUs, or give gpu explicitly with the "
+                f"models no network between boards within a layer; use at most {joined} "
+                "GPUs a pipeline stage (parallel.pipeline_parallel_size spreads stages over "
+                "boards), or engine.replicas for more GPUs, or give gpu explicitly with the "
                 "interconnect_gbps you have")
     return None
 
@@ -963,6 +993,38 @@ class Scenario(ConfigModel):
                              "group, not experts spread over other GPUs "
                              "(parallel.data_parallel_size, expert_parallel); drop it to "
                              "use the roofline")
+        return self
+
+    @model_validator(mode="after")
+    def _pipeline_stages_alone(self):  # type: ignore[no-untyped-def]
+        split = self.engine.disaggregation
+        prefill = split.prefill_parallel if split else None
+        if prefill is not None and prefill.pipeline_parallel_size > 1:
+            raise ValueError("engine.disaggregation.prefill_parallel.pipeline_parallel_size: "
+                             "pipeline stages under disaggregation are not modelled")
+        stages = self.parallel.pipeline_parallel_size
+        if stages == 1:
+            return self
+        if split is not None:
+            raise ValueError(f"parallel.pipeline_parallel_size {stages}: pipeline stages "
+                             "under engine.disaggregation are not modelled")
+        model = _model_spec(self.model)
+        unmodelled = {
+            "speculative decoding": lambda s: s.speculative is not None,
+            "preemption_mode: swap": lambda s: s.scheduler.preemption_mode == "swap",
+            "a host tier (allocator.host_cache_gib)": lambda s: getattr(
+                s.allocator, "host_cache_gib", 0),
+            "the hybrid KV cache manager (sliding-window layers; allocator."
+            "hybrid_kv_cache: false keeps every token in every layer)": lambda s: bool(
+                model.sliding_window and isinstance(s.allocator, PagedConfig)
+                and s.allocator.hybrid_kv_cache),
+        }
+        for system in self.systems:
+            for what, used in unmodelled.items():
+                if used(system):
+                    raise ValueError(f"system {system.name!r}: {what} is not modelled with "
+                                     f"pipeline stages (parallel.pipeline_parallel_size "
+                                     f"{stages})")
         return self
 
     def prefill_view(self) -> Scenario:
@@ -1100,7 +1162,10 @@ class Scenario(ConfigModel):
         router = self.engine.router.policy
         routed = self.prefill_ranks or self.ranks
         parallel = self.parallel
-        if parallel.expert_parallel and parallel.gpus == 1:
+        if parallel.pipeline_link_gbps is not None and parallel.pipeline_parallel_size == 1:
+            notes.append("parallel.pipeline_link_gbps changes nothing here: one pipeline "
+                         "stage sends nothing on")
+        if parallel.expert_parallel and parallel.stage_gpus == 1:
             notes.append("parallel.expert_parallel changes nothing here: one GPU holds every "
                          "expert")
         if parallel.expert_load_imbalance > 1 and not parallel.expert_parallel:

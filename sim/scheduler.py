@@ -357,7 +357,8 @@ class Scheduler:
     def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,
                  swap_slots: int = 0, predicted_output: list[int] | None = None,
                  overflow_to_max: bool = False, sliding_window: int = 0,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 waiting: WaitingLine | None = None) -> None:
         self.allocator = allocator
         # The token clock (see the module's docstring) reads ⌊acc / den⌋: acc moves on by
         # each step's rate (τ·den, of the drafts the step verifies), so that with one K it
@@ -400,8 +401,12 @@ class Scheduler:
         self.swap_preemptions = 0
         self.swapped_out_slots = 0
         self.swapped_in_slots = 0
-        self.waiting = WaitingLine(config.policy, config.max_wait_s,
-                                   config.aging_tokens_per_s or 0.0)
+        # A line of its own, or one it shares with the other batches of a pipeline.
+        self.waiting = waiting if waiting is not None else WaitingLine(
+            config.policy, config.max_wait_s, config.aging_tokens_per_s or 0.0)
+        # Under pipeline parallelism the schedulers of the batches in flight, which share
+        # the allocator, the line and max_num_seqs (None: this one alone).
+        self._peers: list[Scheduler] | None = None
         self._noticed_s = -math.inf  # the last time notice_time was told
         self.running: dict[int, Request] = {}  # admit_seq -> request, in admission order
         self.steps = 0  # steps completed
@@ -454,6 +459,17 @@ class Scheduler:
         if (self._predicts or self.waiting.by_length) and predicted_output is None:
             raise ValueError("a predicted reservation, or a line by predicted length, needs "
                              "the predicted output lengths")
+
+    def share_seats(self, peers: list[Scheduler]) -> None:
+        """Count ``peers``' running requests (this one among them) against max_num_seqs,
+        as vLLM counts every request of every batch in flight."""
+        self._peers = peers
+
+    def _seated(self) -> int:
+        """Requests seated against max_num_seqs."""
+        if self._peers is None:
+            return len(self.running)
+        return sum(len(peer.running) for peer in self._peers)
 
     # ------------------------------------------------------------------ queue
     def fits_ever(self, request: Request) -> bool:
@@ -589,11 +605,15 @@ class Scheduler:
         """Decode tokens written but not yet told to the allocator (all sequences)."""
         return self.decode_seqs * self._clock_now - self._c_sync_sum
 
+    def pending_slots(self) -> int:
+        """Slots of the decode tokens written but not yet told to the allocator."""
+        return self._pending() * self._groups
+
     def snapshot(self) -> MemorySnapshot:
         """The allocator's taxonomy with lazily-written decode tokens moved to ``token``
         (each a slot in every group's table)."""
         snap = self.allocator.snapshot(self._snapshot_head())
-        pending = self._pending() * self._groups
+        pending = self.pending_slots()
         if not pending:
             return snap
         return MemorySnapshot(snap.token + pending, snap.reserved - pending, snap.internal,
@@ -986,12 +1006,13 @@ class Scheduler:
         self.head_blocked = False
         seating = not (self._per_chunk and batch.preempted and self.running)
         while seating and self.waiting:
-            if len(self.running) >= self.config.max_num_seqs or budget <= 0:
+            seated = self._seated()
+            if seated >= self.config.max_num_seqs or budget <= 0:
                 if budget > 0 and self._make_room(self.waiting.head(), batch):
                     continue  # a seat freed for a better priority
                 # Blocked for as long as pure decode lasts, unless this step's prefills used
                 # the budget (the next step has a fresh one).
-                self.head_blocked = (len(self.running) >= self.config.max_num_seqs
+                self.head_blocked = (seated >= self.config.max_num_seqs
                                      or self.decode_seqs * self.step_tokens
                                      >= self.config.max_num_batched_tokens)
                 break

@@ -162,8 +162,11 @@ _SCENARIO_AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
     ("parallel", "data_parallel_size"): 1,
     ("parallel", "expert_parallel"): False,
     ("parallel", "expert_load_imbalance"): 1.0,
+    ("parallel", "pipeline_parallel_size"): 1,
     ("model", "num_dense_layers"): 0,  # (a model given by its shape)
 }
+# The same of the prefill replicas' own parallelism (engine.disaggregation.prefill_parallel).
+_PREFILL_PARALLEL_AS_BEFORE_FIELDS = {("prefill_parallel", "pipeline_parallel_size"): 1}
 
 
 def config_key(resolved: dict[str, Any]) -> str:
@@ -176,6 +179,10 @@ def config_key(resolved: dict[str, Any]) -> str:
     material = _without_as_before({k: v for k, v in resolved.items()
                                    if k not in ("name", "description", "output_dir", "sweep")},
                                   _SCENARIO_AS_BEFORE_FIELDS)
+    engine = material.get("engine")
+    if isinstance(engine, dict) and isinstance(engine.get("disaggregation"), dict):
+        material["engine"] = {**engine, "disaggregation": _without_as_before(
+            engine["disaggregation"], _PREFILL_PARALLEL_AS_BEFORE_FIELDS)}
     if isinstance(material.get("systems"), list):
         material["systems"] = [_without_as_before(system, _AS_BEFORE_FIELDS)
                                for system in material["systems"]]

@@ -51,6 +51,9 @@ DEFAULT_PAGED_ALPHA = 2.0  # ρ(bs) = 1 + alpha/bs: +12.5% attention time at bs=
 # One small-message NCCL all-reduce inside an NVLink node: nccl-tests report ~10-30 µs
 # for the KB-MB messages a decode step sends; the low end, as CUDA graphs run them.
 DEFAULT_ALLREDUCE_LATENCY_S = 10e-6
+# Pipeline stages on other boards send activations over the network: DGX H100/H200 boards
+# give every GPU its own 400 Gb/s InfiniBand NIC, 50 GB/s a direction.
+DEFAULT_PIPELINE_NETWORK_GBPS = 50.0
 
 
 class CalibrationError(ValueError):
@@ -204,6 +207,23 @@ def with_transfer(compute_s: float, transfer_s: float, pipelined_layers: int) ->
     if not pipelined_layers:
         return compute_s + transfer_s
     return max(compute_s, transfer_s) + min(compute_s, transfer_s) / pipelined_layers
+
+
+def pipeline_hop_s_per_token(model: ModelSpec, gpu: GpuSpec, tensor_parallel_size: int,
+                             pipeline_parallel_size: int,
+                             link_gbps: float | None = None) -> float:
+    """Seconds one token's activations take from one pipeline stage to the next: its
+    hidden state and residual (vLLM sends both), each GPU of the stage's tensor-parallel
+    group a 1/N slice of them (the next stage gathers them over its own NVLink). Over
+    ``link_gbps`` if given, else NVLink where every stage sits on one board, else the
+    network (:data:`DEFAULT_PIPELINE_NETWORK_GBPS`)."""
+    gpus = tensor_parallel_size * pipeline_parallel_size
+    on_board = gpu.interconnect_bytes_per_s is not None and (
+        gpu.interconnect_gpus is None or gpus <= gpu.interconnect_gpus)
+    link = (link_gbps * 1e9 if link_gbps is not None
+            else gpu.interconnect_bytes_per_s if on_board and gpu.interconnect_bytes_per_s
+            else DEFAULT_PIPELINE_NETWORK_GBPS * 1e9)
+    return 2 * model.hidden_size * model.dtype_bytes / tensor_parallel_size / link
 
 
 def roofline(model: ModelSpec, gpu: GpuSpec,

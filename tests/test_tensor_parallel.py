@@ -88,9 +88,10 @@ def test_weights_that_do_not_fit_say_how_many_gpus_would():
     with pytest.raises(SizingError, match=r"shard them over 4 GPUs"):
         kv_pool_slots(lookup_model("qwen3-30b-a3b"), small)
     # DeepSeek-V3 (625 GiB in FP8) needs 9 A100-80G, which its 128 heads round to 16: more
-    # than one 8-GPU board.
+    # than one 8-GPU board: two boards as pipeline stages hold it.
     with pytest.raises(SizingError, match=r"no tensor-parallel group of at most 8 a100-80g GPUs "
-                       r"\(one board\) holds them: choose a GPU with more memory"):
+                       r"\(one board\) holds them: split the layers over boards as 2 "
+                       r"pipeline stages .*, choose a GPU with more memory"):
         kv_pool_slots(lookup_model("deepseek-v3"), A100)
     assert kv_pool_slots(lookup_model("deepseek-v3"), lookup_gpu("h200-141g"),
                          tensor_parallel_size=8) > 0
