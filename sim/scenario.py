@@ -150,7 +150,8 @@ class GpuConfig(ConfigModel):
     peak_tflops: PositiveFloat = Field(description="dense bf16/fp16 TFLOP/s")
     interconnect_gbps: PositiveFloat | None = Field(
         default=None, description="GPU-to-GPU GB/s in one direction (NVLink: half the "
-        "datasheet figure); needed only for tensor parallelism")
+        "datasheet figure); needed for tensor parallelism, and for pipeline stages without "
+        "parallel.pipeline_link_gbps")
     host_link_gbps: PositiveFloat | None = Field(
         default=None, description="GPU-to-host-memory GB/s in one direction (PCIe); needed "
         "only for a host cache")
@@ -847,8 +848,8 @@ def parallel_problem(value: ParallelConfig, model: ModelSpec,
                 "modelled")
     if pp > 1 and isinstance(gpu, GpuConfig) and (
             value.pipeline_link_gbps is None and gpu.interconnect_gbps is None):
-        return (f"pipeline_parallel_size {pp}: the activations stages send on need "
-                "pipeline_link_gbps or gpu.interconnect_gbps (GB/s, one direction)")
+        return (f"pipeline_parallel_size {pp}: sending activations from stage to stage "
+                "needs pipeline_link_gbps or gpu.interconnect_gbps (GB/s, one direction)")
     tp, gpus = value.tensor_parallel_size, value.stage_gpus  # (a stage's)
     if gpus == 1 and not value.expert_parallel:
         return None  # nothing to split within a stage

@@ -187,7 +187,8 @@ def test_replicas_of_pipelines_are_routed_and_finish():
      r"ranks are not modelled"),
     ({"gpu": {"name": "g", "memory_gib": 80, "hbm_bandwidth_gbps": 3000, "peak_tflops": 900},
       "parallel": {"pipeline_parallel_size": 2}},
-     r"the activations stages send on need pipeline_link_gbps or gpu\.interconnect_gbps"),
+     r"sending activations from stage to stage needs pipeline_link_gbps or "
+     r"gpu\.interconnect_gbps"),
     ({"parallel": {"tensor_parallel_size": 16, "pipeline_parallel_size": 2}},
      r"at most 8 GPUs a pipeline stage"),
     ({"engine": {"replicas": 3, "disaggregation": {"prefill_replicas": 1}}},
