@@ -228,10 +228,11 @@ def _chosen_systems(scenario: Scenario, names: list[str] | None) -> list[SystemC
 
 # ---------------------------------------------------------------------- over a sweep
 def capacity_points(path: Path, *, quick: bool = False,
-                    overrides: dict[str, Any] | None = None
-                    ) -> tuple[Scenario, list[SweepPoint]]:
+                    overrides: dict[str, Any] | None = None,
+                    notes: list[str] | None = None) -> tuple[Scenario, list[SweepPoint]]:
     """The sweep file's base scenario (``overrides`` applied) and its points, with the
-    arrival rate taken off the grid: it is what each point's search varies."""
+    arrival rate taken off the grid: it is what each point's search varies (``notes``: see
+    :func:`sim.sweep.expand`)."""
     from sim.scenario import read_scenario_file
 
     raw = with_overrides(read_scenario_file(path), overrides)
@@ -244,7 +245,7 @@ def capacity_points(path: Path, *, quick: bool = False,
         raise CapacityError(f"sweep.zip: moves {searched} with other fields, and capacity "
                             "searches it; sweep the other fields alone")
     sweep["grid"] = {k: v for k, v in (sweep.get("grid") or {}).items() if k != searched}
-    return scenario, expand({**raw, "sweep": sweep}, str(path), quick=quick)
+    return scenario, expand({**raw, "sweep": sweep}, str(path), quick=quick, notes=notes)
 
 
 def point_capacity(scenario_data: dict[str, Any], base_dir: str, rel_tol: float,
@@ -285,11 +286,17 @@ def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "loca
                    quick: bool = False,
                    progress: Callable[[int], Callable[[int], None]] | None = None,
                    overrides: dict[str, Any] | None = None,
-                   systems: list[str] | None = None) -> pd.DataFrame:
+                   systems: list[str] | None = None,
+                   notify: Callable[[str], None] | None = None) -> pd.DataFrame:
     """Each sweep point's capacity, searched in parallel (local processes or Ray, as
     :func:`sim.sweep.make_executor`): one row per point, seed and system (``systems`` only,
-    if given), with the point's parameters as ``param:PATH`` columns."""
-    scenario, points = capacity_points(path, quick=quick, overrides=overrides)
+    if given), with the point's parameters as ``param:PATH`` columns; ``notify`` is told
+    the layouts ``sweep.layouts`` refuses, before any search."""
+    notes: list[str] = []
+    scenario, points = capacity_points(path, quick=quick, overrides=overrides, notes=notes)
+    if notify is not None:
+        for note in notes:
+            notify(note)
     _chosen_systems(scenario, systems)  # an unknown name is an error before any search
     base_dir = str(path.parent.resolve())
     tick = progress(len(points)) if progress else None

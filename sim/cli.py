@@ -149,6 +149,11 @@ def _write_report(out: Path) -> Path:
     return write_report(out)
 
 
+def _note(line: str) -> None:
+    """Print a note on what a command was asked and does not do."""
+    print(f"note: {line}")
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from sim.sweep import run_sweep
 
@@ -160,7 +165,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     outcome = run_sweep(Path(args.scenario), out_dir=Path(args.out) if args.out else None,
                         jobs=args.jobs, executor=args.executor, address=args.address,
                         quick=args.quick, progress=progress,
-                        overrides=dict(args.overrides or []))
+                        overrides=dict(args.overrides or []), notify=_note)
     table = outcome.table
     print(f"sweep: {outcome.ran} points ran, {outcome.skipped} already done, "
           f"{outcome.failed} failed; {len(table)} rows in {outcome.out_dir / 'results.parquet'}")
@@ -274,6 +279,7 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
                                address=args.address, rel_tol=args.rel_tol,
                                max_probes=args.max_probes, quick=args.quick,
                                overrides=dict(args.overrides or []), systems=args.system,
+                               notify=_note,
                                progress=lambda total: _progress_bar(total, "capacity", "point",
                                                                     quiet=args.quiet))
     except _bad_input_types() as exc:
@@ -407,8 +413,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     systems = ", ".join(s.name for s in scenario.systems)
     sweep = ""
     if scenario.sweep:  # every point must be valid too, as kvsim sweep checks before running
-        _, points = load_sweep_points(path, overrides=overrides)
+        notes: list[str] = []
+        _, points = load_sweep_points(path, overrides=overrides, notes=notes)
         sweep = f"; sweep: {len(points)} runs, each valid"
+        for note in notes:
+            _note(note)
     # A pool the weights leave no room for, or less than a block, is an error; so is a
     # calibration file that is missing or times another model.
     try:

@@ -1360,20 +1360,26 @@ def scenario_from_dict(data: Any, source: str = "<scenario>") -> Scenario:
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:
-        errors = exc.errors()
-        # In a union every member complains; the deepest complaint is the useful one, and a
-        # member that took the value's type but refused the value beats one of another type
-        # ("should be a valid string" for a model given as a mapping). An unknown key
-        # explains the rest (a misspelt required field is also "missing").
-        errors.sort(key=lambda e: (e["type"] != "extra_forbidden", e["type"].endswith("_type"),
-                                   -len(e["loc"])))
-        first = _format_error(errors[0], data)
-        # A complaint about an enclosing value is another union member refusing the same
-        # input (``gpu`` as a preset name when the mapping misses a field): not one more.
-        path = _loc(tuple(errors[0]["loc"]), data)
-        others = [e for e in errors[1:] if not _encloses(_loc(tuple(e["loc"]), data), path)]
-        more = f" (and {len(others)} more)" if others else ""
-        raise ScenarioError(f"{source}: {first}{more}") from None
+        raise ScenarioError(f"{source}: {validation_message(exc, data)}") from None
+
+
+def validation_message(exc: ValidationError, data: Any) -> str:
+    """pydantic's complaints about ``data`` as one line: the one that says most, where it
+    is, and how many more there are."""
+    errors = exc.errors()
+    # In a union every member complains; the deepest complaint is the useful one, and a
+    # member that took the value's type but refused the value beats one of another type
+    # ("should be a valid string" for a model given as a mapping). An unknown key
+    # explains the rest (a misspelt required field is also "missing").
+    errors.sort(key=lambda e: (e["type"] != "extra_forbidden", e["type"].endswith("_type"),
+                               -len(e["loc"])))
+    first = _format_error(errors[0], data)
+    # A complaint about an enclosing value is another union member refusing the same
+    # input (``gpu`` as a preset name when the mapping misses a field): not one more.
+    path = _loc(tuple(errors[0]["loc"]), data)
+    others = [e for e in errors[1:] if not _encloses(_loc(tuple(e["loc"]), data), path)]
+    more = f" (and {len(others)} more)" if others else ""
+    return f"{first}{more}"
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -17,6 +17,7 @@ table is the same either way.
         memory.kv_memory_gib: [10, 20]
         systems[*].scheduler.max_num_seqs: [64, 128]
       seeds: [0, 1]
+      layouts: {gpus: 16}                     # every way to run 16 GPUs (× the rest)
 
 Paths are dotted field names; ``[NAME]`` picks a list item by its ``name``, ``[2]`` by index,
 ``[*]`` every item.
@@ -39,11 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from sim.metrics import ONLY_WHEN_SET
 from sim.results import make_output_folder, write_json, write_table
-from sim.scenario import Scenario, ScenarioError, scenario_from_dict
+from sim.scenario import Scenario, ScenarioError, scenario_from_dict, validation_message
 from sim.slo import SLO_KEYS
 from workloads.distributions import ConfigModel
 
@@ -54,12 +55,31 @@ class SweepError(ValueError):
     """A sweep section, path or value that cannot work (reported before any run)."""
 
 
+class LayoutsConfig(ConfigModel):
+    """``sweep.layouts``: every way to run ``gpus`` GPUs of the scenario's model that holds
+    its weights: engines (``engine.replicas`` of them) of ``tensor_parallel_size`` GPUs, in
+    ``pipeline_parallel_size`` stages, or for a mixture of experts in ``data_parallel_size``
+    ranks with expert parallelism. The lists, where given, keep only those sizes."""
+
+    gpus: PositiveInt = Field(description="the GPUs every layout uses, all its engines'")
+    tensor_parallel_sizes: list[PositiveInt] | None = None
+    pipeline_parallel_sizes: list[PositiveInt] | None = None
+    data_parallel_sizes: list[PositiveInt] | None = None
+
+
+# What a layout sets, in the order its columns show.
+LAYOUT_PATHS = ("engine.replicas", "parallel.tensor_parallel_size",
+                "parallel.pipeline_parallel_size", "parallel.data_parallel_size",
+                "parallel.expert_parallel")
+
+
 class SweepConfig(ConfigModel):
     """The ``sweep:`` section of a scenario."""
 
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     zip: dict[str, list[Any]] = Field(default_factory=dict)
     seeds: list[int] | None = None
+    layouts: LayoutsConfig | None = None
 
     @field_validator("grid", "zip")
     @classmethod
@@ -76,6 +96,81 @@ class SweepConfig(ConfigModel):
             raise ValueError(f"zip: all lists must have the same length, got "
                              f"{ {k: len(v) for k, v in self.zip.items()} }")
         return self
+
+    @model_validator(mode="after")
+    def _layouts_alone(self):  # type: ignore[no-untyped-def]
+        if self.layouts is None:
+            return self
+        for path in (*self.grid, *self.zip):
+            if path in LAYOUT_PATHS:
+                raise ValueError(f"layouts: sets {path} itself; leave it out of grid and zip")
+        return self
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def describe_layout(row: dict[str, Any]) -> str:
+    """A layout's sweep row in words: ``2 engines × 2 stages × TP 4``."""
+    replicas = row["engine.replicas"]
+    parts = [f"{replicas} engine{'s' if replicas > 1 else ''}"]
+    if row["parallel.pipeline_parallel_size"] > 1:
+        parts.append(f"{row['parallel.pipeline_parallel_size']} stages")
+    if row["parallel.data_parallel_size"] > 1:
+        parts.append(f"{row['parallel.data_parallel_size']} ranks (expert parallel)")
+    return " × ".join([*parts, f"TP {row['parallel.tensor_parallel_size']}"])
+
+
+def layout_rows(base: dict[str, Any], layouts: LayoutsConfig, source: str
+                ) -> tuple[list[dict[str, Any]], list[str]]:
+    """The sweep rows (path → value) of the layouts that run the ``base`` scenario, fewest
+    engines first, and a line for each one refused, saying why (its weights do not fit, its
+    heads do not split, NVLink does not reach). Data-parallel ranks are a mixture of experts'
+    only, and are not laid out in stages (not modelled)."""
+    from sim.engine import memory_summary  # (it runs the engine's own sizing checks)
+    from sim.presets import SizingError
+
+    scenario = scenario_from_dict(base, source)
+    moe = scenario.model_spec().is_moe
+    wanted = {"tensor": layouts.tensor_parallel_sizes,
+              "pipeline": layouts.pipeline_parallel_sizes,
+              "data": layouts.data_parallel_sizes}
+    rows: list[dict[str, Any]] = []
+    refused: list[str] = []
+    for engine_gpus in reversed(_divisors(layouts.gpus)):
+        for tp in reversed(_divisors(engine_gpus)):
+            for pp in _divisors(engine_gpus // tp):
+                dp = engine_gpus // tp // pp
+                if (dp > 1 and (pp > 1 or not moe)) or any(
+                        allowed is not None and size not in allowed
+                        for allowed, size in zip(wanted.values(), (tp, pp, dp), strict=True)):
+                    continue
+                row = dict(zip(LAYOUT_PATHS, (layouts.gpus // engine_gpus, tp, pp, dp, dp > 1),
+                               strict=True))
+                data = copy.deepcopy(base)
+                for path, value in row.items():
+                    set_path(data, path, value)
+                try:
+                    memory_summary(scenario_from_dict(data, source))
+                except ScenarioError as exc:
+                    refused.append(f"{describe_layout(row)}: "
+                                   f"{str(exc).removeprefix(f'{source}: ')}")
+                except SizingError as exc:
+                    refused.append(f"{describe_layout(row)}: {exc}")
+                else:
+                    rows.append(row)
+    if not rows:
+        raise SweepError(f"{source}: sweep.layouts: no way to run {layouts.gpus} GPUs holds "
+                         f"the scenario: {refused[0] if refused else 'no size allowed'}")
+    # A path every layout leaves as the scenario has it is no column (a dense model's ranks).
+    parallel = scenario.parallel
+    as_given = dict(zip(LAYOUT_PATHS, (
+        scenario.engine.replicas, parallel.tensor_parallel_size,
+        parallel.pipeline_parallel_size, parallel.data_parallel_size,
+        parallel.expert_parallel), strict=True))
+    idle = {path for path in LAYOUT_PATHS if all(row[path] == as_given[path] for row in rows)}
+    return [{k: v for k, v in row.items() if k not in idle} for row in rows], refused
 
 
 def _parse_path(path: str) -> list[str | int | tuple[str, str]]:
@@ -212,30 +307,41 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def _combinations(config: SweepConfig) -> Iterator[dict[str, Any]]:
+def _combinations(config: SweepConfig, layouts: list[dict[str, Any]]
+                  ) -> Iterator[dict[str, Any]]:
     grid_paths = list(config.grid)
     zip_rows = ([dict(zip(config.zip, row, strict=True))
                  for row in zip(*config.zip.values(), strict=True)] if config.zip else [{}])
     for values in itertools.product(*config.grid.values()):
         for zipped in zip_rows:
-            yield {**dict(zip(grid_paths, values, strict=True)), **zipped}
+            for layout in layouts or [{}]:
+                yield {**dict(zip(grid_paths, values, strict=True)), **zipped, **layout}
 
 
-def expand(raw: dict[str, Any], source: str, *, quick: bool = False) -> list[SweepPoint]:
-    """Every point of the sweep, each validated as a full scenario."""
+def expand(raw: dict[str, Any], source: str, *, quick: bool = False,
+           notes: list[str] | None = None) -> list[SweepPoint]:
+    """Every point of the sweep, each validated as a full scenario; the layouts
+    ``sweep.layouts`` refuses are told in ``notes``, where given."""
     if "sweep" not in raw or not raw["sweep"]:
         raise SweepError(f"{source}: no sweep section (use kvsim run for a single run)")
+    if not isinstance(raw["sweep"], dict):
+        raise SweepError(f"{source}: sweep: expected a mapping of grid, zip, seeds and "
+                         f"layouts, got {raw['sweep']!r}")
     try:
         config = SweepConfig.model_validate(raw["sweep"])
-    except Exception as exc:  # pydantic's message, made one line
-        first = str(exc).splitlines()
-        raise SweepError(f"{source}: sweep: {' '.join(first[1:3]).strip()}") from None
+    except ValidationError as exc:
+        raise SweepError(f"{source}: sweep: {validation_message(exc, raw['sweep'])}") from None
     base = {k: v for k, v in raw.items() if k != "sweep"}
     if quick:
         base, config = _shrink(base, config)
     seeds = config.seeds or [int(base.get("seed", 0))]
+    layouts: list[dict[str, Any]] = []
+    if config.layouts is not None:
+        layouts, refused = layout_rows(base, config.layouts, source)
+        if notes is not None:
+            notes += [f"sweep.layouts: not {line}" for line in refused]
     points: list[SweepPoint] = []
-    for index, params in enumerate(_combinations(config)):
+    for index, params in enumerate(_combinations(config, layouts)):
         for seed in seeds:
             data = copy.deepcopy(base)
             for path, value in params.items():
@@ -280,7 +386,7 @@ def _shrink(base: dict[str, Any], config: SweepConfig) -> tuple[dict[str, Any], 
         keep = sorted({0, length // 2, length - 1})
         zipped = {k: [v[i] for i in keep] for k, v in zipped.items()}
     seeds = (config.seeds or [int(base.get("seed", 0))])[:1]
-    return base, SweepConfig(grid=grid, zip=zipped, seeds=seeds)
+    return base, SweepConfig(grid=grid, zip=zipped, seeds=seeds, layouts=config.layouts)
 
 
 # ---------------------------------------------------------------------- running
@@ -438,15 +544,16 @@ def with_overrides(raw: Any, overrides: dict[str, Any] | None) -> Any:
 
 
 def load_sweep_points(path: Path, *, quick: bool = False,
-                      overrides: dict[str, Any] | None = None
-                      ) -> tuple[Scenario, list[SweepPoint]]:
+                      overrides: dict[str, Any] | None = None,
+                      notes: list[str] | None = None) -> tuple[Scenario, list[SweepPoint]]:
     """The base scenario of a sweep file (valid on its own) and every point, each validated;
-    ``overrides`` change the base before the grid is laid over it."""
+    ``overrides`` change the base before the grid is laid over it (``notes``: see
+    :func:`expand`)."""
     from sim.scenario import read_scenario_file
 
     raw = with_overrides(read_scenario_file(path), overrides)
     source = f"{path} (with --set)" if overrides else str(path)
-    return scenario_from_dict(raw, source), expand(raw, source, quick=quick)
+    return scenario_from_dict(raw, source), expand(raw, source, quick=quick, notes=notes)
 
 
 def run_sweep(
@@ -459,9 +566,15 @@ def run_sweep(
     quick: bool = False,
     progress: Callable[[int, int], Callable[[int], None]] | None = None,
     overrides: dict[str, Any] | None = None,
+    notify: Callable[[str], None] | None = None,
 ) -> SweepOutcome:
-    """Expand, skip finished points, run the rest, and write ``results.parquet``."""
-    scenario, points = load_sweep_points(path, quick=quick, overrides=overrides)
+    """Expand, skip finished points, run the rest, and write ``results.parquet``;
+    ``notify`` is told the layouts ``sweep.layouts`` refuses, before any run."""
+    notes: list[str] = []
+    scenario, points = load_sweep_points(path, quick=quick, overrides=overrides, notes=notes)
+    if notify is not None:
+        for note in notes:
+            notify(note)
     out_dir = out_dir or Path(scenario.output_dir or Path("runs") / scenario.name)
     if quick:
         out_dir = out_dir.with_name(out_dir.name + "-quick")

@@ -505,3 +505,83 @@ def test_a_field_swept_to_null_keeps_its_rows(tmp_path):
     rows = [line for line in proc.stdout.splitlines() if line.split()[:1] in (["NaN"],
                                                                               ["2.0"])]
     assert len(rows) == 8  # every point and system, the null ones included
+
+
+LAYOUT_BASE = {
+    "name": "layouts", "model": "llama-2-70b", "gpu": "h100-80g",
+    "workload": {"arrival": {"process": "poisson", "rate": 5},
+                 "prompt_len": {"dist": "uniform", "low": 20, "high": 300},
+                 "output_len": {"dist": "uniform", "low": 5, "high": 50}},
+    "systems": [{"name": "paged", "allocator": {"kind": "paged"}}],
+    "stop": {"num_requests": 20},
+}
+
+
+def layouts_of(points) -> set[tuple]:
+    return {(p.scenario["engine"]["replicas"], p.scenario["parallel"]["tensor_parallel_size"],
+             p.scenario["parallel"]["pipeline_parallel_size"],
+             p.scenario["parallel"]["data_parallel_size"],
+             p.scenario["parallel"]["expert_parallel"]) for p in points}
+
+
+def test_layouts_are_every_split_of_the_gpus_that_holds_the_model():
+    notes: list[str] = []
+    points = expand(dict(LAYOUT_BASE, sweep={"layouts": {"gpus": 16}}), "x.yaml",
+                    notes=notes)
+    # Engines × TP × stages = 16, but TP 16 (beyond one board) and one GPU (too small for
+    # the weights); a dense model has no data-parallel ranks.
+    expected = {(16 // (tp * pp), tp, pp, 1, False)
+                for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8, 16)
+                if 16 % (tp * pp) == 0 and (tp, pp) != (1, 1)}
+    assert layouts_of(points) == expected and len(points) == 13
+    assert len(notes) == 2
+    assert notes[0].startswith("sweep.layouts: not 1 engine × TP 16: parallel: "
+                               "tensor_parallel_size 16: NVLink joins 8 h100-80g GPUs")
+    assert notes[1].startswith("sweep.layouts: not 16 engines × TP 1: llama-2-70b weights "
+                               "(128.5 GiB) do not fit")
+    # Only the paths that change are parameters (no ranks of a dense model).
+    assert set(points[0].params) == {"engine.replicas", "parallel.tensor_parallel_size",
+                                     "parallel.pipeline_parallel_size"}
+    assert points[0].params == {"engine.replicas": 1, "parallel.tensor_parallel_size": 8,
+                                "parallel.pipeline_parallel_size": 2}
+
+
+def test_layouts_of_a_mixture_of_experts_spread_its_experts_over_ranks():
+    base = dict(LAYOUT_BASE, model="deepseek-v3", gpu="h200-141g",
+                sweep={"layouts": {"gpus": 8, "pipeline_parallel_sizes": [1]}})
+    found = layouts_of(expand(base, "x.yaml"))
+    # TP 8, or ranks of TP 4, 2 or 1 with their experts spread; one GPU holds no V3.
+    assert found == {(1, 8, 1, 1, False), (1, 4, 1, 2, True), (1, 2, 1, 4, True),
+                     (1, 1, 1, 8, True)}
+
+
+def test_layouts_are_crossed_with_the_grid_and_limited_by_their_lists():
+    base = dict(LAYOUT_BASE, sweep={"grid": {"workload.arrival.rate": [1, 2]},
+                                    "layouts": {"gpus": 8, "tensor_parallel_sizes": [4, 8]}})
+    points = expand(base, "x.yaml")
+    assert layouts_of(points) == {(2, 4, 1, 1, False), (1, 4, 2, 1, False),
+                                  (1, 8, 1, 1, False)}
+    assert len(points) == 2 * 3
+
+
+@pytest.mark.parametrize(("layouts", "grid", "words"), [
+    ({"gpus": 8}, {"engine.replicas": [1, 2]},
+     r"x\.yaml: sweep: layouts: sets engine\.replicas itself; leave it out of grid and zip$"),
+    ({"gpus": 1}, {}, r"x\.yaml: sweep\.layouts: no way to run 1 GPUs holds the scenario: 1 "
+     r"engine × TP 1: llama-2-70b weights \(128\.5 GiB\) do not fit"),
+    ({"gpus": 0}, {}, r"x\.yaml: sweep: layouts\.gpus: Input should be greater than 0 "
+     r"\(got 0\)$"),
+])
+def test_layouts_that_cannot_be_are_refused_in_one_line(layouts, grid, words):
+    with pytest.raises(SweepError, match=words):
+        expand(dict(LAYOUT_BASE, sweep={"layouts": layouts, "grid": grid}), "x.yaml")
+
+
+def test_validate_tells_the_layouts_left_out(tmp_path):
+    path = tmp_path / "layouts.yaml"
+    path.write_text(yaml.safe_dump(dict(LAYOUT_BASE, parallel={"tensor_parallel_size": 4},
+                                        sweep={"layouts": {"gpus": 4}})))
+    proc = kvsim_in_process("validate", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "note: sweep.layouts: not 4 engines × TP 1: llama-2-70b weights" in proc.stdout
+    assert "sweep: 5 runs, each valid" in proc.stdout
