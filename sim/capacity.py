@@ -38,6 +38,8 @@ from workloads import Trace, WorkloadError
 from workloads.distributions import ClosedLoopArrivals, TraceArrivals
 
 SEARCH_RANGE = 2**10  # the search gives up beyond this factor above or below the start
+# A run whose requests arrive within less than this share of its makespan never settled.
+UNSETTLED_SPAN_FRAC = 0.5
 
 
 class CapacityError(ValueError):
@@ -111,6 +113,22 @@ def load_knob(scenario: Scenario, trace: Trace) -> LoadKnob:
         per_unit = (len(trace) - 1) / span_s / arrival.speed
         return LoadKnob(path, arrival.speed, per_unit)
     return LoadKnob(path, arrival.rate, 1.0)  # type: ignore[union-attr]
+
+
+def unsettled_note(system: str, requests: int, offered_req_s: float, makespan_s: float
+               ) -> str | None:
+    """A warning when a system's run at its capacity took more than twice as long as its
+    ``requests`` took to arrive (at ``offered_req_s``): the run is mostly its start and its
+    drain (a burst its queue absorbed within the SLO, or long requests still running from
+    the start), not the steady state a longer stream settles into; None otherwise."""
+    span_s = requests / offered_req_s if offered_req_s > 0 else math.inf
+    if span_s >= UNSETTLED_SPAN_FRAC * makespan_s:
+        return None
+    return (f"{system}: at its capacity its {requests:,} requests arrive over about "
+            f"{span_s:,.1f} s and take {makespan_s:,.1f} s to serve: the run is mostly its "
+            "start and its drain, not a steady state, so this capacity is likely above what "
+            "a longer stream sustains; give more requests (stop.num_requests) or a longer "
+            "stop.duration_s")
 
 
 def search(holds: Callable[[float], bool], start: float, *, rel_tol: float,

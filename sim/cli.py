@@ -271,7 +271,7 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
     """``kvsim capacity --sweep``: every point's search, a table, figures."""
     from reports.html import save_figure
     from reports.sweep_report import capacity_figures
-    from sim.capacity import capacity_sweep
+    from sim.capacity import capacity_sweep, unsettled_note
     from sim.results import write_table
 
     try:
@@ -293,6 +293,12 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
     failed = table[table["status"] != "ok"]
     for error in failed["error"].unique()[:5]:
         print(f"failed: {error}", file=sys.stderr)
+    for _, row in table[(table["status"] == "ok") & table["capacity_req_s"].notna()].iterrows():
+        where = ", ".join(f"{f}={row['param:' + f]}" for f in fields)
+        note = unsettled_note(str(row["system"]), int(row["requests"]),
+                          float(row["capacity_req_s"]), float(row["makespan_s"]))
+        if note:
+            print(f"note ({where}): {note}")
     print(f"results: {written}")
     return EXIT_FAILED if len(failed) else EXIT_OK
 
@@ -300,6 +306,7 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
 def _capacity_text(scenario: Any, knob: Any, capacities: list[Any]) -> str:
     """What ``kvsim capacity`` prints: each system's capacity, then the summaries of the runs
     at those loads side by side."""
+    from sim.capacity import unsettled_note
     from sim.results import schedule_notes
     from sim.slo import describe_attainment, describe_slo
 
@@ -328,6 +335,10 @@ def _capacity_text(scenario: Any, knob: Any, capacities: list[Any]) -> str:
     if at_capacity:
         lines += ["", "at capacity:", format_summary(at_capacity)]
         lines += [f"note (at capacity): {note}" for note in schedule_notes(at_capacity)]
+        unsettled = [unsettled_note(c.system, summary["requests"],
+                                    knob.offered_req_s(c.held), summary["makespan_s"])
+                     for c in capacities if (summary := at_capacity.get(c.system)) is not None]
+        lines += [f"note (at capacity): {note}" for note in unsettled if note]
     return "\n".join(lines)
 
 

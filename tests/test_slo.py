@@ -500,3 +500,31 @@ def test_the_python_api_finds_what_the_command_finds(tmp_path):
     result = json.loads((tmp_path / "out" / "capacity.json").read_text())
     assert result["seed"] == 3
     assert result["systems"]["paged"]["capacity_req_s"] == paged.held
+
+
+def test_a_capacity_measured_before_the_run_settles_is_told_so(tmp_path):
+    from sim.capacity import unsettled_note
+
+    # 100 requests over 2 s served in 10 s: a burst; over 8 s served in 10 s: a rate.
+    note = unsettled_note("paged", 100, 50.0, 10.0)
+    assert note is not None and note.startswith(
+        "paged: at its capacity its 100 requests arrive over about 2.0 s and take 10.0 s")
+    assert unsettled_note("paged", 100, 12.5, 10.0) is None
+    import yaml
+
+    # Forty requests, long to decode: the search finds the rate at which the queue holds
+    # them all within the SLO at once.
+    few = scenario(slo={"ttft_s": 5.0, "tpot_s": 0.2}, stop={"num_requests": 40})
+    few["systems"] = few["systems"][1:]
+    path = tmp_path / "few.yaml"
+    path.write_text(yaml.safe_dump(few))
+    printed = kvsim_in_process("capacity", str(path), "--rel-tol", "0.2", "--quiet",
+                               "--out", str(tmp_path / "cap"))
+    assert printed.returncode == 0, printed.stderr
+    assert "note (at capacity): paged: at its capacity its 40 requests arrive over" in (
+        printed.stdout)
+    many = dict(few, stop={"num_requests": 600})
+    path.write_text(yaml.safe_dump(many))
+    printed = kvsim_in_process("capacity", str(path), "--rel-tol", "0.2", "--quiet",
+                               "--out", str(tmp_path / "cap2"))
+    assert printed.returncode == 0 and "not a steady state" not in printed.stdout
