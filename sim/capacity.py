@@ -116,7 +116,7 @@ def load_knob(scenario: Scenario, trace: Trace) -> LoadKnob:
 
 
 def unsettled_note(system: str, requests: int, offered_req_s: float, makespan_s: float
-               ) -> str | None:
+                   ) -> str | None:
     """A warning when a system's run at its capacity took more than twice as long as its
     ``requests`` took to arrive (at ``offered_req_s``): the run is mostly its start and its
     drain (a burst its queue absorbed within the SLO, or long requests still running from

@@ -296,7 +296,7 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
     for _, row in table[(table["status"] == "ok") & table["capacity_req_s"].notna()].iterrows():
         where = ", ".join(f"{f}={row['param:' + f]}" for f in fields)
         note = unsettled_note(str(row["system"]), int(row["requests"]),
-                          float(row["capacity_req_s"]), float(row["makespan_s"]))
+                              float(row["capacity_req_s"]), float(row["makespan_s"]))
         if note:
             print(f"note ({where}): {note}")
     print(f"results: {written}")
