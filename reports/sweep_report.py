@@ -1,7 +1,7 @@
 """Figures of a sweep: metric against swept field per system, the saturation knee, the
 block-size trade-off, hit rate against pool size per eviction policy, bars for a field of
-names, requests within SLO against rate, each priority level's latency and attainment
-against rate, and capacity under SLO per point.
+names and for each layout of ``sweep.layouts``, requests within SLO against rate, each
+priority level's latency and attainment against rate, and capacity under SLO per point.
 
 Every figure averages over seeds (bars show the min–max range) and attaches its table as
 ``fig.kvsim_data``.
@@ -25,6 +25,7 @@ from reports.style import legend, new_figure, system_color
 from sim.metrics import PER_GPU, gpu_counts_differ, metric_row, priority_levels
 from sim.results import read_back, read_table
 from sim.slo import describe_slo, judged_attainment
+from sim.sweep import LAYOUT_PATHS, describe_layout
 
 KNEE_FRACTION = 0.9  # saturated once achieved req/s falls below 90 % of the offered rate
 
@@ -400,6 +401,10 @@ def sweep_figures(sweep_dir: Path, x: str | None = None,
     if pool and policy:
         figures["eviction_pressure"] = eviction_figure(table, pool, policy)
     throughput = per_gpu_where_counts_differ(table)
+    if laid_out(table, fields):
+        return {"by_layout": layout_figure(table, fields, [throughput, "e2e_p90_s"] + (
+            ["slo_attainment"] if "slo_attainment" in table
+            and table["slo_attainment"].notna().any() else []))}
     drawn = [f for f in (rate, block) if f] + ([pool, policy] if pool and policy else [])
     for field, slug in numeric_fields_left(table, fields, drawn):
         figures[f"throughput_vs_{slug}"] = metric_vs_field(table, field, throughput)
@@ -476,13 +481,50 @@ def category_figure(table: pd.DataFrame, field: str, metrics: list[str],
 
 def capacity_figures(table: pd.DataFrame, fields: list[str]) -> dict[str, Figure]:
     """``kvsim capacity --sweep``: capacity under SLO (per GPU where the GPU counts differ)
-    against each numeric swept field, a line per system and other swept values."""
+    against each numeric swept field, a line per system and other swept values; for a sweep
+    of layouts alone, a bar for each layout instead."""
     metric = per_gpu_where_counts_differ(table, "capacity_req_s")
     done = table[table["status"] == "ok"]
+    if laid_out(done, fields):
+        return {"capacity_by_layout": layout_figure(done, fields, [metric])}
     figures = {f"capacity_vs_{slug}": metric_vs_field(done, field, metric)
                for field, slug in numeric_fields_left(done, fields, [])}
     figures.update(category_figures(done, fields, [], [metric], prefix="capacity_"))
     return figures
+
+
+def laid_out(table: pd.DataFrame, fields: list[str]) -> bool:
+    """Whether the swept fields are a ``sweep.layouts``' alone (two of its paths or more,
+    nothing else varying): its points are best read as a list of layouts, not as axes."""
+    paths = [f for f in fields if f in LAYOUT_PATHS]
+    return len(paths) >= 2 and not _other_swept(table, *(f"param:{f}" for f in paths))
+
+
+def layout_figure(table: pd.DataFrame, fields: list[str], metrics: list[str]) -> Figure:
+    """``metrics`` for each layout of a ``sweep.layouts`` (``2 engines × 2 stages × TP 4``),
+    the best first, bars grouped by system; seeds averaged."""
+    columns = [f"param:{f}" for f in fields if f in LAYOUT_PATHS]
+    data = table.groupby([*columns, "system"], sort=False)[metrics].mean().reset_index()
+    data["layout"] = [describe_layout({c.removeprefix("param:"): row[c] for c in columns})
+                      for _, row in data.iterrows()]
+    order = list(data.groupby("layout", sort=False)[metrics[0]].max().sort_values().index)
+    systems = list(pd.unique(data["system"]))
+    fig, axes = new_figure(1, len(metrics), height=0.35 * len(order) + 1.2)
+    height = 0.8 / len(systems)
+    for ax, metric in zip(axes, metrics, strict=True):
+        for i, system in enumerate(systems):
+            part = data[data["system"] == system].set_index("layout").reindex(order)
+            ax.barh(np.arange(len(order)) + (i - (len(systems) - 1) / 2) * height,
+                    part[metric], height=height, color=system_color(i), label=system)
+        ax.set_xlabel(metric_label(metric))
+        ax.grid(alpha=0.3, axis="x")
+    axes[0].set_yticks(np.arange(len(order)), order, fontsize=8)
+    for ax in axes[1:]:
+        ax.set_yticks(np.arange(len(order)), [])
+    axes[0].legend(fontsize=8, frameon=False, loc="lower right")
+    axes[0].set_title("Each layout, the best at the top", loc="left", fontsize=11)
+    fig.kvsim_data = {"series": data}  # type: ignore[attr-defined]
+    return fig
 
 
 TABLE_METRICS = ["throughput_tok_s", "e2e_p90_s", "slo_attainment", "slo_tightest_attainment",

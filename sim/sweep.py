@@ -112,14 +112,20 @@ def _divisors(n: int) -> list[int]:
 
 
 def describe_layout(row: dict[str, Any]) -> str:
-    """A layout's sweep row in words: ``2 engines × 2 stages × TP 4``."""
-    replicas = row["engine.replicas"]
-    parts = [f"{replicas} engine{'s' if replicas > 1 else ''}"]
-    if row["parallel.pipeline_parallel_size"] > 1:
-        parts.append(f"{row['parallel.pipeline_parallel_size']} stages")
-    if row["parallel.data_parallel_size"] > 1:
-        parts.append(f"{row['parallel.data_parallel_size']} ranks (expert parallel)")
-    return " × ".join([*parts, f"TP {row['parallel.tensor_parallel_size']}"])
+    """A layout's sweep row in words: ``2 engines × 2 stages × TP 4`` (a path the row
+    leaves out is not named, nor stages or ranks of one)."""
+    parts = []
+    replicas = row.get("engine.replicas")
+    if replicas is not None:
+        parts.append(f"{replicas} engine{'s' if replicas > 1 else ''}")
+    if (stages := row.get("parallel.pipeline_parallel_size", 1)) > 1:
+        parts.append(f"{stages} stages")
+    if (ranks := row.get("parallel.data_parallel_size", 1)) > 1:
+        parts.append(f"{ranks} ranks" + (" (expert parallel)"
+                                         if row.get("parallel.expert_parallel") else ""))
+    if (tp := row.get("parallel.tensor_parallel_size")) is not None:
+        parts.append(f"TP {tp}")
+    return " × ".join(parts)
 
 
 def layout_rows(base: dict[str, Any], layouts: LayoutsConfig, source: str

@@ -585,3 +585,28 @@ def test_validate_tells_the_layouts_left_out(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "note: sweep.layouts: not 4 engines × TP 1: llama-2-70b weights" in proc.stdout
     assert "sweep: 5 runs, each valid" in proc.stdout
+
+
+def test_a_sweep_of_layouts_is_drawn_as_a_list_of_layouts_best_first(tmp_path):
+    from reports.sweep_report import capacity_figures
+
+    path = tmp_path / "layouts.yaml"
+    path.write_text(yaml.safe_dump(dict(LAYOUT_BASE, parallel={"tensor_parallel_size": 4},
+                                        sweep={"layouts": {"gpus": 4}})))
+    notes: list[str] = []
+    outcome = run_sweep(path, out_dir=tmp_path / "out", jobs=1, notify=notes.append)
+    assert outcome.failed == 0 and len(outcome.table) == 5
+    assert notes and notes[0].startswith("sweep.layouts: not 4 engines × TP 1")
+    figures = sweep_figures(outcome.out_dir)
+    assert list(figures) == ["by_layout"]
+    drawn = figures["by_layout"].kvsim_data["series"]
+    assert set(drawn["layout"]) == {"1 engine × TP 4", "1 engine × 2 stages × TP 2",
+                                    "1 engine × 4 stages × TP 1", "2 engines × TP 2",
+                                    "2 engines × 2 stages × TP 1"}
+    # Anything else swept beside the layouts: the usual figures, against each field.
+    table = outcome.table.assign(**{"param:memory.kv_memory_gib": [1, 1, 2, 2, 1]})
+    fields = [c.removeprefix("param:") for c in table.columns if c.startswith("param:")]
+    table["capacity_req_s"] = 1.0
+    assert "capacity_by_layout" not in capacity_figures(table, fields)
+    assert list(capacity_figures(outcome.table.assign(capacity_req_s=1.0),
+                                 fields[:-1])) == ["capacity_by_layout"]
