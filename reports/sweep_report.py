@@ -461,14 +461,9 @@ def category_figure(table: pd.DataFrame, field: str, metrics: list[str],
     data["value"] = ["\n".join([str(row[x])] + [n for c in others for n in _named(c, row[c])])
                      for _, row in data.iterrows()]
     values = list(pd.unique(data["value"]))
-    systems = list(pd.unique(data["system"]))
     fig, axes = new_figure(len(metrics), 1, height=2.8, sharex=True)
-    width = 0.8 / len(systems)
     for ax, metric in zip(axes, metrics, strict=True):
-        for i, system in enumerate(systems):
-            part = data[data["system"] == system].set_index("value").reindex(values)
-            ax.bar(np.arange(len(values)) + (i - (len(systems) - 1) / 2) * width,
-                   part[metric], width=width, color=system_color(i), label=system)
+        _bars_by_system(ax, data, "value", values, metric)
         ax.set_ylabel(metric_label(metric))
         ax.grid(alpha=0.3, axis="y")
     axes[-1].set_xticks(np.arange(len(values)), [str(v) for v in values], fontsize=8)
@@ -477,6 +472,21 @@ def category_figure(table: pd.DataFrame, field: str, metrics: list[str],
     axes[0].set_title(f"Each value of {field}", loc="left", fontsize=11)
     fig.kvsim_data = {"series": data}  # type: ignore[attr-defined]
     return fig
+
+
+def _bars_by_system(ax: Any, data: pd.DataFrame, key: str, order: list[Any], metric: str,
+                    horizontal: bool = False) -> None:
+    """``metric`` of ``data`` as a bar for each ``key`` value in ``order``, one bar of a
+    group per system (upright, or across with ``horizontal``)."""
+    systems = list(pd.unique(data["system"]))
+    size = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        part = data[data["system"] == system].set_index(key).reindex(order)
+        at = np.arange(len(order)) + (i - (len(systems) - 1) / 2) * size
+        if horizontal:
+            ax.barh(at, part[metric], height=size, color=system_color(i), label=system)
+        else:
+            ax.bar(at, part[metric], width=size, color=system_color(i), label=system)
 
 
 def capacity_figures(table: pd.DataFrame, fields: list[str]) -> dict[str, Figure]:
@@ -508,14 +518,9 @@ def layout_figure(table: pd.DataFrame, fields: list[str], metrics: list[str]) ->
     data["layout"] = [describe_layout({c.removeprefix("param:"): row[c] for c in columns})
                       for _, row in data.iterrows()]
     order = list(data.groupby("layout", sort=False)[metrics[0]].max().sort_values().index)
-    systems = list(pd.unique(data["system"]))
     fig, axes = new_figure(1, len(metrics), height=0.35 * len(order) + 1.2)
-    height = 0.8 / len(systems)
     for ax, metric in zip(axes, metrics, strict=True):
-        for i, system in enumerate(systems):
-            part = data[data["system"] == system].set_index("layout").reindex(order)
-            ax.barh(np.arange(len(order)) + (i - (len(systems) - 1) / 2) * height,
-                    part[metric], height=height, color=system_color(i), label=system)
+        _bars_by_system(ax, data, "layout", order, metric, horizontal=True)
         ax.set_xlabel(metric_label(metric))
         ax.grid(alpha=0.3, axis="x")
     axes[0].set_yticks(np.arange(len(order)), order, fontsize=8)

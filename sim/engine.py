@@ -376,12 +376,8 @@ class _Recorder:
         averages (a pool's slots in those of the pool the summary is of). Under pipeline
         parallelism ``peers`` are the schedulers of every batch, whose requests count."""
         running, waiting = len(sched.running), len(sched.waiting)
-        preemptions, hits, lookups = sched.num_preemptions, sched.hit_tokens, sched.lookup_tokens
         if peers is not None:
             running = sum(len(peer.running) for peer in peers)
-            preemptions = sum(peer.num_preemptions for peer in peers)
-            hits = sum(peer.hit_tokens for peer in peers)
-            lookups = sum(peer.lookup_tokens for peer in peers)
         self.steps.append((replica, start_s, duration_s, steps, batch.decode_seqs,
                            batch.draft_tokens, batch.context_tokens, batch.prefill_tokens,
                            len(batch.prefill),
@@ -401,8 +397,11 @@ class _Recorder:
         self.weight += duration_s
         if start_s - self._last_sample >= self.sample_interval_s:
             self._last_sample = start_s
-            self.memory.append((replica, start_s, *snap, running, waiting,
-                                batch.decode_seqs, preemptions, hits, lookups))
+            counted = peers or [sched]
+            self.memory.append((replica, start_s, *snap, running, waiting, batch.decode_seqs,
+                                sum(s.num_preemptions for s in counted),
+                                sum(s.hit_tokens for s in counted),
+                                sum(s.lookup_tokens for s in counted)))
 
     def averages(self) -> dict[str, float]:
         """Slots of each kind and running requests per replica, averaged over the time the

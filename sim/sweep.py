@@ -139,9 +139,8 @@ def layout_rows(base: dict[str, Any], layouts: LayoutsConfig, source: str
 
     scenario = scenario_from_dict(base, source)
     moe = scenario.model_spec().is_moe
-    wanted = {"tensor": layouts.tensor_parallel_sizes,
-              "pipeline": layouts.pipeline_parallel_sizes,
-              "data": layouts.data_parallel_sizes}
+    wanted = (layouts.tensor_parallel_sizes, layouts.pipeline_parallel_sizes,
+              layouts.data_parallel_sizes)
     rows: list[dict[str, Any]] = []
     refused: list[str] = []
     for engine_gpus in reversed(_divisors(layouts.gpus)):
@@ -150,7 +149,7 @@ def layout_rows(base: dict[str, Any], layouts: LayoutsConfig, source: str
                 dp = engine_gpus // tp // pp
                 if (dp > 1 and (pp > 1 or not moe)) or any(
                         allowed is not None and size not in allowed
-                        for allowed, size in zip(wanted.values(), (tp, pp, dp), strict=True)):
+                        for allowed, size in zip(wanted, (tp, pp, dp), strict=True)):
                     continue
                 row = dict(zip(LAYOUT_PATHS, (layouts.gpus // engine_gpus, tp, pp, dp, dp > 1),
                                strict=True))
