@@ -657,9 +657,10 @@ def cmd_presets(args: argparse.Namespace) -> int:
         "gpu": g.name, "memory (GiB)": f"{g.memory_bytes / GIB:,.1f}",
         "HBM (TB/s)": f"{g.hbm_bandwidth_bytes_per_s / 1e12:,.2f}",
         "dense bf16 (TFLOP/s)": f"{g.peak_flops / 1e12:,.0f}",
-        "NVLink (GB/s, one way)": (f"{g.interconnect_bytes_per_s / 1e9:,.0f} × "
-                                   f"{g.interconnect_gpus} GPUs"
-                                   if g.interconnect_bytes_per_s else "—"),
+        "GPU link (GB/s, one way)": (f"{g.interconnect_kind} "
+                                     f"{g.interconnect_bytes_per_s / 1e9:,.0f} × "
+                                     f"{g.interconnect_gpus} GPUs"
+                                     if g.interconnect_bytes_per_s else "—"),
         "host link (GB/s, one way)": (f"{g.host_link_bytes_per_s / 1e9:,.0f}"
                                       if g.host_link_bytes_per_s else "—")}
         for g in GPU_PRESETS.values()])

@@ -245,8 +245,8 @@ class ModelSpec:
 @dataclass(frozen=True)
 class GpuSpec:
     """Memory size, HBM bandwidth, dense bf16/fp16 tensor throughput and GPU-to-GPU link
-    bandwidth (one direction, what a ring all-reduce is limited by) of one GPU, and how many
-    GPUs that link joins (``None``: as many as asked)."""
+    bandwidth (one direction, what a ring all-reduce is limited by) of one GPU, how many
+    GPUs that link joins (``None``: as many as asked) and what the link is."""
 
     name: str
     memory_bytes: int
@@ -255,7 +255,17 @@ class GpuSpec:
     interconnect_bytes_per_s: float | None = None
     interconnect_gpus: int | None = None
     host_link_bytes_per_s: float | None = None  # to CPU memory, one direction (PCIe)
+    interconnect_kind: str = "NVLink"
 
+    @property
+    def link_domain(self) -> str:
+        """What the GPU link joins: one HGX board (NVLink), or one server (PCIe)."""
+        return "board" if self.interconnect_kind == "NVLink" else "server"
+
+
+# Llama-3.1-405B's FP8 weights: the MLPs (3 × 16,384 × 53,248 a layer) of all but its
+# first and last layers, as Meta quantized them (Llama 3 paper, §6.2).
+_LLAMA_405B_FP8_PARAMS = 124 * 3 * 16384 * 53248
 
 # Shapes from each model's config.json on its Hugging Face model card.
 MODEL_PRESETS: dict[str, ModelSpec] = {
@@ -268,14 +278,29 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("llama-3-8b", 32, 32, 8, 128, 8.03e9, 8192),
         # Llama-3.1-8B: Llama-3-8B's shapes with a 128K context (long traces such as Mooncake).
         ModelSpec("llama-3.1-8b", 32, 32, 8, 128, 8.03e9, 131072),
+        # Llama-3.1-70B and -405B: GQA with 8 KV heads, a 128K context. Meta's 405B FP8
+        # checkpoint stores the MLP weights of 124 of its 126 layers in FP8 and the rest
+        # (attention, the first and last layers, the embeddings) in bf16: 487 GB, 1.2 bytes a
+        # weight, which one board of eight 80 GB GPUs holds. Its KV cache stays 16-bit.
+        ModelSpec("llama-3.1-70b", 80, 64, 8, 128, 70.55e9, 131072),
+        ModelSpec("llama-3.1-405b", 126, 128, 8, 128, 405.85e9, 131072),
+        ModelSpec("llama-3.1-405b-fp8", 126, 128, 8, 128, 405.85e9, 131072,
+                  weight_dtype_bytes=(2 * 405.85e9 - _LLAMA_405B_FP8_PARAMS) / 405.85e9),
         # Llama-3.2-1B: Llama-3.1's tokenizer, often the draft model of Llama-3.1-8B or -70B.
         ModelSpec("llama-3.2-1b", 16, 32, 8, 64, 1.24e9, 131072),
         ModelSpec("mistral-7b", 32, 32, 8, 128, 7.24e9, 32768),
         # OPT-13B: 800 KB per token, the figure the vLLM paper (SOSP'23, §3) quotes.
         ModelSpec("opt-13b", 40, 40, 40, 128, 12.85e9, 2048),
+        # Qwen3-8B and Qwen3-32B: dense, GQA with 8 KV heads of 128 (32B: 64 query heads
+        # over a 5,120-wide residual stream), a 40,960-token context.
+        ModelSpec("qwen3-8b", 36, 32, 8, 128, 8.19e9, 40960),
+        ModelSpec("qwen3-32b", 64, 64, 8, 128, 32.76e9, 40960, model_dim=5120),
         # Qwen3-30B-A3B: a mixture of experts (8 of 128 a token), GQA with 4 KV heads.
         ModelSpec("qwen3-30b-a3b", 48, 32, 4, 128, 30.5e9, 40960, model_dim=2048,
                   active_params=3.3e9, num_experts=128, experts_per_token=8),
+        # Qwen3-235B-A22B: 8 of 128 experts a token in every one of 94 layers, 4 KV heads.
+        ModelSpec("qwen3-235b-a22b", 94, 64, 4, 128, 235.09e9, 40960, model_dim=4096,
+                  active_params=22.19e9, num_experts=128, experts_per_token=8),
         # DeepSeek-V2-Lite and DeepSeek-V3: MLA, a latent of kv_lora_rank 512 +
         # qk_rope_head_dim 64 a layer; head_dim is a query head's (128 + 64). Parameter counts
         # (total, activated) from their papers; routed experts 6 of 64 (V2-Lite) and 8 of 256
@@ -313,11 +338,16 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 
 # Memory as the driver reports it (nvidia-smi), bandwidth and dense (non-sparse) bf16 tensor
 # FLOP/s from NVIDIA's datasheets: A100 datasheet (2021, SXM), H100 datasheet (SXM5, 2023),
-# H200 product brief (SXM, 2024). NVLink: the datasheets' 600 GB/s (A100) and 900 GB/s
-# (H100, H200) count both directions; one direction is half. It joins the 8 GPUs of one HGX
-# board; tensor parallelism beyond a board would run over the (far slower) network. PCIe to
-# host memory: the datasheets' 64 GB/s (A100, Gen4 x16) and 128 GB/s (H100, H200, Gen5 x16)
-# count both directions too.
+# H200 product brief (SXM, 2024), HGX B200 (2025), H20 (HGX, 2024), L40S datasheet (2023).
+# NVLink: the datasheets' 600 GB/s (A100), 900 GB/s (H100, H200, H20) and 1.8 TB/s (B200)
+# count both directions; one direction is half. It joins the 8 GPUs of one HGX board;
+# tensor parallelism beyond a board would run over the (far slower) network. The L40S has
+# no NVLink: its GPUs reach each other, as they reach host memory, over PCIe Gen4 x16, in a
+# server of 8. PCIe to host memory: the datasheets' 64 GB/s (Gen4 x16: A100, L40S) and
+# 128 GB/s (Gen5 x16: H100, H200, H20, B200) count both directions too. The H20 has more
+# memory and bandwidth than the H100 (96 GB, 4 TB/s) and a seventh of its tensor throughput:
+# a small decode batch, which reads weights and KV, runs as fast; a large one (past ~37
+# FLOP a byte read) and prefill, which multiply, far slower.
 GPU_PRESETS: dict[str, GpuSpec] = {
     g.name: g
     for g in [
@@ -325,6 +355,10 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         GpuSpec("a100-80g", 81920 * MIB, 2039e9, 312e12, 300e9, 8, 32e9),
         GpuSpec("h100-80g", 81559 * MIB, 3.35e12, 989e12, 450e9, 8, 64e9),
         GpuSpec("h200-141g", 143771 * MIB, 4.8e12, 989e12, 450e9, 8, 64e9),
+        GpuSpec("b200-180g", 183359 * MIB, 8.0e12, 2250e12, 900e9, 8, 64e9),
+        GpuSpec("h20-96g", 97871 * MIB, 4.0e12, 148e12, 450e9, 8, 64e9),
+        GpuSpec("l40s-48g", 46068 * MIB, 864e9, 362e12, 32e9, 8, 32e9,
+                interconnect_kind="PCIe"),
     ]
 }
 
@@ -400,8 +434,8 @@ def kv_pool_slots(
 
 def _sharding_hint(model: ModelSpec, gpu: GpuSpec, usable_bytes: float) -> str:
     """What to do about weights one GPU cannot hold: the fewest GPUs that hold them and
-    split the model evenly, within the GPUs one NVLink board joins."""
-    board = gpu.interconnect_gpus or 64
+    split the model evenly, within the GPUs one board (or server) joins."""
+    board, domain = gpu.interconnect_gpus or 64, gpu.link_domain
     needed = math.ceil(model.weight_bytes / usable_bytes)
     fitting = [n for n in range(needed, board + 1) if model.tensor_parallel_problem(n) is None]
     if fitting:
@@ -411,12 +445,13 @@ def _sharding_hint(model: ModelSpec, gpu: GpuSpec, usable_bytes: float) -> str:
               if model.weight_bytes / board * max(model.pipeline_stage_layers(p))
               / model.num_layers < usable_bytes]
     if stages and model.tensor_parallel_problem(board) is None:
-        return (f"; no tensor-parallel group of at most {board} {gpu.name} GPUs (one board) "
-                f"holds them: split the layers over boards as {stages[0]} pipeline stages "
-                f"(parallel: {{tensor_parallel_size: {board}, pipeline_parallel_size: "
-                f"{stages[0]}}}), choose a GPU with more memory, or give memory.kv_memory_gib")
-    return (f"; no tensor-parallel group of at most {board} {gpu.name} GPUs (one board) holds "
-            "them: choose a GPU with more memory, or give memory.kv_memory_gib")
+        return (f"; no tensor-parallel group of at most {board} {gpu.name} GPUs (one "
+                f"{domain}) holds them: split the layers over {domain}s as {stages[0]} "
+                f"pipeline stages (parallel: {{tensor_parallel_size: {board}, "
+                f"pipeline_parallel_size: {stages[0]}}}), choose a GPU with more memory, or "
+                "give memory.kv_memory_gib")
+    return (f"; no tensor-parallel group of at most {board} {gpu.name} GPUs (one {domain}) "
+            "holds them: choose a GPU with more memory, or give memory.kv_memory_gib")
 
 
 def _ranks_hint(model: ModelSpec, gpu: GpuSpec, usable_bytes: float,
@@ -431,8 +466,9 @@ def _ranks_hint(model: ModelSpec, gpu: GpuSpec, usable_bytes: float,
         return (f"; spread the experts over {fitting[0]} ranks (parallel.data_parallel_size: "
                 f"{fitting[0]}) or give memory.kv_memory_gib")
     ranks = board // tp
-    return (f"; no {board} GPUs of one board hold the dense weights and 1/{ranks * tp} of the "
-            f"experts: raise tensor_parallel_size, or choose a GPU with more memory")
+    return (f"; no {board} GPUs of one {gpu.link_domain} hold the dense weights and "
+            f"1/{ranks * tp} of the experts: raise tensor_parallel_size, or choose a GPU with "
+            "more memory")
 
 
 def lookup_model(name: str) -> ModelSpec:

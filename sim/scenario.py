@@ -875,12 +875,14 @@ def parallel_problem(value: ParallelConfig, model: ModelSpec,
             return (f"{split}: the {needs} need gpu.interconnect_gbps (GPU-to-GPU GB/s, one "
                     "direction)")
         return None
-    joined = GPU_PRESETS[gpu.lower()].interconnect_gpus
+    preset = GPU_PRESETS[gpu.lower()]
+    joined, domain = preset.interconnect_gpus, preset.link_domain
     if joined is not None and gpus > joined:
-        return (f"{split}: NVLink joins {joined} {gpu} GPUs (one board) and the simulator "
-                f"models no network between boards within a layer; use at most {joined} "
-                "GPUs a pipeline stage (parallel.pipeline_parallel_size spreads stages over "
-                "boards), or engine.replicas for more GPUs, or give gpu explicitly with the "
+        return (f"{split}: {preset.interconnect_kind} joins {joined} {gpu} GPUs (one "
+                f"{domain}) and the simulator models no network between {domain}s within a "
+                f"layer; use at most {joined} GPUs a pipeline stage "
+                f"(parallel.pipeline_parallel_size spreads stages over {domain}s), or "
+                "engine.replicas for more GPUs, or give gpu explicitly with the "
                 "interconnect_gbps you have")
     return None
 

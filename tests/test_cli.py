@@ -225,7 +225,8 @@ def test_missing_file_and_validate_and_schema(tmp_path):
     rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
     assert "MLA (576)" in rows["deepseek-v3"] and "68.6" in rows["deepseek-v3"]
     assert "GQA (8 KV heads)" in rows["llama-2-70b"] and "512.0" in rows["llama-2-7b"]
-    assert "8 of 128" in rows["qwen3-30b-a3b"] and "450 × 8 GPUs" in rows["h200-141g"]
+    assert "8 of 128" in rows["qwen3-30b-a3b"] and "NVLink 450 × 8 GPUs" in rows["h200-141g"]
+    assert "PCIe 32 × 8 GPUs" in rows["l40s-48g"] and "453.7" in rows["llama-3.1-405b-fp8"]
     proc = kvsim("run")
     assert proc.returncode == 2
 

@@ -27,9 +27,65 @@ H100 = GPU_PRESETS["h100-80g"]
     ("llama-3-8b", 2 * 32 * 8 * 128 * 2),
     ("gpt-oss-20b", 2 * 24 * 8 * 64 * 2),
     ("gpt-oss-120b", 2 * 36 * 8 * 64 * 2),
+    ("llama-3.1-70b", 2 * 80 * 8 * 128 * 2),
+    ("llama-3.1-405b", 2 * 126 * 8 * 128 * 2),
+    ("qwen3-8b", 2 * 36 * 8 * 128 * 2),
+    ("qwen3-32b", 2 * 64 * 8 * 128 * 2),
+    ("qwen3-235b-a22b", 2 * 94 * 4 * 128 * 2),
 ])
 def test_bytes_a_token_caches(name, kv_bytes):
     assert MODEL_PRESETS[name].kv_bytes_per_token == kv_bytes
+
+
+def config_json_params(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                       mlp: int, vocab: int, experts: int = 0, experts_per_token: int = 0
+                       ) -> tuple[int, int]:
+    """(all, active) parameters of a Llama-style decoder from its config.json, by hand: Q,
+    K, V and O projections, a gated MLP of three matrices (each expert one, of ``mlp``
+    wide, behind a router), untied input and output embeddings; norms left out."""
+    attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    one_mlp = 3 * hidden * mlp
+    if experts:
+        layer = attention + hidden * experts + experts * one_mlp
+        active = attention + hidden * experts + experts_per_token * one_mlp
+    else:
+        layer = active = attention + one_mlp
+    embeddings = 2 * vocab * hidden
+    return layers * layer + embeddings, layers * active + embeddings
+
+
+@pytest.mark.parametrize("name, config", [
+    ("llama-3.1-70b", (80, 8192, 64, 8, 128, 28672, 128256)),
+    ("llama-3.1-405b", (126, 16384, 128, 8, 128, 53248, 128256)),
+    ("qwen3-8b", (36, 4096, 32, 8, 128, 12288, 151936)),
+    ("qwen3-32b", (64, 5120, 64, 8, 128, 25600, 151936)),
+    # moe_intermediate_size 1,536; 128 experts, 8 a token, in every layer.
+    ("qwen3-235b-a22b", (94, 4096, 64, 4, 128, 1536, 151936, 128, 8)),
+])
+def test_the_parameters_are_their_config_json_shapes(name, config):
+    model = MODEL_PRESETS[name]
+    total, active = config_json_params(*config)
+    assert model.num_params == pytest.approx(total, rel=2e-4)
+    assert model.flops_params == pytest.approx(active, rel=2e-4)
+    assert model.hidden_size == config[1]
+    assert model.num_heads * model.head_dim == config[2] * config[4]
+    if model.is_moe:  # the routed experts the weights hold: all 128 of each layer's
+        assert model.routed_expert_params == pytest.approx(94 * 128 * 3 * 4096 * 1536,
+                                                           rel=1e-3)
+
+
+def test_llama_405b_in_fp8_leaves_attention_and_the_outer_layers_in_bf16():
+    bf16, fp8 = MODEL_PRESETS["llama-3.1-405b"], MODEL_PRESETS["llama-3.1-405b-fp8"]
+    fp8_mlp = 124 * 3 * 16384 * 53248  # all MLPs but the first and last layers'
+    assert fp8.weight_bytes == pytest.approx((bf16.num_params - fp8_mlp) * 2 + fp8_mlp)
+    assert fp8.weight_bytes / 1e9 == pytest.approx(487.2, abs=0.1)
+    assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token  # the cache stays 16-bit
+    # One board of eight H100s holds the FP8 weights, not the bf16 ones: those want two
+    # boards, as pipeline stages.
+    assert kv_pool_slots(fp8, H100, tensor_parallel_size=8) > 100_000
+    with pytest.raises(ValueError, match=r"split the layers over boards as 2 pipeline"):
+        kv_pool_slots(bf16, H100, tensor_parallel_size=8)
+    assert kv_pool_slots(bf16, GPU_PRESETS["b200-180g"], tensor_parallel_size=8) > 1_000_000
 
 
 def test_an_mla_latent_is_whole_on_every_gpu_of_a_tensor_parallel_group():

@@ -119,6 +119,34 @@ def test_roofline_splits_work_and_adds_two_allreduces_per_layer():
     assert step4 / 2 < step8 < step4
 
 
+def test_gpu_presets_trade_bandwidth_for_flops_and_nvlink_for_pcie():
+    llama = lookup_model("llama-3.1-70b")
+    h100, h20, l40s = (lookup_gpu(name) for name in ("h100-80g", "h20-96g", "l40s-48g"))
+    on_h100, on_h20 = (roofline(llama, gpu, tensor_parallel_size=4) for gpu in (h100, h20))
+    # The H20 reads faster than the H100 (4.0 against 3.35 TB/s) and multiplies 989/148 times
+    # slower: a decode step of one sequence, which reads the weights, comes sooner; one of
+    # 256, or a prefill of 8,192 tokens, which multiply, much later.
+    assert on_h20.c == pytest.approx(on_h100.c * 3.35 / 4.0)
+    assert on_h20.a < on_h100.a
+    assert on_h20.step_time(1, 2000, 0, 0, 1.0) < on_h100.step_time(1, 2000, 0, 0, 1.0)
+    for decode_seqs, prefill_tokens in ((256, 0), (0, 8192)):
+        steps = [gpu.step_time(decode_seqs, decode_seqs * 2000, prefill_tokens, 0, 1.0)
+                 for gpu in (on_h100, on_h20)]
+        assert steps[1] > 2 * steps[0]
+    # The L40S's GPUs all-reduce over PCIe, 32 GB/s a way: the same all-reduced bytes a token
+    # cost 14 times NVLink's 450.
+    ring_bytes = 2 * 80 * 2 * 3 / 4 * 8192 * 2  # 160 all-reduces of 2(N−1)/N × hidden × fp16
+    on_l40s = roofline(llama, l40s, tensor_parallel_size=4)
+    assert on_l40s.b - 2 * llama.num_params / 4 / 362e12 == pytest.approx(ring_bytes / 32e9)
+    assert on_h100.b - 2 * llama.num_params / 4 / 989e12 == pytest.approx(ring_bytes / 450e9)
+    with pytest.raises(ScenarioError, match=r"tensor_parallel_size 16: PCIe joins 8 l40s-48g "
+                                            r"GPUs \(one server\) and the simulator models no "
+                                            r"network between servers"):
+        scenario_from_dict(scenario(16, gpu="l40s-48g"))
+    with pytest.raises(SizingError, match=r"at most 8 l40s-48g GPUs \(one server\)"):
+        kv_pool_slots(lookup_model("llama-3.1-405b"), l40s, tensor_parallel_size=8)
+
+
 def test_scenario_checks_the_split(tmp_path):
     def error(data: dict) -> str:
         with pytest.raises(ScenarioError) as info:
