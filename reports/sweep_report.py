@@ -504,18 +504,31 @@ def capacity_figures(table: pd.DataFrame, fields: list[str]) -> dict[str, Figure
 
 
 def laid_out(table: pd.DataFrame, fields: list[str]) -> bool:
-    """Whether the swept fields are a ``sweep.layouts``' alone (two of its paths or more,
-    nothing else varying): its points are best read as a list of layouts, not as axes."""
+    """Whether the swept fields are a ``sweep.layouts``' (two of its paths or more) and
+    names beside them alone (a GPU, a model: see :func:`_layout_companions`), no number
+    varying otherwise: its points are best read as a list of layouts, not as axes."""
     paths = [f for f in fields if f in LAYOUT_PATHS]
-    return len(paths) >= 2 and not _other_swept(table, *(f"param:{f}" for f in paths))
+    shown = [f"param:{f}" for f in (*paths, *_layout_companions(table, fields))]
+    return len(paths) >= 2 and not _other_swept(table, *shown)
+
+
+def _layout_companions(table: pd.DataFrame, fields: list[str]) -> list[str]:
+    """The swept fields beside a ``sweep.layouts`` that are names, not numbers (a GPU, a
+    model), and vary: each of their values has layouts of its own."""
+    return [f for f in fields if f not in LAYOUT_PATHS and _varies(table[f"param:{f}"])
+            and not pd.to_numeric(table[f"param:{f}"], errors="coerce").notna().all()]
 
 
 def layout_figure(table: pd.DataFrame, fields: list[str], metrics: list[str]) -> Figure:
     """``metrics`` for each layout of a ``sweep.layouts`` (``2 engines × 2 stages × TP 4``),
+    or each layout of each GPU (model...) swept beside it (``h100-80g: 2 engines × TP 4``),
     the best first, bars grouped by system; seeds averaged."""
+    companions = [f"param:{f}" for f in _layout_companions(table, fields)]
     columns = [f"param:{f}" for f in fields if f in LAYOUT_PATHS]
-    data = table.groupby([*columns, "system"], sort=False)[metrics].mean().reset_index()
-    data["layout"] = [describe_layout({c.removeprefix("param:"): row[c] for c in columns})
+    data = table.groupby([*companions, *columns, "system"], sort=False)[metrics].mean(
+    ).reset_index()
+    data["layout"] = ["".join(f"{row[c]}: " for c in companions)
+                      + describe_layout({c.removeprefix("param:"): row[c] for c in columns})
                       for _, row in data.iterrows()]
     order = list(data.groupby("layout", sort=False)[metrics[0]].max().sort_values().index)
     fig, axes = new_figure(1, len(metrics), height=0.35 * len(order) + 1.2)
@@ -527,7 +540,8 @@ def layout_figure(table: pd.DataFrame, fields: list[str], metrics: list[str]) ->
     for ax in axes[1:]:
         ax.set_yticks(np.arange(len(order)), [])
     axes[0].legend(fontsize=8, frameon=False, loc="lower right")
-    axes[0].set_title("Each layout, the best at the top", loc="left", fontsize=11)
+    each = " and ".join([*(_short(c) for c in companions), "layout"])
+    axes[0].set_title(f"Each {each}, the best at the top", loc="left", fontsize=11)
     fig.kvsim_data = {"series": data}  # type: ignore[attr-defined]
     return fig
 

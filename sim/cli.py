@@ -416,30 +416,48 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from sim.api import load
     from sim.engine import build_timing, memory_summary, with_speculation
+    from sim.scenario import scenario_from_dict
     from sim.sweep import load_sweep_points
 
     path = Path(args.scenario)
     overrides = dict(args.overrides or [])
     scenario, _ = load(path, overrides=overrides)
+
+    def check(checked: Scenario) -> str:
+        """Its memory line, or an error: a pool the weights leave no room for, or less than
+        a block; a calibration file that is missing or times another model."""
+        memory = memory_summary(checked)
+        timing = build_timing(checked, path.parent)
+        for system in checked.systems:
+            with_speculation(timing, checked, system, path.parent)
+        return memory
+
     systems = ", ".join(s.name for s in scenario.systems)
-    sweep = ""
-    if scenario.sweep:  # every point must be valid too, as kvsim sweep checks before running
+    if not scenario.sweep:
+        try:
+            memory = check(scenario)
+        except _bad_input_types() as exc:
+            raise BadInput(f"{path}: {exc}") from None
+        print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}")
+        print(memory)
+    else:  # every point must run, as kvsim sweep would run it; the base need not
         notes: list[str] = []
         _, points = load_sweep_points(path, overrides=overrides, notes=notes)
-        sweep = f"; sweep: {len(points)} runs, each valid"
         for note in notes:
             _note(note)
-    # A pool the weights leave no room for, or less than a block, is an error; so is a
-    # calibration file that is missing or times another model.
-    try:
-        memory = memory_summary(scenario)
-        timing = build_timing(scenario, path.parent)
-        for system in scenario.systems:
-            with_speculation(timing, scenario, system, path.parent)
-    except _bad_input_types() as exc:
-        raise BadInput(f"{path}: {exc}") from None
-    print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}{sweep}")
-    print(memory)
+        for point in points:
+            try:
+                check(scenario_from_dict(point.scenario))
+            except _bad_input_types() as exc:
+                where = ", ".join(f"{p}={v!r}" for p, v in point.params.items())
+                raise BadInput(f"{path}: {exc} [at sweep point {where}]") from None
+        print(f"{args.scenario}: ok — scenario {scenario.name!r}, systems: {systems}; "
+              f"sweep: {len(points)} runs, each valid")
+        try:
+            print(check(scenario))
+        except _bad_input_types() as exc:
+            _note(f"the base scenario alone does not run ({exc}): kvsim run runs it as it is; "
+                  "the sweep's points all do")
     for note in scenario.setting_notes():
         print(f"note: {note}")
     return EXIT_OK

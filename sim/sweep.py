@@ -130,15 +130,14 @@ def describe_layout(row: dict[str, Any]) -> str:
 
 def layout_rows(base: dict[str, Any], layouts: LayoutsConfig, source: str
                 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """The sweep rows (path → value) of the layouts that run the ``base`` scenario, fewest
-    engines first, and a line for each one refused, saying why (its weights do not fit, its
-    heads do not split, NVLink does not reach). Data-parallel ranks are a mixture of experts'
-    only, and are not laid out in stages (not modelled)."""
+    """The layouts (sweep rows, every path of :data:`LAYOUT_PATHS`) that run the ``base``
+    scenario, fewest engines first, and a line for each one refused, saying why (its weights
+    do not fit, its heads do not split, its GPUs' link does not reach). Data-parallel ranks
+    are a mixture of experts' only, and are not laid out in stages (not modelled)."""
     from sim.engine import memory_summary  # (it runs the engine's own sizing checks)
     from sim.presets import SizingError
 
-    scenario = scenario_from_dict(base, source)
-    moe = scenario.model_spec().is_moe
+    moe = scenario_from_dict(base, source).model_spec().is_moe
     wanted = (layouts.tensor_parallel_sizes, layouts.pipeline_parallel_sizes,
               layouts.data_parallel_sizes)
     rows: list[dict[str, Any]] = []
@@ -165,17 +164,59 @@ def layout_rows(base: dict[str, Any], layouts: LayoutsConfig, source: str
                     refused.append(f"{describe_layout(row)}: {exc}")
                 else:
                     rows.append(row)
-    if not rows:
-        raise SweepError(f"{source}: sweep.layouts: no way to run {layouts.gpus} GPUs holds "
-                         f"the scenario: {refused[0] if refused else 'no size allowed'}")
-    # A path every layout leaves as the scenario has it is no column (a dense model's ranks).
+    return rows, refused
+
+
+def _as_given(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The values of :data:`LAYOUT_PATHS` the scenario ``data`` has of itself."""
+    scenario = scenario_from_dict(data, source)
     parallel = scenario.parallel
-    as_given = dict(zip(LAYOUT_PATHS, (
+    return dict(zip(LAYOUT_PATHS, (
         scenario.engine.replicas, parallel.tensor_parallel_size,
         parallel.pipeline_parallel_size, parallel.data_parallel_size,
         parallel.expert_parallel), strict=True))
-    idle = {path for path in LAYOUT_PATHS if all(row[path] == as_given[path] for row in rows)}
-    return [{k: v for k, v in row.items() if k not in idle} for row in rows], refused
+
+
+def _laid_out(base: dict[str, Any], config: SweepConfig, source: str,
+              notes: list[str] | None) -> list[dict[str, Any]]:
+    """Every combination of the grid and zip crossed with the layouts that hold it: those
+    of its own scenario (a GPU swept beside the layouts holds the model in layouts another
+    does not). A layout refused at every combination is told once in ``notes``, one refused
+    at some of them with where; combinations no layout holds are told and left out."""
+    layouts = config.layouts
+    assert layouts is not None
+    combinations: list[dict[str, Any]] = []
+    refusals: dict[str, list[str]] = {}  # a refused layout's line → where it was refused
+    unheld: list[str] = []  # the combinations no layout holds
+    idle = set(LAYOUT_PATHS)
+    places = 0
+    for params in _combinations(config):
+        data = copy.deepcopy(base)
+        for path, value in params.items():
+            set_path(data, path, value)
+        where = ", ".join(f"{p}={v}" for p, v in params.items())
+        places += 1
+        rows, refused = layout_rows(data, layouts, source)
+        for line in refused:
+            refusals.setdefault(line, []).append(where)
+        if not rows:
+            unheld.append(where)
+            continue
+        as_given = _as_given(data, source)
+        idle -= {path for path in LAYOUT_PATHS if any(row[path] != as_given[path]
+                                                       for row in rows)}
+        combinations += [{**params, **row} for row in rows]
+    if not combinations:
+        raise SweepError(f"{source}: sweep.layouts: no way to run {layouts.gpus} GPUs holds "
+                         f"the scenario: {next(iter(refusals), 'no size allowed')}")
+    if notes is not None:
+        for line, wheres in refusals.items():
+            at = "" if len(wheres) == places else f"at {'; '.join(wheres)}: "
+            notes.append(f"sweep.layouts: {at}not {line}")
+        notes += [f"sweep.layouts: at {where}: no layout of {layouts.gpus} GPUs holds the "
+                  "scenario; left out" for where in unheld]
+    # A path every layout leaves as the scenario has it is no column (a dense model's ranks).
+    return [{k: v for k, v in row.items() if k not in idle} for row in combinations]
 
 
 def _parse_path(path: str) -> list[str | int | tuple[str, str]]:
@@ -312,15 +353,14 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def _combinations(config: SweepConfig, layouts: list[dict[str, Any]]
-                  ) -> Iterator[dict[str, Any]]:
+def _combinations(config: SweepConfig) -> Iterator[dict[str, Any]]:
+    """The grid's every combination, each with every row of the zip."""
     grid_paths = list(config.grid)
     zip_rows = ([dict(zip(config.zip, row, strict=True))
                  for row in zip(*config.zip.values(), strict=True)] if config.zip else [{}])
     for values in itertools.product(*config.grid.values()):
         for zipped in zip_rows:
-            for layout in layouts or [{}]:
-                yield {**dict(zip(grid_paths, values, strict=True)), **zipped, **layout}
+            yield {**dict(zip(grid_paths, values, strict=True)), **zipped}
 
 
 def expand(raw: dict[str, Any], source: str, *, quick: bool = False,
@@ -340,13 +380,10 @@ def expand(raw: dict[str, Any], source: str, *, quick: bool = False,
     if quick:
         base, config = _shrink(base, config)
     seeds = config.seeds or [int(base.get("seed", 0))]
-    layouts: list[dict[str, Any]] = []
-    if config.layouts is not None:
-        layouts, refused = layout_rows(base, config.layouts, source)
-        if notes is not None:
-            notes += [f"sweep.layouts: not {line}" for line in refused]
+    combinations = (list(_combinations(config)) if config.layouts is None
+                    else _laid_out(base, config, source, notes))
     points: list[SweepPoint] = []
-    for index, params in enumerate(_combinations(config, layouts)):
+    for index, params in enumerate(combinations):
         for seed in seeds:
             data = copy.deepcopy(base)
             for path, value in params.items():

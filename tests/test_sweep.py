@@ -19,6 +19,7 @@ from conftest import kvsim_in_process
 
 from reports.sweep_report import (
     category_figures,
+    laid_out,
     saturation_knee,
     sweep_figures,
     write_sweep_report,
@@ -256,7 +257,8 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
                                   "disaggregation_chat", "preemption_mode",
                                   "priority_classes", "length_prediction",
                                   "virtual_memory", "shortest_first", "attention_kinds",
-                                  "sliding_window", "prefill_allocation", "max_model_len"])
+                                  "sliding_window", "prefill_allocation", "max_model_len",
+                                  "gpu_choice"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -269,6 +271,14 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         assert table["contiguous-max"].is_monotonic_decreasing
         assert table["contiguous-max"].iloc[0] > 4 * table["contiguous-max"].iloc[-1]
         assert table["paged-16"].nunique() == table["contiguous-req"].nunique() == 1
+    if name == "gpu_choice":  # each GPU in the splits of 8 that hold Llama-3.1-70B
+        splits = outcome.table.groupby("param:gpu")["param:engine.replicas"].apply(sorted)
+        assert splits.to_dict() == {"a100-80g": [1, 2, 4], "h100-80g": [1, 2, 4],
+                                    "h200-141g": [1, 2, 4], "b200-180g": [1, 2, 4, 8],
+                                    "h20-96g": [1, 2, 4], "l40s-48g": [1, 2]}
+        best = outcome.table.groupby("param:gpu")["throughput_tok_s"].max()
+        assert best.idxmax() == "b200-180g" and best.idxmin() == "l40s-48g"
+        assert list(figures) == ["by_layout"]
     if name == "block_size_sweep":
         data = figures["block_size_tradeoff"].kvsim_data["tradeoff"]
         assert data["internal_waste_pct"].is_monotonic_increasing
@@ -564,6 +574,30 @@ def test_layouts_are_crossed_with_the_grid_and_limited_by_their_lists():
     assert len(points) == 2 * 3
 
 
+def test_each_gpu_swept_beside_the_layouts_holds_the_model_in_its_own_layouts():
+    # Llama-3.1-70B (131 GiB) on 4 GPUs: a B200 holds it alone, an H100 from 2 GPUs an
+    # engine, an L40S only all 4 together. Four GPUs of none of them hold the 405B (756 GiB).
+    notes: list[str] = []
+    gpus = ["b200-180g", "h100-80g", "l40s-48g"]
+    base = dict(LAYOUT_BASE, sweep={"grid": {"model": ["llama-3.1-70b", "llama-3.1-405b"],
+                                             "gpu": gpus},
+                                    "layouts": {"gpus": 4, "pipeline_parallel_sizes": [1]}})
+    points = expand(base, "x.yaml", notes=notes)
+    engines = {gpu: sorted(p.params["parallel.tensor_parallel_size"] for p in points
+                           if p.params["gpu"] == gpu) for gpu in gpus}
+    assert engines == {"b200-180g": [1, 2, 4], "h100-80g": [2, 4], "l40s-48g": [4]}
+    assert {p.params["model"] for p in points} == {"llama-3.1-70b"}
+    assert all(p.scenario["engine"]["replicas"] * p.scenario["parallel"][
+        "tensor_parallel_size"] == 4 for p in points)
+    # Where a layout is refused, and the combinations no layout holds, left out.
+    assert notes[0].startswith("sweep.layouts: at model=llama-3.1-70b, gpu=h100-80g: not 4 "
+                               "engines × TP 1: llama-3.1-70b weights (131.4 GiB) do not fit")
+    assert any(n.startswith("sweep.layouts: at model=llama-3.1-70b, gpu=l40s-48g: not 2 "
+                            "engines × TP 2: ") for n in notes)
+    assert notes[-3:] == [f"sweep.layouts: at model=llama-3.1-405b, gpu={gpu}: no layout of 4 "
+                          "GPUs holds the scenario; left out" for gpu in gpus]
+
+
 @pytest.mark.parametrize(("layouts", "grid", "words"), [
     ({"gpus": 8}, {"engine.replicas": [1, 2]},
      r"x\.yaml: sweep: layouts: sets engine\.replicas itself; leave it out of grid and zip$"),
@@ -585,6 +619,26 @@ def test_validate_tells_the_layouts_left_out(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "note: sweep.layouts: not 4 engines × TP 1: llama-2-70b weights" in proc.stdout
     assert "sweep: 5 runs, each valid" in proc.stdout
+
+
+def test_validate_checks_every_point_and_not_the_base_alone(tmp_path):
+    # The base (one H100 for Llama-2-70B) does not hold the model; its layouts do.
+    path = tmp_path / "layouts.yaml"
+    path.write_text(yaml.safe_dump(dict(LAYOUT_BASE, sweep={"layouts": {"gpus": 4}})))
+    proc = kvsim_in_process("validate", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "sweep: 5 runs, each valid" in proc.stdout
+    assert ("note: the base scenario alone does not run (llama-2-70b weights (128.5 GiB) do "
+            "not fit") in proc.stdout
+    # A point the sweep would run and fail is refused before it runs, named.
+    path.write_text(yaml.safe_dump(dict(LAYOUT_BASE, parallel={"tensor_parallel_size": 2},
+                                        sweep={"grid": {"gpu": ["h100-80g", "a100-40g"]}})))
+    proc = kvsim_in_process("validate", str(path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"kvsim: error: {path}: llama-2-70b weights (1/2 of them) "
+                                  "(64.2 GiB) do not fit in 90% of a100-40g")
+    assert proc.stderr.rstrip().endswith("[at sweep point gpu='a100-40g']")
+    assert proc.stderr.count("\n") == 1
 
 
 def test_a_sweep_of_layouts_is_drawn_as_a_list_of_layouts_best_first(tmp_path):
@@ -610,3 +664,26 @@ def test_a_sweep_of_layouts_is_drawn_as_a_list_of_layouts_best_first(tmp_path):
     assert "capacity_by_layout" not in capacity_figures(table, fields)
     assert list(capacity_figures(outcome.table.assign(capacity_req_s=1.0),
                                  fields[:-1])) == ["capacity_by_layout"]
+
+
+def test_the_layouts_of_each_gpu_are_drawn_as_one_list_best_first(tmp_path):
+    path = tmp_path / "gpus.yaml"
+    path.write_text(yaml.safe_dump(dict(
+        LAYOUT_BASE, model="llama-3.1-70b",
+        sweep={"grid": {"gpu": ["b200-180g", "h100-80g"]},
+               "layouts": {"gpus": 2, "pipeline_parallel_sizes": [1]}})))
+    outcome = run_sweep(path, out_dir=tmp_path / "out", jobs=1)
+    assert outcome.failed == 0 and len(outcome.table) == 3
+    figure = sweep_figures(outcome.out_dir)["by_layout"]
+    drawn = figure.kvsim_data["series"]
+    assert set(drawn["layout"]) == {"b200-180g: 1 engine × TP 2",
+                                    "b200-180g: 2 engines × TP 1", "h100-80g: 1 engine × TP 2"}
+    assert figure.axes[0].get_title(loc="left") == "Each gpu and layout, the best at the top"
+    # The best at the top: the bars run from the lowest up.
+    ticks = [t.get_text() for t in figure.axes[0].get_yticklabels()]
+    best = drawn.set_index("layout")["throughput_tok_s"]
+    assert [best[t] for t in ticks] == sorted(best)
+    # A number swept beside them (a rate) is an axis: no list of layouts.
+    table = outcome.table.assign(**{"param:workload.arrival.rate": [1, 2, 2]})
+    fields = [c.removeprefix("param:") for c in table.columns if c.startswith("param:")]
+    assert not laid_out(table, fields) and laid_out(outcome.table, fields[:-1])
