@@ -263,8 +263,17 @@ class GpuSpec:
         return "board" if self.interconnect_kind == "NVLink" else "server"
 
 
-# Llama-3.1-405B's FP8 weights: the MLPs (3 × 16,384 × 53,248 a layer) of all but its
-# first and last layers, as Meta quantized them (Llama 3 paper, §6.2).
+def _mean_weight_bytes(params: float, fp8_params: float) -> float:
+    """Bytes of a stored weight on average when ``fp8_params`` of ``params`` are in FP8 (a
+    byte each) and the rest in bf16."""
+    return (2 * params - fp8_params) / params
+
+
+# FP8 checkpoints. Llama-3.1-70B's, as RedHat's Llama-3.1-70B-Instruct-FP8 and vLLM's
+# --quantization fp8 store it: every linear layer in FP8, the input embedding and the LM head
+# (128,256 × 8,192 each) in bf16. Llama-3.1-405B's, as Meta quantized it (Llama 3 paper,
+# §6.2): the MLPs (3 × 16,384 × 53,248 a layer) of all but its first and last layers.
+_LLAMA_70B_FP8_PARAMS = 70.55e9 - 2 * 128256 * 8192
 _LLAMA_405B_FP8_PARAMS = 124 * 3 * 16384 * 53248
 
 # Shapes from each model's config.json on its Hugging Face model card.
@@ -278,14 +287,16 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("llama-3-8b", 32, 32, 8, 128, 8.03e9, 8192),
         # Llama-3.1-8B: Llama-3-8B's shapes with a 128K context (long traces such as Mooncake).
         ModelSpec("llama-3.1-8b", 32, 32, 8, 128, 8.03e9, 131072),
-        # Llama-3.1-70B and -405B: GQA with 8 KV heads, a 128K context. Meta's 405B FP8
-        # checkpoint stores the MLP weights of 124 of its 126 layers in FP8 and the rest
-        # (attention, the first and last layers, the embeddings) in bf16: 487 GB, 1.2 bytes a
-        # weight, which one board of eight 80 GB GPUs holds. Its KV cache stays 16-bit.
+        # Llama-3.1-70B and -405B: GQA with 8 KV heads, a 128K context. In FP8 the 70B
+        # comes to 72.7 GB, 1.03 bytes a weight; Meta's 405B to 487 GB, 1.2 bytes a weight,
+        # which one board of eight 80 GB GPUs holds. Their KV caches stay 16-bit (fp8 is
+        # memory.kv_cache_dtype's). The roofline multiplies at the GPU's bf16 rate still.
         ModelSpec("llama-3.1-70b", 80, 64, 8, 128, 70.55e9, 131072),
+        ModelSpec("llama-3.1-70b-fp8", 80, 64, 8, 128, 70.55e9, 131072,
+                  weight_dtype_bytes=_mean_weight_bytes(70.55e9, _LLAMA_70B_FP8_PARAMS)),
         ModelSpec("llama-3.1-405b", 126, 128, 8, 128, 405.85e9, 131072),
         ModelSpec("llama-3.1-405b-fp8", 126, 128, 8, 128, 405.85e9, 131072,
-                  weight_dtype_bytes=(2 * 405.85e9 - _LLAMA_405B_FP8_PARAMS) / 405.85e9),
+                  weight_dtype_bytes=_mean_weight_bytes(405.85e9, _LLAMA_405B_FP8_PARAMS)),
         # Llama-3.2-1B: Llama-3.1's tokenizer, often the draft model of Llama-3.1-8B or -70B.
         ModelSpec("llama-3.2-1b", 16, 32, 8, 64, 1.24e9, 131072),
         ModelSpec("mistral-7b", 32, 32, 8, 128, 7.24e9, 32768),

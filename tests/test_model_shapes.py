@@ -74,6 +74,21 @@ def test_the_parameters_are_their_config_json_shapes(name, config):
                                                            rel=1e-3)
 
 
+def test_llama_70b_in_fp8_keeps_its_embeddings_in_bf16_and_reads_half_the_bytes():
+    bf16, fp8 = MODEL_PRESETS["llama-3.1-70b"], MODEL_PRESETS["llama-3.1-70b-fp8"]
+    embeddings = 2 * 128256 * 8192  # the input embedding and the LM head
+    assert fp8.weight_bytes == pytest.approx((bf16.num_params - embeddings) + 2 * embeddings)
+    # Two H100s an engine: 6 GiB a GPU for KV in bf16, 38 in FP8; each decode step reads
+    # half the bytes.
+    pools = [kv_pool_slots(m, H100, tensor_parallel_size=2) for m in (bf16, fp8)]
+    assert pools[0] == pytest.approx(39_176, abs=1) and pools[1] > 6 * pools[0]
+    steps = [roofline(m, H100, tensor_parallel_size=2) for m in (bf16, fp8)]
+    saved = (bf16.weight_bytes - fp8.weight_bytes) / 2  # a GPU's share
+    assert saved > 0.48 * bf16.weight_bytes / 2
+    assert steps[0].a - steps[1].a == pytest.approx(saved / H100.hbm_bandwidth_bytes_per_s)
+    assert steps[1].b == steps[0].b and steps[1].c == steps[0].c  # bf16 FLOPs, 16-bit KV
+
+
 def test_llama_405b_in_fp8_leaves_attention_and_the_outer_layers_in_bf16():
     bf16, fp8 = MODEL_PRESETS["llama-3.1-405b"], MODEL_PRESETS["llama-3.1-405b-fp8"]
     fp8_mlp = 124 * 3 * 16384 * 53248  # all MLPs but the first and last layers'
