@@ -652,6 +652,9 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
     from sim.presets import GIB, GPU_PRESETS, MODEL_PRESETS
 
+    if args.model is not None:
+        return _fits(args)
+
     def attention(m: ModelSpec) -> str:
         if m.uses_mla:
             kind = f"MLA ({m.kv_latent_dim})"
@@ -686,6 +689,71 @@ def cmd_presets(args: argparse.Namespace) -> int:
     print()
     print(gpus.to_string(index=False))
     print("\nmodel: and gpu: take these names, or a mapping of the same shapes (kvsim schema)")
+    return EXIT_OK
+
+
+def _fits(args: argparse.Namespace) -> int:
+    """``kvsim presets --model NAME``: the KV tokens one engine of the model holds on each
+    GPU preset at each tensor-parallel size one board joins, and how many requests of the
+    context limit that is at once (vLLM's "maximum concurrency")."""
+    import dataclasses
+
+    import pandas as pd
+
+    from sim.presets import (
+        GIB,
+        GPU_PRESETS,
+        KV_CACHE_DTYPE_BYTES,
+        SizingError,
+        kv_pool_slots,
+        lookup_model,
+    )
+
+    try:
+        model = lookup_model(args.model)
+    except KeyError as exc:
+        raise BadInput(f"--model: {exc.args[0]}") from None
+    context = args.max_model_len or model.max_model_len
+    if context > model.max_model_len:
+        raise BadInput(f"--max-model-len {context}: {model.name}'s context is "
+                       f"{model.max_model_len:,} tokens")
+    if args.kv_cache_dtype != "auto":
+        model = dataclasses.replace(model, kv_dtype_bytes=KV_CACHE_DTYPE_BYTES[
+            args.kv_cache_dtype])
+    sizes = [1, 2, 4, 8]
+    rows = []
+    for gpu in GPU_PRESETS.values():
+        row = {"gpu": gpu.name}
+        for tp in sizes:
+            if gpu.interconnect_gpus is not None and tp > gpu.interconnect_gpus:
+                row[f"TP {tp}"] = "—"
+                continue
+            if model.tensor_parallel_problem(tp):
+                row[f"TP {tp}"] = "heads"
+                continue
+            try:
+                slots = kv_pool_slots(model, gpu, tensor_parallel_size=tp,
+                                      gpu_memory_utilization=args.gpu_memory_utilization)
+            except SizingError:  # (the weights leave no room)
+                row[f"TP {tp}"] = "—"
+                continue
+            row[f"TP {tp}"] = f"{slots:,} ({slots / context:,.1f}×)"
+        rows.append(row)
+    print(f"{model.name}: weights {model.weight_bytes / GIB:,.1f} GiB, KV "
+          f"{model.kv_bytes_per_token / 1024:,.1f} KiB a token; KV tokens one engine holds "
+          f"at {args.gpu_memory_utilization:.0%} of GPU memory (requests of "
+          f"{context:,} tokens at once):")
+    frame = pd.DataFrame(rows)
+    print(frame.to_string(index=False))
+    heads = "; heads: its heads do not split so" if (frame == "heads").any().any() else ""
+    print(f"\n—: the weights leave no room (or the GPUs' link joins fewer){heads}. Pipeline "
+          "stages, data-parallel ranks and memory.kv_memory_gib: kvsim validate on a scenario")
+    if model.sliding_window:
+        print(f"{model.name} keeps a {model.sliding_window:,}-token window in "
+              f"{model.num_sliding_layers} of its {model.num_layers} layers; these count "
+              "every layer's KV in every token (allocator.hybrid_kv_cache: false); under the "
+              "hybrid KV cache manager a slot is one group of layers (kvsim validate says "
+              "how many)")
     return EXIT_OK
 
 
@@ -740,6 +808,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    """An argparse type: a share, a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share in (0, 1], got {text!r}")
+    return value
+
+
 class _Version(argparse.Action):
     """``--version``: the version and the core that runs, on one line as it is (argparse's
     own version action wraps a long line at the terminal's width)."""
@@ -761,6 +840,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sim.presets import KV_CACHE_DTYPES
+
     parser = _Parser(prog="kvsim", description="KV-cache memory simulator for LLM serving: "
                      "contiguous reservation vs paged allocation.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -854,7 +935,16 @@ def build_parser() -> argparse.ArgumentParser:
     schema = sub.add_parser("schema", help="print the scenario JSON Schema (for editors)")
     schema.set_defaults(func=cmd_schema)
 
-    presets = sub.add_parser("presets", help="the model and GPU presets and their shapes")
+    presets = sub.add_parser("presets", help="the model and GPU presets and their shapes; "
+                             "with --model, how many KV tokens each GPU holds of it")
+    presets.add_argument("--model", help="a model preset: the KV tokens an engine of it holds "
+                         "on each GPU preset, at each tensor-parallel size")
+    presets.add_argument("--max-model-len", type=_positive_int, default=None,
+                         help="the context limit the concurrency counts (default: the "
+                         "model's)")
+    presets.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto")
+    presets.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+                         help="the share of GPU memory the engine may use (default 0.9)")
     presets.set_defaults(func=cmd_presets)
 
     bench = sub.add_parser("bench", help="engine benchmark: ShareGPT-like load, paged-16")

@@ -231,6 +231,32 @@ def test_missing_file_and_validate_and_schema(tmp_path):
     assert proc.returncode == 2
 
 
+def test_presets_say_how_many_tokens_each_gpu_holds_of_a_model():
+    proc = kvsim("presets", "--model", "llama-3.1-70b", "--max-model-len", "16384")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[2:9]}
+    assert list(rows) == ["a100-40g", "a100-80g", "h100-80g", "h200-141g", "b200-180g",
+                          "h20-96g", "l40s-48g"]
+    # A B200 holds the 131.4 GiB alone: 90 % of 183,359 MiB less the weights, over
+    # 2 × 80 layers × 8 KV heads × 128 × 2 bytes a token.
+    alone = int((183359 * 2**20 * 0.9 - 70.55e9 * 2) // (2 * 80 * 8 * 128 * 2))
+    assert rows["b200-180g"][:2] == [f"{alone:,}", f"({alone / 16384:.1f}×)"]
+    assert rows["h100-80g"][:3] == ["—", "39,176", "(2.4×)"]  # one H100 holds none of it
+    # An FP8 cache holds twice the tokens in the same memory.
+    fp8 = kvsim("presets", "--model", "llama-3.1-70b", "--kv-cache-dtype", "fp8")
+    fp8_rows = {line.split()[0]: line.split()[1:] for line in fp8.stdout.splitlines()[2:9]}
+    assert fp8_rows["b200-180g"][0] == (
+        f"{int((183359 * 2**20 * 0.9 - 70.55e9 * 2) // (2 * 80 * 8 * 128)):,}")
+    for args, words in ((("--model", "nope"), "kvsim: error: --model: unknown model 'nope'"),
+                        (("--model", "qwen3-8b", "--max-model-len", "50000"),
+                         "kvsim: error: --max-model-len 50000: qwen3-8b's context is 40,960 "
+                         "tokens"),
+                        (("--model", "qwen3-8b", "--gpu-memory-utilization", "0"),
+                         "expected a share in (0, 1], got '0'")):
+        proc = kvsim("presets", *args)
+        assert proc.returncode == 2 and words in proc.stderr and proc.stdout == ""
+
+
 @pytest.mark.parametrize("args", [
     ("bench", "--sizes", "abc"),
     ("bench", "--sizes", "10000,0"),
