@@ -678,6 +678,8 @@ def cmd_presets(args: argparse.Namespace) -> int:
         "gpu": g.name, "memory (GiB)": f"{g.memory_bytes / GIB:,.1f}",
         "HBM (TB/s)": f"{g.hbm_bandwidth_bytes_per_s / 1e12:,.2f}",
         "dense bf16 (TFLOP/s)": f"{g.peak_flops / 1e12:,.0f}",
+        "dense FP8 (TFLOP/s)": (f"{g.fp8_peak_flops / 1e12:,.0f}" if g.fp8_peak_flops
+                                else "—"),
         "GPU link (GB/s, one way)": (f"{g.interconnect_kind} "
                                      f"{g.interconnect_bytes_per_s / 1e9:,.0f} × "
                                      f"{g.interconnect_gpus} GPUs"

@@ -64,6 +64,10 @@ class ModelSpec:
     # unembedding counts, the embedding does not); None: active_params count every dense
     # parameter.
     vocab_size: int | None = None
+    # The share of the multiplied weights whose products run on FP8 tensor cores, where the
+    # GPU has them (an FP8 checkpoint's linear layers, W8A8 as vLLM runs them); the rest, and
+    # attention, multiply in bf16. 0: every weight in bf16.
+    fp8_share: float = 0.0
     # Sliding-window attention: ``num_sliding_layers`` of the layers see only the last
     # ``sliding_window`` tokens (Mistral-7B-v0.1: all of them; Gemma-2: every other one;
     # Gemma-3: five in six); the others see every token. 0: every layer sees every token.
@@ -256,6 +260,16 @@ class GpuSpec:
     interconnect_gpus: int | None = None
     host_link_bytes_per_s: float | None = None  # to CPU memory, one direction (PCIe)
     interconnect_kind: str = "NVLink"
+    # Dense FP8 tensor FLOP/s; None: no FP8 tensor cores (an A100 widens an FP8 weight to
+    # bf16 to multiply it, as vLLM's Marlin kernels do).
+    fp8_peak_flops: float | None = None
+
+    def flops_s(self, flops: float, fp8_share: float = 0.0) -> float:
+        """Seconds ``flops`` of matrix products take at peak, ``fp8_share`` of them in FP8
+        where this GPU has FP8 tensor cores and the rest in bf16."""
+        if not fp8_share or self.fp8_peak_flops is None:
+            return flops / self.peak_flops
+        return flops * ((1 - fp8_share) / self.peak_flops + fp8_share / self.fp8_peak_flops)
 
     @property
     def link_domain(self) -> str:
@@ -289,14 +303,16 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("llama-3.1-8b", 32, 32, 8, 128, 8.03e9, 131072),
         # Llama-3.1-70B and -405B: GQA with 8 KV heads, a 128K context. In FP8 the 70B
         # comes to 72.7 GB, 1.03 bytes a weight; Meta's 405B to 487 GB, 1.2 bytes a weight,
-        # which one board of eight 80 GB GPUs holds. Their KV caches stay 16-bit (fp8 is
-        # memory.kv_cache_dtype's). The roofline multiplies at the GPU's bf16 rate still.
+        # which one board of eight 80 GB GPUs holds. Their FP8 weights multiply in FP8 (where
+        # the GPU can); their KV caches stay 16-bit (fp8 is memory.kv_cache_dtype's).
         ModelSpec("llama-3.1-70b", 80, 64, 8, 128, 70.55e9, 131072),
         ModelSpec("llama-3.1-70b-fp8", 80, 64, 8, 128, 70.55e9, 131072,
-                  weight_dtype_bytes=_mean_weight_bytes(70.55e9, _LLAMA_70B_FP8_PARAMS)),
+                  weight_dtype_bytes=_mean_weight_bytes(70.55e9, _LLAMA_70B_FP8_PARAMS),
+                  fp8_share=_LLAMA_70B_FP8_PARAMS / 70.55e9),
         ModelSpec("llama-3.1-405b", 126, 128, 8, 128, 405.85e9, 131072),
         ModelSpec("llama-3.1-405b-fp8", 126, 128, 8, 128, 405.85e9, 131072,
-                  weight_dtype_bytes=_mean_weight_bytes(405.85e9, _LLAMA_405B_FP8_PARAMS)),
+                  weight_dtype_bytes=_mean_weight_bytes(405.85e9, _LLAMA_405B_FP8_PARAMS),
+                  fp8_share=_LLAMA_405B_FP8_PARAMS / 405.85e9),
         # Llama-3.2-1B: Llama-3.1's tokenizer, often the draft model of Llama-3.1-8B or -70B.
         ModelSpec("llama-3.2-1b", 16, 32, 8, 64, 1.24e9, 131072),
         ModelSpec("mistral-7b", 32, 32, 8, 128, 7.24e9, 32768),
@@ -321,7 +337,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                   num_dense_layers=1),
         ModelSpec("deepseek-v3", 61, 128, 128, 192, 671e9, 163840, model_dim=7168,
                   kv_latent_dim=576, active_params=37e9, num_experts=256, experts_per_token=8,
-                  weight_dtype_bytes=1, num_dense_layers=3),
+                  weight_dtype_bytes=1, fp8_share=1.0, num_dense_layers=3),
         # Sliding-window attention. Mistral-7B-v0.1: a 4,096-token window in every layer
         # (later versions dropped it: the mistral-7b preset). Gemma-2-9B: a 4,096-token
         # window in every other layer (21 of 42). Gemma-3-27B: a 1,024-token window in five
@@ -347,9 +363,10 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     ]
 }
 
-# Memory as the driver reports it (nvidia-smi), bandwidth and dense (non-sparse) bf16 tensor
-# FLOP/s from NVIDIA's datasheets: A100 datasheet (2021, SXM), H100 datasheet (SXM5, 2023),
-# H200 product brief (SXM, 2024), HGX B200 (2025), H20 (HGX, 2024), L40S datasheet (2023).
+# Memory as the driver reports it (nvidia-smi), bandwidth and dense (non-sparse) bf16 and
+# FP8 tensor FLOP/s (the A100 has no FP8 tensor cores) from NVIDIA's datasheets: A100
+# datasheet (2021, SXM), H100 datasheet (SXM5, 2023), H200 product brief (SXM, 2024), HGX
+# B200 (2025), H20 (HGX, 2024), L40S datasheet (2023).
 # NVLink: the datasheets' 600 GB/s (A100), 900 GB/s (H100, H200, H20) and 1.8 TB/s (B200)
 # count both directions; one direction is half. It joins the 8 GPUs of one HGX board;
 # tensor parallelism beyond a board would run over the (far slower) network. The L40S has
@@ -364,12 +381,16 @@ GPU_PRESETS: dict[str, GpuSpec] = {
     for g in [
         GpuSpec("a100-40g", 40960 * MIB, 1555e9, 312e12, 300e9, 8, 32e9),
         GpuSpec("a100-80g", 81920 * MIB, 2039e9, 312e12, 300e9, 8, 32e9),
-        GpuSpec("h100-80g", 81559 * MIB, 3.35e12, 989e12, 450e9, 8, 64e9),
-        GpuSpec("h200-141g", 143771 * MIB, 4.8e12, 989e12, 450e9, 8, 64e9),
-        GpuSpec("b200-180g", 183359 * MIB, 8.0e12, 2250e12, 900e9, 8, 64e9),
-        GpuSpec("h20-96g", 97871 * MIB, 4.0e12, 148e12, 450e9, 8, 64e9),
+        GpuSpec("h100-80g", 81559 * MIB, 3.35e12, 989e12, 450e9, 8, 64e9,
+                fp8_peak_flops=1979e12),
+        GpuSpec("h200-141g", 143771 * MIB, 4.8e12, 989e12, 450e9, 8, 64e9,
+                fp8_peak_flops=1979e12),
+        GpuSpec("b200-180g", 183359 * MIB, 8.0e12, 2250e12, 900e9, 8, 64e9,
+                fp8_peak_flops=4500e12),
+        GpuSpec("h20-96g", 97871 * MIB, 4.0e12, 148e12, 450e9, 8, 64e9,
+                fp8_peak_flops=296e12),
         GpuSpec("l40s-48g", 46068 * MIB, 864e9, 362e12, 32e9, 8, 32e9,
-                interconnect_kind="PCIe"),
+                interconnect_kind="PCIe", fp8_peak_flops=733e12),
     ]
 }
 

@@ -93,6 +93,10 @@ class ModelConfig(ConfigModel):
         "leave out the input embedding (vocab_size × hidden_size, looked up rather than "
         "multiplied), as GPT-OSS's model card counts them; absent: active_params count "
         "every parameter outside the routed experts")
+    fp8_share: float = Field(
+        default=0.0, ge=0, le=1, description="the share of the weights a token is multiplied "
+        "by that run on FP8 tensor cores where the GPU has them (an FP8 checkpoint's linear "
+        "layers, W8A8: 1 if all of them; set weight_dtype_bytes too); 0: bf16")
     sliding_window: int | None = Field(
         default=None, ge=2, description="sliding-window attention: the tokens a sliding "
         "layer sees (Gemma-3: 1024); absent: every layer sees every token")
@@ -148,6 +152,9 @@ class GpuConfig(ConfigModel):
     memory_gib: PositiveFloat
     hbm_bandwidth_gbps: PositiveFloat = Field(description="GB/s (10^9 bytes per second)")
     peak_tflops: PositiveFloat = Field(description="dense bf16/fp16 TFLOP/s")
+    peak_fp8_tflops: PositiveFloat | None = Field(
+        default=None, description="dense FP8 TFLOP/s, for a model's FP8 weights (fp8_share); "
+        "absent: no FP8 tensor cores, FP8 weights multiply at the bf16 rate")
     interconnect_gbps: PositiveFloat | None = Field(
         default=None, description="GPU-to-GPU GB/s in one direction (NVLink: half the "
         "datasheet figure); needed for tensor parallelism, and for pipeline stages without "
@@ -1208,7 +1215,9 @@ class Scenario(ConfigModel):
         return GpuSpec(g.name, int(g.memory_gib * 1024**3), g.hbm_bandwidth_gbps * 1e9,
                        g.peak_tflops * 1e12,
                        interconnect_bytes_per_s=_per_s(g.interconnect_gbps),
-                       host_link_bytes_per_s=_per_s(g.host_link_gbps))
+                       host_link_bytes_per_s=_per_s(g.host_link_gbps),
+                       fp8_peak_flops=None if g.peak_fp8_tflops is None
+                       else g.peak_fp8_tflops * 1e12)
 
 
 def _per_s(gbps: float | None) -> float | None:

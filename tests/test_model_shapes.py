@@ -74,7 +74,7 @@ def test_the_parameters_are_their_config_json_shapes(name, config):
                                                            rel=1e-3)
 
 
-def test_llama_70b_in_fp8_keeps_its_embeddings_in_bf16_and_reads_half_the_bytes():
+def test_llama_70b_in_fp8_keeps_its_embeddings_in_bf16_and_reads_and_multiplies_faster():
     bf16, fp8 = MODEL_PRESETS["llama-3.1-70b"], MODEL_PRESETS["llama-3.1-70b-fp8"]
     embeddings = 2 * 128256 * 8192  # the input embedding and the LM head
     assert fp8.weight_bytes == pytest.approx((bf16.num_params - embeddings) + 2 * embeddings)
@@ -86,7 +86,18 @@ def test_llama_70b_in_fp8_keeps_its_embeddings_in_bf16_and_reads_half_the_bytes(
     saved = (bf16.weight_bytes - fp8.weight_bytes) / 2  # a GPU's share
     assert saved > 0.48 * bf16.weight_bytes / 2
     assert steps[0].a - steps[1].a == pytest.approx(saved / H100.hbm_bandwidth_bytes_per_s)
-    assert steps[1].b == steps[0].b and steps[1].c == steps[0].c  # bf16 FLOPs, 16-bit KV
+    # Its linear layers multiply on FP8 tensor cores (1,979 TFLOP/s), the embeddings' share
+    # in bf16 (989); the two all-reduces a layer cost what they did; attention and its KV
+    # stay 16-bit.
+    fp8_share = (bf16.num_params - embeddings) / bf16.num_params
+    link_s = steps[0].b - 2 * bf16.num_params / 2 / 989e12
+    assert steps[1].b == pytest.approx(2 * bf16.num_params / 2 * (
+        (1 - fp8_share) / 989e12 + fp8_share / 1979e12) + link_s)
+    assert steps[1].c == steps[0].c and steps[1].e == steps[0].e
+    # An A100 has no FP8 tensor cores: the FP8 weights multiply at its bf16 rate.
+    a100 = GPU_PRESETS["a100-80g"]
+    assert roofline(fp8, a100, tensor_parallel_size=2).b == roofline(
+        bf16, a100, tensor_parallel_size=2).b
 
 
 def test_llama_405b_in_fp8_leaves_attention_and_the_outer_layers_in_bf16():
@@ -243,10 +254,28 @@ def test_an_explicit_model_in_its_config_json_terms():
     assert int4.weight_bytes == 15.7e9 / 2
 
 
+def test_fp8_weights_multiply_at_the_fp8_rate_a_gpu_states():
+    gpu = {"name": "mine", "memory_gib": 80, "hbm_bandwidth_gbps": 3000, "peak_tflops": 1000}
+    fp8 = explicit(weight_dtype_bytes=1, fp8_share=1.0)
+
+    def per_token_s(data: dict, tmp: Path) -> float:
+        return build_timing(scenario_from_dict(data), tmp).b
+
+    here = Path()
+    bf16_rate = per_token_s({**fp8, "gpu": gpu}, here)
+    assert bf16_rate == pytest.approx(2 * 15.7e9 / 1000e12)  # no FP8 tensor cores stated
+    assert per_token_s({**fp8, "gpu": {**gpu, "peak_fp8_tflops": 2000}}, here) == (
+        pytest.approx(bf16_rate / 2))
+    half = explicit(weight_dtype_bytes=1.5, fp8_share=0.5)
+    assert per_token_s({**half, "gpu": {**gpu, "peak_fp8_tflops": 2000}}, here) == (
+        pytest.approx(bf16_rate * 0.75))
+
+
 @pytest.mark.parametrize("model, message", [
     ({"active_params": 20e9}, "model: active_params (2e+10) exceeds num_params (1.57e+10)"),
     ({"num_kv_heads": 5}, "num_heads (16) must be a multiple of num_kv_heads (5)"),
     ({"weight_dtype_bytes": 8}, "model.weight_dtype_bytes: Input should be less than or equal"),
+    ({"fp8_share": 1.5}, "model.fp8_share: Input should be less than or equal to 1"),
     ({"kv_latent_dim": 0}, "model.kv_latent_dim"),
     ({"num_experts": 8}, "num_experts and experts_per_token go together"),
     ({"num_experts": 8, "experts_per_token": 2}, "num_experts needs active_params"),
