@@ -313,8 +313,12 @@ def test_mla_decode_reads_its_latent():
     assert timing.c == pytest.approx(27 * 576 * 2 / H100.hbm_bandwidth_bytes_per_s)
 
 
-@pytest.mark.parametrize("name, words", [("deepseek-v3", "MLA attention and a mixture"),
-                                         ("qwen3-30b-a3b", "uses a mixture of experts")])
+@pytest.mark.parametrize("name, words", [
+    ("deepseek-v3", "MLA attention and a mixture of experts and quantized weights"),
+    ("qwen3-30b-a3b", "uses a mixture of experts;"),
+    ("llama-3.1-70b-fp8", "uses quantized weights; the harness times dense models with "
+     "multi-head or grouped-query attention and 16-bit weights only"),
+])
 def test_the_gpu_harness_refuses_what_its_kernel_does_not_time(name, words, capsys, tmp_path):
     assert words in model_problem(MODEL_PRESETS[name])
     assert model_problem(MODEL_PRESETS["llama-3-8b"]) is None
