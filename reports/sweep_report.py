@@ -428,7 +428,7 @@ def numeric_fields_left(table: pd.DataFrame, fields: list[str], drawn: list[str]
         if field in drawn or any(_follows(table, column, d) for d in taken):
             continue
         taken.append(column)
-        if pd.to_numeric(table[column], errors="coerce").notna().all() == numeric:
+        if _numeric(table[column]) == numeric:
             left.append((field, field.replace(".", "_").replace("[", "_").replace("]", "")))
     return left
 
@@ -516,7 +516,13 @@ def _layout_companions(table: pd.DataFrame, fields: list[str]) -> list[str]:
     """The swept fields beside a ``sweep.layouts`` that are names, not numbers (a GPU, a
     model), and vary: each of their values has layouts of its own."""
     return [f for f in fields if f not in LAYOUT_PATHS and _varies(table[f"param:{f}"])
-            and not pd.to_numeric(table[f"param:{f}"], errors="coerce").notna().all()]
+            and not _numeric(table[f"param:{f}"])]
+
+
+def _numeric(column: pd.Series) -> bool:
+    """Whether a swept column holds numbers only (not names, sections, or settings left
+    out)."""
+    return bool(pd.to_numeric(column, errors="coerce").notna().all())
 
 
 def layout_figure(table: pd.DataFrame, fields: list[str], metrics: list[str]) -> Figure:

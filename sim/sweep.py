@@ -128,16 +128,17 @@ def describe_layout(row: dict[str, Any]) -> str:
     return " × ".join(parts)
 
 
-def layout_rows(base: dict[str, Any], layouts: LayoutsConfig, source: str
-                ) -> tuple[list[dict[str, Any]], list[str]]:
+def layout_rows(base: dict[str, Any], scenario: Scenario, layouts: LayoutsConfig,
+                source: str) -> tuple[list[dict[str, Any]], list[str]]:
     """The layouts (sweep rows, every path of :data:`LAYOUT_PATHS`) that run the ``base``
-    scenario, fewest engines first, and a line for each one refused, saying why (its weights
-    do not fit, its heads do not split, its GPUs' link does not reach). Data-parallel ranks
-    are a mixture of experts' only, and are not laid out in stages (not modelled)."""
+    scenario (``scenario`` as validated), fewest engines first, and a line for each one
+    refused, saying why (its weights do not fit, its heads do not split, its GPUs' link does
+    not reach). Data-parallel ranks are a mixture of experts' only, and are not laid out in
+    stages (not modelled)."""
     from sim.engine import memory_summary  # (it runs the engine's own sizing checks)
     from sim.presets import SizingError
 
-    moe = scenario_from_dict(base, source).model_spec().is_moe
+    moe = scenario.model_spec().is_moe
     wanted = (layouts.tensor_parallel_sizes, layouts.pipeline_parallel_sizes,
               layouts.data_parallel_sizes)
     rows: list[dict[str, Any]] = []
@@ -167,9 +168,8 @@ def layout_rows(base: dict[str, Any], layouts: LayoutsConfig, source: str
     return rows, refused
 
 
-def _as_given(data: dict[str, Any], source: str) -> dict[str, Any]:
-    """The values of :data:`LAYOUT_PATHS` the scenario ``data`` has of itself."""
-    scenario = scenario_from_dict(data, source)
+def _as_given(scenario: Scenario) -> dict[str, Any]:
+    """The values of :data:`LAYOUT_PATHS` the scenario has of itself."""
     parallel = scenario.parallel
     return dict(zip(LAYOUT_PATHS, (
         scenario.engine.replicas, parallel.tensor_parallel_size,
@@ -189,20 +189,20 @@ def _laid_out(base: dict[str, Any], config: SweepConfig, source: str,
     refusals: dict[str, list[str]] = {}  # a refused layout's line → where it was refused
     unheld: list[str] = []  # the combinations no layout holds
     idle = set(LAYOUT_PATHS)
-    places = 0
-    for params in _combinations(config):
+    places = list(_combinations(config))
+    for params in places:
         data = copy.deepcopy(base)
         for path, value in params.items():
             set_path(data, path, value)
         where = ", ".join(f"{p}={v}" for p, v in params.items())
-        places += 1
-        rows, refused = layout_rows(data, layouts, source)
+        scenario = scenario_from_dict(data, source)
+        rows, refused = layout_rows(data, scenario, layouts, source)
         for line in refused:
             refusals.setdefault(line, []).append(where)
         if not rows:
             unheld.append(where)
             continue
-        as_given = _as_given(data, source)
+        as_given = _as_given(scenario)
         idle -= {path for path in LAYOUT_PATHS if any(row[path] != as_given[path]
                                                        for row in rows)}
         combinations += [{**params, **row} for row in rows]
@@ -211,7 +211,7 @@ def _laid_out(base: dict[str, Any], config: SweepConfig, source: str,
                          f"the scenario: {next(iter(refusals), 'no size allowed')}")
     if notes is not None:
         for line, wheres in refusals.items():
-            at = "" if len(wheres) == places else f"at {'; '.join(wheres)}: "
+            at = "" if len(wheres) == len(places) else f"at {'; '.join(wheres)}: "
             notes.append(f"sweep.layouts: {at}not {line}")
         notes += [f"sweep.layouts: at {where}: no layout of {layouts.gpus} GPUs holds the "
                   "scenario; left out" for where in unheld]
