@@ -141,7 +141,8 @@ def model_problem(model: ModelSpec) -> str | None:
     and its GEMMs are a dense layer's in fp16, sized from the parameter count: an MLA model's
     latent attention, a mixture of experts' routed MLPs and quantized (FP8, 4-bit) weights
     would be timed as something else."""
-    quantized = model.weight_dtype_bytes is not None or model.fp8_share > 0
+    quantized = (model.weight_dtype_bytes is not None or model.fp8_share > 0
+                 or model.fp4_share > 0)
     kinds = [kind for kind, applies in (("MLA attention", model.uses_mla),
                                         ("a mixture of experts", model.is_moe),
                                         ("quantized weights", quantized)) if applies]

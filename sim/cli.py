@@ -665,6 +665,12 @@ def cmd_presets(args: argparse.Namespace) -> int:
                      f"{m.num_layers} layers")
         return kind
 
+    def products(m: ModelSpec) -> str:
+        """The tensor cores the weights' products are meant for, where the GPU has them."""
+        shares = [f"{kind} {share:.0%}" for kind, share in (("FP8", m.fp8_share),
+                                                             ("FP4", m.fp4_share)) if share]
+        return ", ".join(shares) or "bf16"
+
     models = pd.DataFrame([{
         "model": m.name, "attention": attention(m), "layers": m.num_layers,
         "KV a token (KiB)": f"{m.kv_bytes_per_token / 1024:,.1f}",
@@ -673,12 +679,15 @@ def cmd_presets(args: argparse.Namespace) -> int:
         "experts a token": (f"{m.experts_per_token} of {m.num_experts}" if m.num_experts
                             else "—"),
         "weights (GiB)": f"{m.weight_bytes / GIB:,.1f}",
+        "products in": products(m),
         "max context": f"{m.max_model_len:,}"} for m in MODEL_PRESETS.values()])
     gpus = pd.DataFrame([{
         "gpu": g.name, "memory (GiB)": f"{g.memory_bytes / GIB:,.1f}",
         "HBM (TB/s)": f"{g.hbm_bandwidth_bytes_per_s / 1e12:,.2f}",
         "dense bf16 (TFLOP/s)": f"{g.peak_flops / 1e12:,.0f}",
         "dense FP8 (TFLOP/s)": (f"{g.fp8_peak_flops / 1e12:,.0f}" if g.fp8_peak_flops
+                                else "—"),
+        "dense FP4 (TFLOP/s)": (f"{g.fp4_peak_flops / 1e12:,.0f}" if g.fp4_peak_flops
                                 else "—"),
         "GPU link (GB/s, one way)": (f"{g.interconnect_kind} "
                                      f"{g.interconnect_bytes_per_s / 1e9:,.0f} × "

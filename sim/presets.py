@@ -68,6 +68,11 @@ class ModelSpec:
     # GPU has them (an FP8 checkpoint's linear layers, W8A8 as vLLM runs them); the rest, and
     # attention, multiply in bf16. 0: every weight in bf16.
     fp8_share: float = 0.0
+    # The share that runs on FP4 tensor cores (an NVFP4 checkpoint's linear layers, W4A4,
+    # as vLLM runs them on a Blackwell GPU); a GPU without them widens those weights to bf16
+    # to multiply them (vLLM's Marlin W4A16 kernels on Hopper). 0: none. GPT-OSS's MXFP4
+    # experts are not counted here: vLLM multiplies them by bf16 activations (W4A16).
+    fp4_share: float = 0.0
     # Sliding-window attention: ``num_sliding_layers`` of the layers see only the last
     # ``sliding_window`` tokens (Mistral-7B-v0.1: all of them; Gemma-2: every other one;
     # Gemma-3: five in six); the others see every token. 0: every layer sees every token.
@@ -263,13 +268,22 @@ class GpuSpec:
     # Dense FP8 tensor FLOP/s; None: no FP8 tensor cores (an A100 widens an FP8 weight to
     # bf16 to multiply it, as vLLM's Marlin kernels do).
     fp8_peak_flops: float | None = None
+    # Dense FP4 tensor FLOP/s (Blackwell's NVFP4); None: no FP4 tensor cores.
+    fp4_peak_flops: float | None = None
 
-    def flops_s(self, flops: float, fp8_share: float = 0.0) -> float:
-        """Seconds ``flops`` of matrix products take at peak, ``fp8_share`` of them in FP8
-        where this GPU has FP8 tensor cores and the rest in bf16."""
-        if not fp8_share or self.fp8_peak_flops is None:
+    def flops_s(self, flops: float, fp8_share: float = 0.0, fp4_share: float = 0.0) -> float:
+        """Seconds ``flops`` of matrix products take at peak: ``fp8_share`` of them in FP8
+        and ``fp4_share`` in FP4 where this GPU has such tensor cores, the rest in bf16."""
+        fp8 = fp8_share if self.fp8_peak_flops is not None else 0.0
+        fp4 = fp4_share if self.fp4_peak_flops is not None else 0.0
+        if not (fp8 or fp4):
             return flops / self.peak_flops
-        return flops * ((1 - fp8_share) / self.peak_flops + fp8_share / self.fp8_peak_flops)
+        seconds_per_flop = (1 - fp8 - fp4) / self.peak_flops
+        if fp8:
+            seconds_per_flop += fp8 / self.fp8_peak_flops  # type: ignore[operator]
+        if fp4:
+            seconds_per_flop += fp4 / self.fp4_peak_flops  # type: ignore[operator]
+        return flops * seconds_per_flop
 
     @property
     def link_domain(self) -> str:
@@ -277,18 +291,28 @@ class GpuSpec:
         return "board" if self.interconnect_kind == "NVLink" else "server"
 
 
-def _mean_weight_bytes(params: float, fp8_params: float) -> float:
-    """Bytes of a stored weight on average when ``fp8_params`` of ``params`` are in FP8 (a
-    byte each) and the rest in bf16."""
-    return (2 * params - fp8_params) / params
+def _mean_weight_bytes(params: float, quantized_params: float,
+                       quantized_bytes: float = 1.0) -> float:
+    """Bytes of a stored weight on average when ``quantized_params`` of ``params`` take
+    ``quantized_bytes`` each (FP8: 1; NVFP4: 0.5625, 4 bits and an FP8 scale per 16) and the
+    rest two (bf16)."""
+    return (2 * params - (2 - quantized_bytes) * quantized_params) / params
+
+
+# NVFP4: 4-bit values in blocks of 16, each block with an FP8 (E4M3) scale: 4.5 bits a weight.
+_NVFP4_BYTES = 4.5 / 8
 
 
 # FP8 checkpoints. Llama-3.1-70B's, as RedHat's Llama-3.1-70B-Instruct-FP8 and vLLM's
 # --quantization fp8 store it: every linear layer in FP8, the input embedding and the LM head
 # (128,256 × 8,192 each) in bf16. Llama-3.1-405B's, as Meta quantized it (Llama 3 paper,
 # §6.2): the MLPs (3 × 16,384 × 53,248 a layer) of all but its first and last layers.
-_LLAMA_70B_FP8_PARAMS = 70.55e9 - 2 * 128256 * 8192
+_LLAMA_70B_LINEAR_PARAMS = 70.55e9 - 2 * 128256 * 8192
 _LLAMA_405B_FP8_PARAMS = 124 * 3 * 16384 * 53248
+# FP4 checkpoints, as NVIDIA's Model Optimizer makes them (nvidia/Llama-3.3-70B-Instruct-FP4,
+# nvidia/Llama-3.1-405B-Instruct-FP4): every linear layer of the transformer blocks in NVFP4,
+# weights and activations; the input embedding and the LM head in bf16.
+_LLAMA_405B_LINEAR_PARAMS = 405.85e9 - 2 * 128256 * 16384
 
 # Shapes from each model's config.json on its Hugging Face model card.
 MODEL_PRESETS: dict[str, ModelSpec] = {
@@ -307,12 +331,22 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         # the GPU can); their KV caches stay 16-bit (fp8 is memory.kv_cache_dtype's).
         ModelSpec("llama-3.1-70b", 80, 64, 8, 128, 70.55e9, 131072),
         ModelSpec("llama-3.1-70b-fp8", 80, 64, 8, 128, 70.55e9, 131072,
-                  weight_dtype_bytes=_mean_weight_bytes(70.55e9, _LLAMA_70B_FP8_PARAMS),
-                  fp8_share=_LLAMA_70B_FP8_PARAMS / 70.55e9),
+                  weight_dtype_bytes=_mean_weight_bytes(70.55e9, _LLAMA_70B_LINEAR_PARAMS),
+                  fp8_share=_LLAMA_70B_LINEAR_PARAMS / 70.55e9),
+        # Llama-3.3-70B: Llama-3.1-70B's shapes; NVIDIA's FP4 checkpoint comes to 42.7 GB.
+        ModelSpec("llama-3.3-70b-fp4", 80, 64, 8, 128, 70.55e9, 131072,
+                  weight_dtype_bytes=_mean_weight_bytes(70.55e9, _LLAMA_70B_LINEAR_PARAMS,
+                                                        _NVFP4_BYTES),
+                  fp4_share=_LLAMA_70B_LINEAR_PARAMS / 70.55e9),
         ModelSpec("llama-3.1-405b", 126, 128, 8, 128, 405.85e9, 131072),
         ModelSpec("llama-3.1-405b-fp8", 126, 128, 8, 128, 405.85e9, 131072,
                   weight_dtype_bytes=_mean_weight_bytes(405.85e9, _LLAMA_405B_FP8_PARAMS),
                   fp8_share=_LLAMA_405B_FP8_PARAMS / 405.85e9),
+        # In NVFP4: 234 GB, which two B200s hold (or two H200s, multiplying in bf16).
+        ModelSpec("llama-3.1-405b-fp4", 126, 128, 8, 128, 405.85e9, 131072,
+                  weight_dtype_bytes=_mean_weight_bytes(405.85e9, _LLAMA_405B_LINEAR_PARAMS,
+                                                        _NVFP4_BYTES),
+                  fp4_share=_LLAMA_405B_LINEAR_PARAMS / 405.85e9),
         # Llama-3.2-1B: Llama-3.1's tokenizer, often the draft model of Llama-3.1-8B or -70B.
         ModelSpec("llama-3.2-1b", 16, 32, 8, 64, 1.24e9, 131072),
         ModelSpec("mistral-7b", 32, 32, 8, 128, 7.24e9, 32768),
@@ -363,8 +397,9 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     ]
 }
 
-# Memory as the driver reports it (nvidia-smi), bandwidth and dense (non-sparse) bf16 and
-# FP8 tensor FLOP/s (the A100 has no FP8 tensor cores) from NVIDIA's datasheets: A100
+# Memory as the driver reports it (nvidia-smi), bandwidth and dense (non-sparse) bf16, FP8
+# and FP4 tensor FLOP/s (the A100 has no FP8 tensor cores; only the B200 has FP4 ones) from
+# NVIDIA's datasheets: A100
 # datasheet (2021, SXM), H100 datasheet (SXM5, 2023), H200 product brief (SXM, 2024), HGX
 # B200 (2025), H20 (HGX, 2024), L40S datasheet (2023).
 # NVLink: the datasheets' 600 GB/s (A100), 900 GB/s (H100, H200, H20) and 1.8 TB/s (B200)
@@ -386,7 +421,7 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         GpuSpec("h200-141g", 143771 * MIB, 4.8e12, 989e12, 450e9, 8, 64e9,
                 fp8_peak_flops=1979e12),
         GpuSpec("b200-180g", 183359 * MIB, 8.0e12, 2250e12, 900e9, 8, 64e9,
-                fp8_peak_flops=4500e12),
+                fp8_peak_flops=4500e12, fp4_peak_flops=9000e12),
         GpuSpec("h20-96g", 97871 * MIB, 4.0e12, 148e12, 450e9, 8, 64e9,
                 fp8_peak_flops=296e12),
         GpuSpec("l40s-48g", 46068 * MIB, 864e9, 362e12, 32e9, 8, 32e9,

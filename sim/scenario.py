@@ -97,6 +97,10 @@ class ModelConfig(ConfigModel):
         default=0.0, ge=0, le=1, description="the share of the weights a token is multiplied "
         "by that run on FP8 tensor cores where the GPU has them (an FP8 checkpoint's linear "
         "layers, W8A8: 1 if all of them; set weight_dtype_bytes too); 0: bf16")
+    fp4_share: float = Field(
+        default=0.0, ge=0, le=1, description="the share that runs on FP4 tensor cores where "
+        "the GPU has them (an NVFP4 checkpoint's linear layers, W4A4; weight_dtype_bytes "
+        "0.5625 for those); a GPU without them multiplies it in bf16; 0: none")
     sliding_window: int | None = Field(
         default=None, ge=2, description="sliding-window attention: the tokens a sliding "
         "layer sees (Gemma-3: 1024); absent: every layer sees every token")
@@ -139,6 +143,9 @@ class ModelConfig(ConfigModel):
             if self.experts_per_token >= self.num_experts:  # type: ignore[operator]
                 raise ValueError(f"experts_per_token ({self.experts_per_token}) must be fewer "
                                  f"than num_experts ({self.num_experts})")
+        if self.fp8_share + self.fp4_share > 1:
+            raise ValueError(f"fp8_share ({self.fp8_share:g}) and fp4_share "
+                             f"({self.fp4_share:g}) add up to more than all the weights (1)")
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
@@ -155,6 +162,9 @@ class GpuConfig(ConfigModel):
     peak_fp8_tflops: PositiveFloat | None = Field(
         default=None, description="dense FP8 TFLOP/s, for a model's FP8 weights (fp8_share); "
         "absent: no FP8 tensor cores, FP8 weights multiply at the bf16 rate")
+    peak_fp4_tflops: PositiveFloat | None = Field(
+        default=None, description="dense FP4 TFLOP/s, for a model's FP4 weights (fp4_share); "
+        "absent: no FP4 tensor cores, FP4 weights multiply at the bf16 rate")
     interconnect_gbps: PositiveFloat | None = Field(
         default=None, description="GPU-to-GPU GB/s in one direction (NVLink: half the "
         "datasheet figure); needed for tensor parallelism, and for pipeline stages without "
@@ -1216,12 +1226,16 @@ class Scenario(ConfigModel):
                        g.peak_tflops * 1e12,
                        interconnect_bytes_per_s=_per_s(g.interconnect_gbps),
                        host_link_bytes_per_s=_per_s(g.host_link_gbps),
-                       fp8_peak_flops=None if g.peak_fp8_tflops is None
-                       else g.peak_fp8_tflops * 1e12)
+                       fp8_peak_flops=_tera(g.peak_fp8_tflops),
+                       fp4_peak_flops=_tera(g.peak_fp4_tflops))
 
 
 def _per_s(gbps: float | None) -> float | None:
     return None if gbps is None else gbps * 1e9
+
+
+def _tera(tflops: float | None) -> float | None:
+    return None if tflops is None else tflops * 1e12
 
 
 def _model_spec(model: str | ModelConfig) -> ModelSpec:

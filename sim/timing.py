@@ -275,7 +275,8 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
     hot = expert_load_imbalance if spread and expert_parallel else 1.0
     per_token_flops = 2.0 * model.flops_params / tp
     expert_flops_s = gpu.flops_s(
-        hot * 2.0 * model.routed_expert_params * model.expert_share / tp, model.fp8_share)
+        hot * 2.0 * model.routed_expert_params * model.expert_share / tp, model.fp8_share,
+        model.fp4_share)
     per_token_link_s = 0.0
     link_fixed_s = 0.0
     if tp > 1 or spread:
@@ -301,7 +302,8 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
     heads_per_gpu = model.num_heads / tp
     attention_flops_per_token = (4.0 * model.num_layers * heads_per_gpu
                                  * (model.kv_latent_dim or model.head_dim))
-    per_token_s = gpu.flops_s(per_token_flops, model.fp8_share) + per_token_link_s
+    per_token_s = (gpu.flops_s(per_token_flops, model.fp8_share, model.fp4_share)
+                   + per_token_link_s)
     if hot > 1:  # the busiest GPU's experts compute more than their even share
         per_token_s += expert_flops_s * (1 - 1 / hot)
         name += f", expert load {hot:g}× the mean"

@@ -227,6 +227,8 @@ def test_missing_file_and_validate_and_schema(tmp_path):
     assert "GQA (8 KV heads)" in rows["llama-2-70b"] and "512.0" in rows["llama-2-7b"]
     assert "8 of 128" in rows["qwen3-30b-a3b"] and "NVLink 450 × 8 GPUs" in rows["h200-141g"]
     assert "PCIe 32 × 8 GPUs" in rows["l40s-48g"] and "453.7" in rows["llama-3.1-405b-fp8"]
+    assert "FP8 80%" in rows["llama-3.1-405b-fp8"] and "FP4 99%" in rows["llama-3.1-405b-fp4"]
+    assert "9,000" in rows["b200-180g"] and "bf16" in rows["gpt-oss-120b"]
     proc = kvsim("run")
     assert proc.returncode == 2
 

@@ -114,6 +114,40 @@ def test_llama_405b_in_fp8_leaves_attention_and_the_outer_layers_in_bf16():
     assert kv_pool_slots(bf16, GPU_PRESETS["b200-180g"], tensor_parallel_size=8) > 1_000_000
 
 
+def test_nvfp4_checkpoints_read_a_quarter_and_multiply_in_fp4_on_a_b200_only():
+    # NVIDIA's FP4 checkpoints: every linear layer in 4 bits with an FP8 scale per 16
+    # (4.5 bits a weight), the input embedding and the LM head in bf16.
+    bf16, fp4 = MODEL_PRESETS["llama-3.1-70b"], MODEL_PRESETS["llama-3.3-70b-fp4"]
+    embeddings = 2 * 128256 * 8192
+    linear = bf16.num_params - embeddings
+    assert fp4.weight_bytes == pytest.approx(linear * 4.5 / 8 + 2 * embeddings)
+    assert fp4.weight_bytes / 1e9 == pytest.approx(42.70, abs=0.01)
+    assert fp4.kv_bytes_per_token == bf16.kv_bytes_per_token  # the cache stays 16-bit
+    big = MODEL_PRESETS["llama-3.1-405b-fp4"]
+    assert big.weight_bytes / 1e9 == pytest.approx(234.3, abs=0.1)
+    b200, h200 = GPU_PRESETS["b200-180g"], GPU_PRESETS["h200-141g"]
+    # Two B200s hold the 405B in FP4, one does not; in FP8 it wants four.
+    assert kv_pool_slots(big, b200, tensor_parallel_size=2) > 200_000
+    with pytest.raises(ValueError, match="do not fit"):
+        kv_pool_slots(big, b200, tensor_parallel_size=1)
+    with pytest.raises(ValueError, match="do not fit"):
+        kv_pool_slots(MODEL_PRESETS["llama-3.1-405b-fp8"], b200, tensor_parallel_size=2)
+    # On a B200 the linear layers multiply at its FP4 rate (9,000 TFLOP/s), the
+    # embeddings' share at bf16 (2,250); an H200 has no FP4 tensor cores: bf16 throughout
+    # (and the same as the bf16 model's products, to the bit), though it reads the 4-bit
+    # weights.
+    share = linear / bf16.num_params
+    on_b200 = [roofline(m, b200) for m in (bf16, fp4)]
+    assert on_b200[1].b == pytest.approx(2 * bf16.num_params * (
+        (1 - share) / 2250e12 + share / 9000e12))
+    assert on_b200[0].b > 3.5 * on_b200[1].b
+    assert on_b200[1].c == on_b200[0].c and on_b200[1].e == on_b200[0].e
+    on_h200 = [roofline(m, h200) for m in (bf16, fp4)]
+    assert on_h200[1].b == on_h200[0].b
+    assert on_h200[0].a - on_h200[1].a == pytest.approx(
+        (bf16.weight_bytes - fp4.weight_bytes) / h200.hbm_bandwidth_bytes_per_s)
+
+
 def test_an_mla_latent_is_whole_on_every_gpu_of_a_tensor_parallel_group():
     v3 = MODEL_PRESETS["deepseek-v3"]
     assert v3.tensor_parallel_problem(8) is None
@@ -269,6 +303,13 @@ def test_fp8_weights_multiply_at_the_fp8_rate_a_gpu_states():
     half = explicit(weight_dtype_bytes=1.5, fp8_share=0.5)
     assert per_token_s({**half, "gpu": {**gpu, "peak_fp8_tflops": 2000}}, here) == (
         pytest.approx(bf16_rate * 0.75))
+    # FP4 at its own rate where stated, beside FP8; bf16 where not.
+    mixed = explicit(weight_dtype_bytes=1, fp8_share=0.25, fp4_share=0.5)
+    both = {**gpu, "peak_fp8_tflops": 2000, "peak_fp4_tflops": 4000}
+    assert per_token_s({**mixed, "gpu": both}, here) == pytest.approx(
+        bf16_rate * (0.25 + 0.25 / 2 + 0.5 / 4))
+    assert per_token_s({**mixed, "gpu": {**gpu, "peak_fp8_tflops": 2000}}, here) == (
+        pytest.approx(bf16_rate * (0.75 + 0.25 / 2)))
 
 
 @pytest.mark.parametrize("model, message", [
@@ -276,6 +317,8 @@ def test_fp8_weights_multiply_at_the_fp8_rate_a_gpu_states():
     ({"num_kv_heads": 5}, "num_heads (16) must be a multiple of num_kv_heads (5)"),
     ({"weight_dtype_bytes": 8}, "model.weight_dtype_bytes: Input should be less than or equal"),
     ({"fp8_share": 1.5}, "model.fp8_share: Input should be less than or equal to 1"),
+    ({"fp8_share": 0.5, "fp4_share": 0.6},
+     "fp8_share (0.5) and fp4_share (0.6) add up to more than all the weights (1)"),
     ({"kv_latent_dim": 0}, "model.kv_latent_dim"),
     ({"num_experts": 8}, "num_experts and experts_per_token go together"),
     ({"num_experts": 8, "experts_per_token": 2}, "num_experts needs active_params"),
@@ -318,6 +361,7 @@ def test_mla_decode_reads_its_latent():
     ("qwen3-30b-a3b", "uses a mixture of experts;"),
     ("llama-3.1-70b-fp8", "uses quantized weights; the harness times dense models with "
      "multi-head or grouped-query attention and 16-bit weights only"),
+    ("llama-3.3-70b-fp4", "uses quantized weights;"),
 ])
 def test_the_gpu_harness_refuses_what_its_kernel_does_not_time(name, words, capsys, tmp_path):
     assert words in model_problem(MODEL_PRESETS[name])

@@ -258,7 +258,7 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
                                   "priority_classes", "length_prediction",
                                   "virtual_memory", "shortest_first", "attention_kinds",
                                   "sliding_window", "prefill_allocation", "max_model_len",
-                                  "gpu_choice"])
+                                  "gpu_choice", "weight_precision"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -279,6 +279,16 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         best = outcome.table.groupby("param:gpu")["throughput_tok_s"].max()
         assert best.idxmax() == "b200-180g" and best.idxmin() == "l40s-48g"
         assert list(figures) == ["by_layout"]
+    if name == "weight_precision":  # bf16, FP8 and FP4 weights in each split of 8 GPUs
+        table = outcome.table.set_index(["param:gpu", "param:engine.replicas", "param:model"])
+        assert sorted(table.loc["h200-141g"].index.unique(0)) == [1, 2, 4, 8]
+        assert 8 not in table.xs("llama-3.1-70b", level=2).loc["h200-141g"].index
+        ttft = table["ttft_p50_s"].unstack("param:model")
+        # A B200 multiplies FP4 weights fastest; an H200, without FP4 tensor cores, FP8.
+        fp4, fp8, bf16 = "llama-3.3-70b-fp4", "llama-3.1-70b-fp8", "llama-3.1-70b"
+        b200, h200 = ttft.loc["b200-180g"], ttft.loc["h200-141g"].dropna()
+        assert ((b200[fp4] < b200[fp8]) & (b200[fp8] < b200[bf16])).all()
+        assert ((h200[fp8] < h200[fp4]) & (h200[fp4] < h200[bf16])).all()
     if name == "block_size_sweep":
         data = figures["block_size_tradeoff"].kvsim_data["tradeoff"]
         assert data["internal_waste_pct"].is_monotonic_increasing
