@@ -274,15 +274,14 @@ class GpuSpec:
     def flops_s(self, flops: float, fp8_share: float = 0.0, fp4_share: float = 0.0) -> float:
         """Seconds ``flops`` of matrix products take at peak: ``fp8_share`` of them in FP8
         and ``fp4_share`` in FP4 where this GPU has such tensor cores, the rest in bf16."""
-        fp8 = fp8_share if self.fp8_peak_flops is not None else 0.0
-        fp4 = fp4_share if self.fp4_peak_flops is not None else 0.0
-        if not (fp8 or fp4):
+        narrow = [(share, rate) for share, rate in ((fp8_share, self.fp8_peak_flops),
+                                                    (fp4_share, self.fp4_peak_flops))
+                  if share and rate is not None]
+        if not narrow:
             return flops / self.peak_flops
-        seconds_per_flop = (1 - fp8 - fp4) / self.peak_flops
-        if fp8:
-            seconds_per_flop += fp8 / self.fp8_peak_flops  # type: ignore[operator]
-        if fp4:
-            seconds_per_flop += fp4 / self.fp4_peak_flops  # type: ignore[operator]
+        seconds_per_flop = (1 - sum(share for share, _ in narrow)) / self.peak_flops
+        for share, rate in narrow:
+            seconds_per_flop += share / rate
         return flops * seconds_per_flop
 
     @property

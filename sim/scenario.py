@@ -1224,18 +1224,15 @@ class Scenario(ConfigModel):
         g = self.gpu
         return GpuSpec(g.name, int(g.memory_gib * 1024**3), g.hbm_bandwidth_gbps * 1e9,
                        g.peak_tflops * 1e12,
-                       interconnect_bytes_per_s=_per_s(g.interconnect_gbps),
-                       host_link_bytes_per_s=_per_s(g.host_link_gbps),
-                       fp8_peak_flops=_tera(g.peak_fp8_tflops),
-                       fp4_peak_flops=_tera(g.peak_fp4_tflops))
+                       interconnect_bytes_per_s=_scaled(g.interconnect_gbps, 1e9),
+                       host_link_bytes_per_s=_scaled(g.host_link_gbps, 1e9),
+                       fp8_peak_flops=_scaled(g.peak_fp8_tflops, 1e12),
+                       fp4_peak_flops=_scaled(g.peak_fp4_tflops, 1e12))
 
 
-def _per_s(gbps: float | None) -> float | None:
-    return None if gbps is None else gbps * 1e9
-
-
-def _tera(tflops: float | None) -> float | None:
-    return None if tflops is None else tflops * 1e12
+def _scaled(value: float | None, unit: float) -> float | None:
+    """``value`` in ``unit`` (GB/s: 1e9, TFLOP/s: 1e12) as a plain number; None stays."""
+    return None if value is None else value * unit
 
 
 def _model_spec(model: str | ModelConfig) -> ModelSpec:
