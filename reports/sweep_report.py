@@ -66,10 +66,12 @@ class SweepReportError(ValueError):
     """A figure that cannot be drawn from this sweep (unknown field or metric)."""
 
 
-def load_sweep(sweep_dir: Path) -> tuple[pd.DataFrame, dict]:
+def load_sweep(sweep_dir: Path, ok_only: bool = True) -> tuple[pd.DataFrame, dict]:
+    """A sweep folder's results (those of the runs that finished, unless not ``ok_only``)
+    and its ``sweep.json``."""
     info = read_back(sweep_dir, "sweep.json", lambda p: dict(json.loads(p.read_text())))
     table = read_back(sweep_dir, "results.parquet", read_table)
-    return table[table["status"] == "ok"].copy(), info
+    return (table[table["status"] == "ok"].copy() if ok_only else table), info
 
 
 def _param(table: pd.DataFrame, field: str) -> str:
@@ -372,6 +374,8 @@ def sweep_figures(sweep_dir: Path, x: str | None = None,
     table, info = load_sweep(sweep_dir)
     fields = info["params"]
     figures: dict[str, Figure] = {}
+    if table.empty:  # every run failed: nothing to draw (the report lists their errors)
+        return figures
     if x or y:
         field = x or fields[0]
         figures[f"{y or 'throughput_tok_s'}_vs_{field}"] = metric_vs_field(
@@ -562,19 +566,20 @@ def _results_html(table: pd.DataFrame) -> str:
     run summary ("—" where a metric does not apply or the run failed)."""
     from sim.metrics import labelled_sweep_table, sweep_metrics
 
-    keep = ["system", "seed"] + (["status"] if (table["status"] != "ok").any() else [])
+    keep = ["system", "seed"] + (["status", "error"] if (table["status"] != "ok").any()
+                                 else [])
     return labelled_sweep_table(table, sweep_metrics(table, TABLE_METRICS), keep).to_html(
         index=False, border=0)
 
 
 def write_sweep_report(sweep_dir: Path, x: str | None = None, y: str | None = None) -> Path:
     """Figures into ``sweep_dir/figures`` and ``sweep_dir/report.html``."""
-    table, info = load_sweep(sweep_dir)
+    every_run, info = load_sweep(sweep_dir, ok_only=False)  # the failed ones too
     sections = []
     for name, fig in sweep_figures(sweep_dir, x, y).items():
         png = save_figure(fig, sweep_dir / "figures", name)
         sections.append((name.replace("_", " "), img_tag(png, name)))
-    sections.append(("Results", f"<div class='wide'>{_results_html(table)}</div>"))
+    sections.append(("Results", f"<div class='wide'>{_results_html(every_run)}</div>"))
     scenario = yaml.safe_load(Path(info["scenario"]).read_text()) if Path(
         info["scenario"]).is_file() else {"name": sweep_dir.name}
     page = render_html(f"kvsim sweep: {scenario.get('name', sweep_dir.name)}", sections,

@@ -11,6 +11,10 @@ definition of a system's capacity (its "goodput" in requests per second).
 The knob is the workload's arrival ``rate`` (synthetic or Poisson-replayed traces), or the
 replay ``speed`` of a trace's own timestamps; closed-loop arrivals set their load by users
 and cannot be searched.
+
+One seed's requests are one sample of the workload: a burst late in the stream can sink a
+load that an earlier stretch held. :func:`capacity_by_seed` searches the same scenario
+under several seeds, so the spread of the answers shows how far one number can be trusted.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 import pandas as pd
 
 from sim.engine import build_timing, run_system, scenario_trace
-from sim.scenario import Scenario, SystemConfig, scenario_from_dict
+from sim.scenario import Scenario, SloConfig, SystemConfig, scenario_from_dict
 from sim.slo import judged_attainment
 from sim.sweep import (
     SweepPoint,
@@ -32,6 +36,7 @@ from sim.sweep import (
     make_executor,
     params_as_text,
     set_path,
+    sweep_config,
     with_overrides,
 )
 from workloads import Trace, WorkloadError
@@ -69,6 +74,7 @@ class Probe:
     attainment: float
     holds: bool
     summary: dict[str, Any]
+    seed: int = 0  # the scenario's seed: whose requests were run
 
 
 @dataclass
@@ -78,6 +84,7 @@ class Capacity:
     in the order run."""
 
     system: str
+    seed: int = 0  # the scenario's seed the search ran its requests from
     held: float | None = None
     failed: float | None = None
     converged: bool = False  # the two within the search's tolerance, or either is None
@@ -169,11 +176,9 @@ def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
     (the same results: every search is independent); ``progress`` is then called in those
     processes, so it must pickle (a module-level function, or a ``functools.partial`` of
     one)."""
-    if scenario.slo is None:
-        raise CapacityError("no slo section: capacity is the load at which enough requests "
-                            "meet an SLO, e.g. slo: {ttft_s: 1.0, tpot_s: 0.05}")
-    target = scenario.slo.attainment
-    slo = scenario.slo.model_dump()
+    objectives = _require_slo(scenario)
+    target = objectives.attainment
+    slo = objectives.model_dump()
     chosen = _chosen_systems(scenario, systems)
     knob = load_knob(scenario, scenario_trace(scenario, base_dir))
     if jobs > 1 and len(chosen) > 1:
@@ -197,7 +202,7 @@ def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
 
     results = []
     for system in chosen:
-        result = Capacity(system.name)
+        result = Capacity(system.name, scenario.seed)
 
         def holds(load: float, system: SystemConfig = system, result: Capacity = result
                   ) -> bool:
@@ -205,7 +210,7 @@ def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
             summary = run_system(variant, system, trace, timing, base_dir=base_dir).summary
             attainment = float(judged_attainment(summary, slo))
             probe = Probe(system.name, load, knob.offered_req_s(load), attainment,
-                          attainment >= target, summary)
+                          attainment >= target, summary, scenario.seed)
             result.probes.append(probe)
             if progress:
                 progress(probe)
@@ -221,6 +226,40 @@ def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
                 p.load for p in result.probes), True
         results.append(result)
     return knob, results
+
+
+def capacity_by_seed(scenario: Scenario, base_dir: Path, seeds: list[int], *,
+                     rel_tol: float = 0.02, max_probes: int = 24,
+                     systems: list[str] | None = None,
+                     progress: Callable[[Probe], None] | None = None,
+                     jobs: int = 1) -> tuple[LoadKnob, list[Capacity]]:
+    """:func:`find_capacity` of the scenario under each of ``seeds`` (the same loads
+    searched, other requests drawn): one :class:`Capacity` per seed and system, seed by seed.
+    With ``jobs`` above 1 every (seed, system) search runs in a process of its own."""
+    if not seeds or len(set(seeds)) < len(seeds):
+        raise CapacityError(f"seeds: expected distinct seeds, got {seeds}")
+    data = {k: v for k, v in scenario.model_dump(mode="json").items() if k != "sweep"}
+    variants = [scenario_from_dict({**data, "seed": seed}, f"seed {seed}") for seed in seeds]
+    if jobs <= 1 or len(variants) == 1:
+        found = [find_capacity(v, base_dir, rel_tol=rel_tol, max_probes=max_probes,
+                               systems=systems, progress=progress, jobs=jobs)
+                 for v in variants]
+        return found[0][0], [c for _, capacities in found for c in capacities]
+    knob = load_knob(variants[0], scenario_trace(variants[0], base_dir))
+    chosen = _chosen_systems(scenario, systems)
+    tasks = [((v.seed, s.name), (v.model_dump(mode="json"), str(base_dir), s.name, rel_tol,
+                                 max_probes, progress)) for v in variants for s in chosen]
+    execute = make_executor("local", min(jobs, len(tasks)))
+    done = dict(execute(_search_system, tasks))
+    return knob, [done[key] for key, _ in tasks]
+
+
+def _require_slo(scenario: Scenario) -> SloConfig:
+    """The scenario's objectives; without them there is no capacity to search."""
+    if scenario.slo is None:
+        raise CapacityError("no slo section: capacity is the load at which enough requests "
+                            "meet an SLO, e.g. slo: {ttft_s: 1.0, tpot_s: 0.05}")
+    return scenario.slo
 
 
 def _search_system(scenario_data: dict[str, Any], base_dir: str, system: str,
@@ -257,7 +296,9 @@ def capacity_points(path: Path, *, quick: bool = False,
     scenario = scenario_from_dict(raw, f"{path} (with --set)" if overrides else str(path))
     if not scenario.sweep:
         raise CapacityError("--sweep: the file has no sweep section")
+    _require_slo(scenario)  # before any point is expanded or searched
     searched = knob_path(scenario)
+    sweep_config(raw, str(path))  # a malformed section is told as kvsim sweep tells it
     sweep = dict(raw["sweep"])
     if searched in (sweep.get("zip") or {}):
         raise CapacityError(f"sweep.zip: moves {searched} with other fields, and capacity "
@@ -332,5 +373,6 @@ def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "loca
         rows += [{**base, **row} for row in results[point.key]]
     table = params_as_text(pd.DataFrame(rows))
     for column in ("capacity_req_s", "capacity_req_s_per_gpu", "misses_at_req_s"):
-        table[column] = table[column].astype(float)
+        # (Absent where every point failed: their rows hold only the error.)
+        table[column] = table[column].astype(float) if column in table else math.nan
     return table

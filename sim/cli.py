@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -208,7 +209,7 @@ def _sweep_means(table: pd.DataFrame, metrics: Sequence[str]) -> str:
 
 def cmd_capacity(args: argparse.Namespace) -> int:
     from sim.api import load
-    from sim.capacity import find_capacity
+    from sim.capacity import capacity_by_seed
     from sim.results import make_output_folder
     from sim.scenario import scenario_from_dict
 
@@ -217,7 +218,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     bounds = {"ttft_s": args.ttft_s, "tpot_s": args.tpot_s, "e2e_s": args.e2e_s,
               "attainment": args.attainment, "judge": args.judge}
     given = {k: v for k, v in bounds.items() if v is not None}
-    if (given or args.seed is not None) and args.sweep:
+    if (given or args.seed is not None or args.seeds) and args.sweep:
         raise BadInput("--sweep searches the file's own slo section and seeds; put the bounds "
                        "or seeds there")
     if given:  # the command line's objectives replace the file's, bound by bound
@@ -229,13 +230,16 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         return _capacity_sweep(path, args, out)
 
     slo = scenario.slo.model_dump() if scenario.slo else {}
-    # Each system is searched in a process of its own, which prints its probes as they end.
-    progress = None if args.quiet else functools.partial(_print_probe, slo=slo)
+    # Each system (and seed) is searched in a process of its own, which prints its probes
+    # as they end.
+    progress = None if args.quiet else functools.partial(
+        _print_probe, slo=slo, with_seed=bool(args.seeds and len(args.seeds) > 1))
     try:
-        knob, capacities = find_capacity(scenario, path.parent, rel_tol=args.rel_tol,
-                                         max_probes=args.max_probes, systems=args.system,
-                                         progress=progress,
-                                         jobs=args.jobs or os.cpu_count() or 1)
+        knob, capacities = capacity_by_seed(scenario, path.parent,
+                                            args.seeds or [scenario.seed],
+                                            rel_tol=args.rel_tol, max_probes=args.max_probes,
+                                            systems=args.system, progress=progress,
+                                            jobs=args.jobs or os.cpu_count() or 1)
     except _bad_input_types() as exc:
         raise BadInput(f"{path}: {exc}") from None
     if scenario.sweep:
@@ -248,11 +252,12 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _print_probe(probe: Any, slo: dict[str, Any]) -> None:
-    """``kvsim capacity``'s line for one run of a search."""
+def _print_probe(probe: Any, slo: dict[str, Any], with_seed: bool = False) -> None:
+    """``kvsim capacity``'s line for one run of a search (naming its seed, ``with_seed``)."""
     from sim.slo import describe_attainment
 
-    line = (f"  {probe.system}: {probe.offered_req_s:,.4g} req/s → "
+    seed = f" (seed {probe.seed})" if with_seed else ""
+    line = (f"  {probe.system}{seed}: {probe.offered_req_s:,.4g} req/s → "
             f"{describe_attainment(probe.attainment, slo)}, "
             f"{'holds' if probe.holds else 'misses'}\n")
     # One write per line: the searches print from processes of their own, and print()'s
@@ -283,13 +288,16 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
                                progress=lambda total: _progress_bar(total, "capacity", "point",
                                                                     quiet=args.quiet))
     except _bad_input_types() as exc:
-        raise BadInput(f"{path}: {exc}") from None
+        # The sweep's own checks name the file already; the search's do not.
+        raise BadInput(str(exc) if str(exc).startswith(f"{path}") else f"{path}: {exc}"
+                       ) from None
     written = write_table(table, out / "capacity.parquet")
-    print(_sweep_means(table, CAPACITY_TABLE_METRICS))
-    print("(the other columns: the run at each capacity)")
     fields = [c.removeprefix("param:") for c in table.columns if c.startswith("param:")]
-    for name, fig in capacity_figures(table, fields).items():
-        save_figure(fig, out / "figures", name)
+    if (table["status"] == "ok").any():  # (with every point failed, only their errors)
+        print(_sweep_means(table, CAPACITY_TABLE_METRICS))
+        print("(the other columns: the run at each capacity)")
+        for name, fig in capacity_figures(table, fields).items():
+            save_figure(fig, out / "figures", name)
     failed = table[table["status"] != "ok"]
     for error in failed["error"].unique()[:5]:
         print(f"failed: {error}", file=sys.stderr)
@@ -304,47 +312,102 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
 
 
 def _capacity_text(scenario: Any, knob: Any, capacities: list[Any]) -> str:
-    """What ``kvsim capacity`` prints: each system's capacity, then the summaries of the runs
-    at those loads side by side."""
+    """What ``kvsim capacity`` prints: each system's capacity (with several seeds, their
+    median and spread), then the summaries of the runs at those loads side by side."""
     from sim.capacity import unsettled_note
     from sim.results import schedule_notes
-    from sim.slo import describe_attainment, describe_slo
+    from sim.slo import describe_slo
 
-    speed = knob.path.endswith("speed")
     slo = scenario.slo.model_dump()
+    by_system = _by_system(capacities)
+    seeds = sorted({c.seed for c in capacities})
     lines = [f"{scenario.name}: capacity with {describe_slo(slo)}, "
-             f"{knob.path} searched, seed {scenario.seed}"]
-    width = max(len(c.system) for c in capacities) + 2
-    for c in capacities:
-        if c.held is None:
-            lightest = c.at(c.failed)
-            text = (f"{'none: even' if c.converged else 'below'} "
-                    f"{lightest.offered_req_s:,.4g} req/s, which misses "
-                    f"({describe_attainment(lightest.attainment, slo)})")
-        elif c.failed is None:
-            text = (f"over {knob.offered_req_s(c.held):,.4g} req/s: every load tried holds"
-                    + (" (the search stops at 1024× the scenario's)" if c.converged else ""))
+             f"{knob.path} searched, seed{'s' if len(seeds) > 1 else ''} "
+             f"{', '.join(str(seed) for seed in seeds)}"]
+    width = max(len(name) for name in by_system) + 2
+    for name, searches in by_system.items():
+        runs = sum(len(c.probes) for c in searches)
+        if len(searches) == 1:
+            text = _search_text(searches[0], knob, slo)
         else:
-            text = (f"{knob.offered_req_s(c.held):,.4g} req/s"
-                    + (f" (speed ×{c.held:.4g})" if speed else "")
-                    + f", misses at {knob.offered_req_s(c.failed):,.4g}")
-        if not c.converged:
-            text += " (not converged: raise --max-probes)"
-        lines.append(f"  {c.system:<{width}}{text}  [{len(c.probes)} runs]")
-    at_capacity = {c.system: c.at(c.held).summary for c in capacities if c.held is not None}
+            text = _seeds_text(searches, knob, slo)
+        lines.append(f"  {name:<{width}}{text}  [{runs} runs]")
+    # The run at each system's capacity; with several seeds, at its median seed's.
+    at_capacity = {}
+    for name, searches in by_system.items():
+        middle = _median_search(searches, knob)
+        if middle is not None and middle.held is not None:
+            label = name if len(searches) == 1 else f"{name} (seed {middle.seed})"
+            at_capacity[label] = (middle, middle.at(middle.held).summary)
     if at_capacity:
-        lines += ["", "at capacity:", format_summary(at_capacity)]
-        lines += [f"note (at capacity): {note}" for note in schedule_notes(at_capacity)]
-        unsettled = [unsettled_note(c.system, summary["requests"],
-                                    knob.offered_req_s(c.held), summary["makespan_s"])
-                     for c in capacities if (summary := at_capacity.get(c.system)) is not None]
+        summaries = {label: summary for label, (_, summary) in at_capacity.items()}
+        lines += ["", "at capacity:", format_summary(summaries)]
+        lines += [f"note (at capacity): {note}" for note in schedule_notes(summaries)]
+        unsettled = [unsettled_note(label, summary["requests"], knob.offered_req_s(c.held),
+                                    summary["makespan_s"])
+                     for label, (c, summary) in at_capacity.items()]
         lines += [f"note (at capacity): {note}" for note in unsettled if note]
     return "\n".join(lines)
 
 
+def _by_system(capacities: list[Any]) -> dict[str, list[Any]]:
+    """The searches of each system, seed by seed, systems in the order searched."""
+    grouped: dict[str, list[Any]] = {}
+    for c in capacities:
+        grouped.setdefault(c.system, []).append(c)
+    return grouped
+
+
+def _search_text(c: Any, knob: Any, slo: dict[str, Any]) -> str:
+    """One search's answer: the capacity and the load that missed, or why there is none."""
+    from sim.slo import describe_attainment
+
+    if c.held is None:
+        lightest = c.at(c.failed)
+        text = (f"{'none: even' if c.converged else 'below'} "
+                f"{lightest.offered_req_s:,.4g} req/s, which misses "
+                f"({describe_attainment(lightest.attainment, slo)})")
+    elif c.failed is None:
+        text = (f"over {knob.offered_req_s(c.held):,.4g} req/s: every load tried holds"
+                + (" (the search stops at 1024× the scenario's)" if c.converged else ""))
+    else:
+        text = (f"{knob.offered_req_s(c.held):,.4g} req/s"
+                + (f" (speed ×{c.held:.4g})" if knob.path.endswith("speed") else "")
+                + f", misses at {knob.offered_req_s(c.failed):,.4g}")
+    return text + ("" if c.converged else " (not converged: raise --max-probes)")
+
+
+def _seeds_text(searches: list[Any], knob: Any, slo: dict[str, Any]) -> str:
+    """A system's capacity over several seeds: the median, the range and each seed's; each
+    seed's own answer where one of them found no capacity within the range searched."""
+    if any(c.held is None or c.failed is None for c in searches):
+        return "; ".join(f"seed {c.seed}: {_search_text(c, knob, slo)}" for c in searches)
+    values = [knob.offered_req_s(c.held) for c in searches]
+    middle = statistics.median(values)
+    each = ", ".join(f"{c.seed}: {v:,.4g}" for c, v in zip(searches, values, strict=True))
+    unconverged = [str(c.seed) for c in searches if not c.converged]
+    return (f"median {middle:,.4g} req/s over {len(searches)} seeds, "
+            f"{min(values):,.4g}–{max(values):,.4g} (seed {each})"
+            + (f" (seed {', '.join(unconverged)} not converged: raise --max-probes)"
+               if unconverged else ""))
+
+
+def _median_search(searches: list[Any], knob: Any) -> Any:
+    """The search whose capacity is the median of the seeds' (the lower of the middle two
+    for an even count; a seed without one counts as the lowest; of seeds alike, the first),
+    or None if none has one."""
+    ranked = sorted(searches, key=lambda c: (-math.inf if c.held is None
+                                             else knob.offered_req_s(c.held), c.seed))
+    middle = ranked[(len(ranked) - 1) // 2]
+    if middle.held is None:
+        return None
+    return min((c for c in searches if c.held == middle.held), key=lambda c: c.seed)
+
+
 def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path) -> Path:
-    """``capacity.json`` (each system's result), ``probes.csv`` (every run's summary) and
-    ``capacity.png``/``.svg`` (attainment and goodput against load) into ``out``."""
+    """``capacity.json`` (each system's result; with several seeds, their median, range
+    and each seed's), ``probes.csv`` (every run's summary) and ``capacity.png``/``.svg``
+    (attainment and goodput against load, a line per system and seed) into ``out``."""
     import pandas as pd
 
     from reports.html import save_figure
@@ -353,21 +416,42 @@ def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path) 
     from sim.results import write_json
     from sim.slo import describe_slo
 
-    probes = pd.DataFrame([{"system": p.system, "load": p.load,
+    probes = pd.DataFrame([{"system": p.system, "seed": p.seed, "load": p.load,
                             "offered_req_s": p.offered_req_s, "holds": p.holds, **p.summary}
                            for c in capacities for p in c.probes])
     probes.to_csv(out / "probes.csv", index=False)
-    capacity_req_s = {c.system: None if c.held is None else knob.offered_req_s(c.held)
-                      for c in capacities}
-    write_json({"scenario": scenario.name, "seed": scenario.seed,
-                "slo": scenario.slo.model_dump(), "knob": knob.path,
-                "systems": {c.system: {
-                    "capacity_req_s": capacity_req_s[c.system],
-                    "capacity_load": c.held, "misses_at_load": c.failed,
-                    "converged": c.converged, "runs": len(c.probes)} for c in capacities}},
-               out / "capacity.json")
-    lines = [(c.system, {"color": system_color(i), "marker": "o"},
-              probes[probes["system"] == c.system]) for i, c in enumerate(capacities)]
+    by_system = _by_system(capacities)
+    several = any(len(searches) > 1 for searches in by_system.values())
+
+    def found(c: Any) -> dict[str, Any]:
+        return {"capacity_req_s": None if c.held is None else knob.offered_req_s(c.held),
+                "capacity_load": c.held, "misses_at_load": c.failed,
+                "converged": c.converged, "runs": len(c.probes)}
+
+    if several:
+        systems = {}
+        for name, searches in by_system.items():
+            values = [found(c)["capacity_req_s"] for c in searches]
+            bounded = all(c.held is not None and c.failed is not None for c in searches)
+            systems[name] = {
+                "capacity_req_s": statistics.median(values) if bounded else None,
+                "capacity_req_s_min": min(values) if bounded else None,
+                "capacity_req_s_max": max(values) if bounded else None,
+                "by_seed": {str(c.seed): found(c) for c in searches}}
+        head = {"seeds": sorted({c.seed for c in capacities})}
+    else:
+        systems = {c.system: found(c) for c in capacities}
+        head = {"seed": scenario.seed}
+    write_json({"scenario": scenario.name, **head, "slo": scenario.slo.model_dump(),
+                "knob": knob.path, "systems": systems}, out / "capacity.json")
+    markers = "os^Dv<>p*h"
+    lines, capacity_req_s = [], {}
+    for i, (name, searches) in enumerate(by_system.items()):
+        for j, c in enumerate(searches):
+            label = name if len(searches) == 1 else f"{name}, seed {c.seed}"
+            capacity_req_s[label] = found(c)["capacity_req_s"]
+            lines.append((label, {"color": system_color(i), "marker": markers[j % 10]},
+                          probes[(probes["system"] == name) & (probes["seed"] == c.seed)]))
     slo = scenario.slo.model_dump()
     save_figure(attainment_figure(lines, "offered_req_s", slo, capacity_req_s,
                                   title=f"{scenario.name}: within SLO ({describe_slo(slo)})"),
@@ -786,6 +870,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed_list(text: str) -> list[int]:
+    """An argparse type: distinct whole numbers, comma-separated (``0,1,2``)."""
+    try:
+        seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) < len(seeds):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct seeds ≥ 0 separated by commas (0,1,2), got {text!r}")
+    return seeds
+
+
 def _override(text: str) -> tuple[str, Any]:
     """An argparse type: ``PATH=VALUE``, the value read as YAML (``8``, ``true``,
     ``{kind: paged, block_size: 32}``)."""
@@ -900,7 +996,11 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("--judge", choices=["requests", "percentiles"],
                           help="requests: that share meets every bound at once (default); "
                           "percentiles: each bound alone, e.g. p99 TTFT and p99 TPOT")
-    capacity.add_argument("--seed", type=int, help="override the scenario's seed")
+    seeding = capacity.add_mutually_exclusive_group()
+    seeding.add_argument("--seed", type=int, help="override the scenario's seed")
+    seeding.add_argument("--seeds", type=_seed_list, metavar="S1,S2,...",
+                         help="search under each of these seeds (other requests, the same "
+                              "distributions): the median capacity and its spread")
     capacity.add_argument("--system", action="append",
                           help="search this system only (repeatable; default: all)")
     capacity.add_argument("--rel-tol", type=_positive_float, default=0.02,

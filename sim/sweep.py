@@ -363,19 +363,24 @@ def _combinations(config: SweepConfig) -> Iterator[dict[str, Any]]:
             yield {**dict(zip(grid_paths, values, strict=True)), **zipped}
 
 
-def expand(raw: dict[str, Any], source: str, *, quick: bool = False,
-           notes: list[str] | None = None) -> list[SweepPoint]:
-    """Every point of the sweep, each validated as a full scenario; the layouts
-    ``sweep.layouts`` refuses are told in ``notes``, where given."""
+def sweep_config(raw: dict[str, Any], source: str) -> SweepConfig:
+    """The raw scenario's ``sweep`` section, validated."""
     if "sweep" not in raw or not raw["sweep"]:
         raise SweepError(f"{source}: no sweep section (use kvsim run for a single run)")
     if not isinstance(raw["sweep"], dict):
         raise SweepError(f"{source}: sweep: expected a mapping of grid, zip, seeds and "
                          f"layouts, got {raw['sweep']!r}")
     try:
-        config = SweepConfig.model_validate(raw["sweep"])
+        return SweepConfig.model_validate(raw["sweep"])
     except ValidationError as exc:
         raise SweepError(f"{source}: sweep: {validation_message(exc, raw['sweep'])}") from None
+
+
+def expand(raw: dict[str, Any], source: str, *, quick: bool = False,
+           notes: list[str] | None = None) -> list[SweepPoint]:
+    """Every point of the sweep, each validated as a full scenario; the layouts
+    ``sweep.layouts`` refuses are told in ``notes``, where given."""
+    config = sweep_config(raw, source)
     base = {k: v for k, v in raw.items() if k != "sweep"}
     if quick:
         base, config = _shrink(base, config)

@@ -468,6 +468,100 @@ def test_capacity_sweep_command_tables_figures_and_failures(tmp_path):
     assert "--system pagd: no such system; systems: contiguous, paged" in unknown.stderr
 
 
+def test_a_sweep_whose_every_point_fails_keeps_their_errors(tmp_path):
+    """No point runs: the commands still write every row and say why each failed, with
+    exit code 1 and no traceback; a sweep without objectives is refused before any run."""
+    path = sweep_file(tmp_path, {"grid": {"memory.kv_memory_gib": [0.000001, 0.000002]}})
+    searched = kvsim_in_process("capacity", str(path), "--sweep", "--jobs", "2", "--out",
+                                str(tmp_path / "cap"), "--quiet")
+    assert searched.returncode == 1
+    assert searched.stderr.startswith("failed: SizingError: memory: the KV pool holds not")
+    table = pd.read_parquet(tmp_path / "cap" / "capacity.parquet")
+    assert len(table) == 4 and (table["status"] == "failed").all()
+    assert table["capacity_req_s"].isna().all()
+    swept = kvsim_in_process("sweep", str(path), "--jobs", "2", "--out",
+                             str(tmp_path / "runs"), "--quiet")
+    assert swept.returncode == 1 and "Traceback" not in swept.stderr
+    report = (tmp_path / "runs" / "report.html").read_text()
+    assert report.count("SizingError: memory: the KV pool holds not one token") == 4
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    del data["slo"]
+    path.write_text(yaml.safe_dump(data))
+    refused = kvsim_in_process("capacity", str(path), "--sweep", "--out", str(tmp_path / "x"))
+    assert refused.returncode == 2
+    assert refused.stderr.strip().endswith("no slo section: capacity is the load at which "
+                                           "enough requests meet an SLO, e.g. slo: "
+                                           "{ttft_s: 1.0, tpot_s: 0.05}")
+    assert "\n" not in refused.stderr.strip()
+    # A malformed sweep section is told as kvsim sweep tells it, the file named once.
+    for grid, told in (("1", "sweep: grid: Input should be a valid dictionary (got '1')"),
+                       ({"nope.x": [1, 2]}, "nope: unknown key [at sweep point nope.x=1]")):
+        path.write_text(yaml.safe_dump({**data, "slo": OBJECTIVES, "sweep": {"grid": grid}}))
+        bad = kvsim_in_process("capacity", str(path), "--sweep", "--out", str(tmp_path / "x"))
+        assert bad.returncode == 2 and bad.stderr == f"kvsim: error: {path}: {told}\n"
+
+
+def test_capacity_under_several_seeds_is_each_seeds_own_search(tmp_path, capfd):
+    """--seeds searches the scenario once per seed, each exactly as --seed would, and
+    reports the median and the spread."""
+    import functools
+
+    import yaml
+
+    from sim.capacity import capacity_by_seed
+    from sim.cli import _print_probe
+
+    data = scenario(slo={**OBJECTIVES, "attainment": 0.8})
+    base = scenario_from_dict(data)
+    progress = functools.partial(_print_probe, slo=data["slo"], with_seed=True)
+    knob, capacities = capacity_by_seed(base, Path(), [0, 3, 5], rel_tol=0.05, jobs=2,
+                                        progress=progress)
+    assert [(c.system, c.seed) for c in capacities] == [
+        (s, seed) for seed in (0, 3, 5) for s in ("contiguous", "paged")]
+    for seed in (0, 3, 5):
+        _, alone = find_capacity(scenario_from_dict({**data, "seed": seed}), Path(),
+                                 rel_tol=0.05)
+        assert [c for c in capacities if c.seed == seed] == alone  # every probe alike
+    printed = capfd.readouterr().err.splitlines()
+    assert len(printed) == sum(len(c.probes) for c in capacities)
+    assert sum(line.startswith("  paged (seed 3): ") for line in printed) == len(
+        capacities[3].probes)
+    # Other requests, other answers: the seeds do not all agree.
+    paged = [knob.offered_req_s(c.held) for c in capacities if c.system == "paged"]
+    assert len(set(paged)) > 1
+    _, serial = capacity_by_seed(base, Path(), [0, 3, 5], rel_tol=0.05)
+    assert serial == capacities
+    with pytest.raises(CapacityError, match="distinct seeds"):
+        capacity_by_seed(base, Path(), [1, 1])
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = kvsim_in_process("capacity", str(path), "--system", "paged", "--seeds", "0,3,5",
+                            "--rel-tol", "0.05", "--out", str(tmp_path / "out"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "out" / "capacity.json").read_text())
+    assert result["seeds"] == [0, 3, 5] and "seed" not in result
+    found = result["systems"]["paged"]
+    assert found["capacity_req_s"] == pytest.approx(float(np.median(paged)))
+    assert (found["capacity_req_s_min"], found["capacity_req_s_max"]) == (min(paged),
+                                                                          max(paged))
+    assert [found["by_seed"][s]["capacity_req_s"] for s in ("0", "3", "5")] == paged
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("  paged"))
+    assert f"median {float(np.median(paged)):,.4g} req/s over 3 seeds" in line
+    # The runs shown at capacity are the median seed's (the first of seeds alike).
+    middle = [0, 3, 5][paged.index(sorted(paged)[1])]
+    assert f"paged (seed {middle})" in proc.stdout
+    probes = pd.read_csv(tmp_path / "out" / "probes.csv")
+    assert sorted(probes["seed"].unique()) == [0, 3, 5]
+    assert len(probes) == sum(found["by_seed"][s]["runs"] for s in ("0", "3", "5"))
+    for args in (["--seeds", "1,1"], ["--seeds", "1,x"], ["--seeds", "0,1", "--seed", "2"]):
+        bad = kvsim_in_process("capacity", str(path), "--out", str(tmp_path / "x"), *args)
+        assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
+            "kvsim: error: argument --seed")
+
+
 def test_per_gpu_capacity_is_shown_where_gpu_counts_differ():
     from sim.metrics import sweep_metrics
 
