@@ -38,6 +38,7 @@ def capacity_under_slo(
     scenario: str | Path | dict[str, Any] | Scenario,
     *,
     seed: int | None = None,
+    seeds: list[int] | None = None,
     rel_tol: float = 0.02,
     max_probes: int = 24,
     systems: list[str] | None = None,
@@ -49,14 +50,21 @@ def capacity_under_slo(
 
     One row per system, indexed by name: ``capacity_req_s`` (NaN where no load tried held),
     ``misses_at_req_s``, ``converged``, ``runs``, and the summary of the run at capacity.
-    ``jobs`` above 1 searches that many systems at once, each in a process of its own.
+    With ``seeds``, one row per system and seed, indexed by both (``--seeds``).
+    ``jobs`` above 1 runs that many searches at once, each in a process of its own.
     """
-    from sim.capacity import capacity_rows, find_capacity
+    from sim.capacity import capacity_by_seed, capacity_rows
 
+    if seed is not None and seeds is not None:
+        raise ValueError("give seed or seeds, not both")
     parsed, base_dir = load(scenario, seed, overrides)
-    knob, found = find_capacity(parsed, base_dir, rel_tol=rel_tol, max_probes=max_probes,
-                                systems=systems, jobs=jobs)
-    return pd.DataFrame(capacity_rows(parsed, knob, found)).set_index("system")
+    knob, found = capacity_by_seed(parsed, base_dir, seeds or [parsed.seed], rel_tol=rel_tol,
+                                   max_probes=max_probes, systems=systems, jobs=jobs)
+    table = pd.DataFrame(capacity_rows(parsed, knob, found))
+    if seeds is None:
+        return table.set_index("system")
+    table.insert(1, "seed", [c.seed for c in found])
+    return table.set_index(["system", "seed"])
 
 
 def load(scenario: str | Path | dict[str, Any] | Scenario, seed: int | None = None,

@@ -594,6 +594,13 @@ def test_the_python_api_finds_what_the_command_finds(tmp_path):
     result = json.loads((tmp_path / "out" / "capacity.json").read_text())
     assert result["seed"] == 3
     assert result["systems"]["paged"]["capacity_req_s"] == paged.held
+    # Under several seeds: a row per system and seed, the seed 3 row the search above.
+    by_seed = sim.capacity_under_slo(data, rel_tol=0.05, systems=["paged"], seeds=[1, 3],
+                                     jobs=2)
+    assert list(by_seed.index) == [("paged", 1), ("paged", 3)]
+    assert by_seed.loc[("paged", 3)].equals(table.loc["paged"])
+    with pytest.raises(ValueError, match="seed or seeds"):
+        sim.capacity_under_slo(data, seed=1, seeds=[1, 2])
 
 
 def test_a_capacity_measured_before_the_run_settles_is_told_so(tmp_path):
