@@ -515,12 +515,14 @@ def results_table(points: list[SweepPoint], outcomes: dict[str, dict[str, Any]])
 
 def params_as_text(table: pd.DataFrame) -> pd.DataFrame:
     """A swept field whose values include mappings or lists (a whole section swept, null
-    switching it off) as JSON text, every value of it, so that tables group by it and
-    files store one type per column."""
+    switching it off), or mix kinds (``[true, 0]``, which the field reads alike), as JSON
+    text, every value of it, so that tables group by it and files store one type per
+    column."""
     for column in table.columns:
         values = table[column]
-        if (column.startswith("param:") and values.dtype == object
-                and any(isinstance(v, dict | list) for v in values)):
+        if column.startswith("param:") and values.dtype == object and (
+                any(isinstance(v, dict | list) for v in values)
+                or len({type(v) for v in values if v is not None}) > 1):
             table[column] = values.map(json.dumps)
     return table
 

@@ -527,6 +527,17 @@ def test_a_field_swept_to_null_keeps_its_rows(tmp_path):
     assert len(rows) == 8  # every point and system, the null ones included
 
 
+
+def test_a_field_swept_to_values_of_two_kinds_is_stored(tmp_path):
+    # [true, 0]: a switch read alike either way; the table keeps each as written (JSON).
+    data = dict(BASE, sweep={"grid": {"systems[paged].allocator.prefix_caching":
+                                      [True, 0]}})
+    outcome = run_sweep(write(tmp_path, data), out_dir=tmp_path / "out", jobs=2)
+    assert outcome.failed == 0
+    table = pd.read_parquet(tmp_path / "out" / "results.parquet")
+    column = table["param:systems[paged].allocator.prefix_caching"]
+    assert sorted(column.unique()) == ["0", "true"]
+
 LAYOUT_BASE = {
     "name": "layouts", "model": "llama-2-70b", "gpu": "h100-80g",
     "workload": {"arrival": {"process": "poisson", "rate": 5},
