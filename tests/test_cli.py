@@ -455,6 +455,13 @@ def test_trace_stats_and_export(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip() == (
         f"kvsim: error: {generic}: format csv needs a columns map (arrival, prompt_len, "
         "output_len): give a scenario whose workload.columns names them")
+    proc = kvsim("trace", "stats", str(generic))  # guessed: none of the formats known
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"kvsim: error: {generic}: format csv needs a columns map (workload.columns: "
+        "{arrival, prompt_len, output_len}: the names of its columns); it is none of the "
+        "known formats (azure: 'TIMESTAMP', 'ContextTokens', 'GeneratedTokens'; burstgpt: "
+        "'Timestamp', 'Request tokens', 'Response tokens'; mooncake: 'timestamp', "
+        "'input_length', 'output_length'); its first line: 't,in,out'")
     proc = kvsim("trace", "list")
     assert proc.returncode == 0, proc.stderr
     listed = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()

@@ -92,6 +92,18 @@ def _guess_format(path: Path) -> str:
     return "csv"
 
 
+def _needs_columns(path: Path, fmt_name: str, guessed: bool) -> str:
+    """Why a generic file cannot be read without a columns map, and what would read it."""
+    with path.open(errors="replace") as handle:
+        first = handle.readline().strip()[:120]
+    known = "; ".join(f"{name}: {fmt.columns.arrival!r}, {fmt.columns.prompt_len!r}, "
+                      f"{fmt.columns.output_len!r}" for name, fmt in KNOWN_FORMATS.items())
+    return (f"{path}: format {fmt_name} needs a columns map (workload.columns: {{arrival, "
+            "prompt_len, output_len}: the names of its columns)"
+            + (f"; it is none of the known formats ({known}); its first line: {first!r}"
+               if guessed else ""))
+
+
 def _read_rows(path: Path, reader: str, columns: ColumnMap) -> tuple[pd.DataFrame, int]:
     """Raw table with the mapped columns (as read) and the line number of its first row."""
     wanted = [columns.arrival, columns.prompt_len, columns.output_len]
@@ -149,7 +161,7 @@ def read_trace_table(
         reader = fmt.reader
     else:
         if workload.columns is None:
-            raise TraceImportError(f"{path}: format {fmt_name} needs a columns map")
+            raise TraceImportError(_needs_columns(path, fmt_name, guessed=not workload.format))
         columns, reader = workload.columns, fmt_name
         unit = workload.time_unit or "s"
     raw, first_line = _read_rows(path, reader, columns)
