@@ -941,6 +941,14 @@ class _Version(argparse.Action):
 
 
 class _Parser(argparse.ArgumentParser):
+    """kvsim's parsers: bad arguments exit with code 2 and one ``kvsim: error:`` line after
+    the usage. An option is taken only by its whole name: ``--gpu h100`` must not be read as
+    ``--gpu-memory-utilization h100`` and refused as a bad share."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
         self.exit(EXIT_BAD_INPUT, f"kvsim: error: {message}\n")

@@ -257,6 +257,10 @@ def test_presets_say_how_many_tokens_each_gpu_holds_of_a_model():
                          "expected a share in (0, 1], got '0'")):
         proc = kvsim("presets", *args)
         assert proc.returncode == 2 and words in proc.stderr and proc.stdout == ""
+    # An option is known by its whole name only: --gpu is not --gpu-memory-utilization.
+    proc = kvsim("presets", "--model", "qwen3-8b", "--gpu", "h100-80g")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines()[-1] == "kvsim: error: unrecognized arguments: --gpu h100-80g"
 
 
 @pytest.mark.parametrize("args", [
