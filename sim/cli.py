@@ -277,7 +277,7 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
     from reports.html import save_figure
     from reports.sweep_report import capacity_figures
     from sim.capacity import capacity_sweep, unsettled_note
-    from sim.results import write_table
+    from sim.results import swept_value_text, write_table
 
     try:
         table = capacity_sweep(path, jobs=args.jobs, executor=args.executor,
@@ -302,7 +302,7 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
     for error in failed["error"].unique()[:5]:
         print(f"failed: {error}", file=sys.stderr)
     for _, row in table[(table["status"] == "ok") & table["capacity_req_s"].notna()].iterrows():
-        where = ", ".join(f"{f}={row['param:' + f]}" for f in fields)
+        where = ", ".join(f"{f}={swept_value_text(row['param:' + f])}" for f in fields)
         note = unsettled_note(str(row["system"]), int(row["requests"]),
                               float(row["capacity_req_s"]), float(row["makespan_s"]))
         if note:

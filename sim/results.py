@@ -315,6 +315,19 @@ def load_summaries(out_dir: Path) -> dict[str, dict[str, Any]]:
     return summaries
 
 
+def swept_value_text(value: Any) -> str:
+    """A swept value as the sweep file writes it: ``null`` for one left unset (None, or NaN
+    in a column of numbers), ``true``/``false``, ``4`` for 4.0 (a whole number the column
+    widened to float beside a null)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "null"
+    if isinstance(value, bool | np.bool_):
+        return "true" if value else "false"
+    if isinstance(value, float | np.floating) and float(value).is_integer():
+        return str(int(value))
+    return str(value)
+
+
 def sweep_run_label(out_dir: Path) -> str | None:
     """The swept values of a sweep's run folder (``SWEEP/runs/KEY``), as
     "max_model_len=4096, seed 0"; None for a folder no sweep's table lists."""
@@ -326,8 +339,8 @@ def sweep_run_label(out_dir: Path) -> str | None:
     if rows.empty:
         return None
     row = rows.iloc[0]
-    values = [f"{column.removeprefix('param:')}={row[column]}" for column in table.columns
-              if column.startswith("param:")]
+    values = [f"{column.removeprefix('param:')}={swept_value_text(row[column])}"
+              for column in table.columns if column.startswith("param:")]
     return ", ".join([*values, f"seed {row['seed']}"])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -708,3 +709,11 @@ def test_the_layouts_of_each_gpu_are_drawn_as_one_list_best_first(tmp_path):
     table = outcome.table.assign(**{"param:workload.arrival.rate": [1, 2, 2]})
     fields = [c.removeprefix("param:") for c in table.columns if c.startswith("param:")]
     assert not laid_out(table, fields) and laid_out(outcome.table, fields[:-1])
+
+
+def test_swept_values_are_shown_as_the_sweep_file_writes_them():
+    from sim.results import swept_value_text
+
+    shown = [swept_value_text(v) for v in (None, math.nan, True, np.bool_(False), 4.0,
+                                           np.float64(0.5), 16, "lru", "null")]
+    assert shown == ["null", "null", "true", "false", "4", "0.5", "16", "lru", "null"]
