@@ -58,8 +58,9 @@ def capacity_under_slo(
     if seed is not None and seeds is not None:
         raise ValueError("give seed or seeds, not both")
     parsed, base_dir = load(scenario, seed, overrides)
-    knob, found = capacity_by_seed(parsed, base_dir, seeds or [parsed.seed], rel_tol=rel_tol,
-                                   max_probes=max_probes, systems=systems, jobs=jobs)
+    knob, found = capacity_by_seed(parsed, base_dir, [parsed.seed] if seeds is None else seeds,
+                                   rel_tol=rel_tol, max_probes=max_probes, systems=systems,
+                                   jobs=jobs)
     table = pd.DataFrame(capacity_rows(parsed, knob, found))
     if seeds is None:
         return table.set_index("system")

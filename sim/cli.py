@@ -441,7 +441,7 @@ def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path) 
         head = {"seeds": sorted({c.seed for c in capacities})}
     else:
         systems = {c.system: found(c) for c in capacities}
-        head = {"seed": scenario.seed}
+        head = {"seed": capacities[0].seed}  # (--seeds N alone: that seed's)
     write_json({"scenario": scenario.name, **head, "slo": scenario.slo.model_dump(),
                 "knob": knob.path, "systems": systems}, out / "capacity.json")
     markers = "os^Dv<>p*h"

@@ -601,6 +601,13 @@ def test_the_python_api_finds_what_the_command_finds(tmp_path):
     assert by_seed.loc[("paged", 3)].equals(table.loc["paged"])
     with pytest.raises(ValueError, match="seed or seeds"):
         sim.capacity_under_slo(data, seed=1, seeds=[1, 2])
+    with pytest.raises(CapacityError, match="distinct seeds, got"):
+        sim.capacity_under_slo(data, seeds=[])
+    # --seeds with one seed is --seed: its file names that seed.
+    one = kvsim_in_process("capacity", str(path), "--system", "paged", "--rel-tol", "0.05",
+                           "--seeds", "3", "--out", str(tmp_path / "one"), "--quiet")
+    assert one.returncode == 0, one.stderr
+    assert json.loads((tmp_path / "one" / "capacity.json").read_text()) == result
 
 
 def test_a_capacity_measured_before_the_run_settles_is_told_so(tmp_path):
