@@ -29,6 +29,7 @@ import copy
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import time
@@ -55,13 +56,17 @@ class SweepError(ValueError):
     """A sweep section, path or value that cannot work (reported before any run)."""
 
 
+MAX_LAYOUT_GPUS = 1 << 20  # beyond any deployment; keeps the layouts quick to list
+
+
 class LayoutsConfig(ConfigModel):
     """``sweep.layouts``: every way to run ``gpus`` GPUs of the scenario's model that holds
     its weights: engines (``engine.replicas`` of them) of ``tensor_parallel_size`` GPUs, in
     ``pipeline_parallel_size`` stages, or for a mixture of experts in ``data_parallel_size``
     ranks with expert parallelism. The lists, where given, keep only those sizes."""
 
-    gpus: PositiveInt = Field(description="the GPUs every layout uses, all its engines'")
+    gpus: PositiveInt = Field(le=MAX_LAYOUT_GPUS,
+                              description="the GPUs every layout uses, all its engines'")
     tensor_parallel_sizes: list[PositiveInt] | None = None
     pipeline_parallel_sizes: list[PositiveInt] | None = None
     data_parallel_sizes: list[PositiveInt] | None = None
@@ -108,7 +113,9 @@ class SweepConfig(ConfigModel):
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of ``n``, smallest first (each found with its pair, up to √n)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def describe_layout(row: dict[str, Any]) -> str:

@@ -17,6 +17,8 @@ import pandas as pd
 import pytest
 import yaml
 from conftest import kvsim_in_process
+from hypothesis import given
+from hypothesis import strategies as st
 
 from reports.sweep_report import (
     category_figures,
@@ -627,6 +629,8 @@ def test_each_gpu_swept_beside_the_layouts_holds_the_model_in_its_own_layouts():
      r"engine × TP 1: llama-2-70b weights \(128\.5 GiB\) do not fit"),
     ({"gpus": 0}, {}, r"x\.yaml: sweep: layouts\.gpus: Input should be greater than 0 "
      r"\(got 0\)$"),
+    ({"gpus": 2**63}, {}, r"x\.yaml: sweep: layouts\.gpus: Input should be less than or "
+     r"equal to 1048576 \(got 9223372036854775808\)$"),  # (was a loop of 2^63 steps)
 ])
 def test_layouts_that_cannot_be_are_refused_in_one_line(layouts, grid, words):
     with pytest.raises(SweepError, match=words):
@@ -717,3 +721,10 @@ def test_swept_values_are_shown_as_the_sweep_file_writes_them():
     shown = [swept_value_text(v) for v in (None, math.nan, True, np.bool_(False), 4.0,
                                            np.float64(0.5), 16, "lru", "null")]
     assert shown == ["null", "null", "true", "false", "4", "0.5", "16", "lru", "null"]
+
+
+@given(st.integers(min_value=1, max_value=5000))
+def test_divisors_are_every_divisor_smallest_first(n):
+    from sim.sweep import _divisors
+
+    assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
