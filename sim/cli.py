@@ -1137,6 +1137,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, _bad_input_types()):
             print(f"kvsim: error: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
+        if isinstance(exc, MemoryError):
+            print(f"kvsim: run failed: out of memory ({exc or 'no detail'}): the scenario "
+                  "asks for more than this machine holds; give fewer requests "
+                  "(stop.num_requests), shorter ones or a smaller sweep", file=sys.stderr)
+            return EXIT_FAILED
         print(f"kvsim: run failed: {type(exc).__name__}: {exc} (rerun with --debug for the "
               "traceback)", file=sys.stderr)
         return EXIT_FAILED

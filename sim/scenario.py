@@ -43,7 +43,7 @@ from sim.presets import (
 from sim.router import DYNAMO_TTL_S
 from sim.timing import DEFAULT_ALLREDUCE_LATENCY_S, DEFAULT_PIPELINE_NETWORK_GBPS
 from workloads.distributions import ConfigModel
-from workloads.spec import SyntheticWorkload, Workload
+from workloads.spec import MAX_REQUESTS, SyntheticWorkload, Workload
 
 
 class ScenarioError(ValueError):
@@ -669,7 +669,7 @@ class StopConfig(ConfigModel):
     """When to stop: after ``num_requests`` requests, or arrivals up to ``duration_s``
     (in-flight requests always run to completion)."""
 
-    num_requests: PositiveInt | None = None
+    num_requests: PositiveInt | None = Field(default=None, le=MAX_REQUESTS)
     duration_s: PositiveFloat | None = None
 
     @model_validator(mode="after")

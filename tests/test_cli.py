@@ -122,6 +122,11 @@ BAD = [
     ("prefix past the context", GOOD.replace("length: 64", "length: 4095"),
      "bad.yaml: workload.prefix_groups.length 4095: shared prefixes of 4095 tokens leave no "
      "room in the model's context of 4096; expected fewer than 4095"),
+    # Sizes past any machine are refused, not run out of memory on.
+    ("requests past any machine", GOOD.replace("num_requests: 60", "num_requests: 1000000000000"),
+     "stop.num_requests: Input should be less than or equal to 50000000"),
+    ("prompts past any machine", GOOD.replace("groups: 2", "groups: 1099511627776"),
+     "workload.prefix_groups.groups: Input should be less than or equal to 1000000"),
 ]
 
 
@@ -506,3 +511,24 @@ def test_a_reader_that_stops_early_loses_no_results(tmp_path):
     assert proc.stderr.read() == b""
     assert (tmp_path / "report.html").is_file() and (tmp_path / "summary.json").is_file()
     assert (tmp_path / "figures" / "memory_over_time.png").is_file()
+
+
+def test_a_run_past_the_machines_memory_says_so_in_one_line(tmp_path):
+    """Fifty million requests in a process held to 2 GB of address space: the trace's
+    arrays do not fit, and the error says what to give less of (exit 1, no traceback)."""
+    import os
+    import resource
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 * 10**9, 2 * 10**9))
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "sim.cli", "run", "scenarios/paged_vs_contiguous.yaml", "--set",
+         "stop.num_requests=50000000", "--quiet", "--no-report", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+        preexec_fn=limited, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("kvsim: run failed: out of memory (Unable to allocate")
+    assert proc.stderr.strip().endswith("give fewer requests (stop.num_requests), shorter "
+                                        "ones or a smaller sweep")
+    assert "\n" not in proc.stderr.strip()

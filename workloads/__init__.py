@@ -7,7 +7,7 @@ from pathlib import Path
 
 from workloads.distributions import draw_priorities
 from workloads.importers import TraceImportError, builtin_traces, import_trace
-from workloads.spec import SyntheticWorkload, TraceWorkload, Workload
+from workloads.spec import MAX_REQUESTS, SyntheticWorkload, TraceWorkload, Workload
 from workloads.synthetic import WorkloadError, generate
 from workloads.trace import Trace, TraceError
 
@@ -52,7 +52,7 @@ def build_trace(
         count = 1024
         while True:
             trace = generate(workload, count, seed, max_model_len, base_dir)
-            if trace.arrival_s[-1] > duration_s or count > 50_000_000:
+            if trace.arrival_s[-1] > duration_s or count > MAX_REQUESTS:
                 break
             count *= 4
     if workload.priorities is not None:

@@ -15,13 +15,18 @@ from workloads.distributions import (
 )
 
 TRACE_FORMATS = ("azure", "burstgpt", "mooncake", "csv", "jsonl")
+# The most requests a trace holds (stop.num_requests; a duration's synthetic stream stops
+# drawing past it), and the most shared prompts a recipe draws from: beyond these the
+# arrays alone outgrow any machine, and the run would take days.
+MAX_REQUESTS = 50_000_000
+MAX_SHARED_PROMPTS = 1_000_000
 
 
 class PrefixGroups(ConfigModel):
     """G shared system prompts of ``length`` tokens; a ``fraction`` of requests start with one,
     chosen with Zipf popularity (P(group k) ∝ 1/k^zipf_s; 0 = uniform)."""
 
-    groups: PositiveInt
+    groups: PositiveInt = Field(le=MAX_SHARED_PROMPTS)
     length: PositiveInt
     fraction: float = Field(default=1.0, ge=0, le=1)
     zipf_s: float = Field(default=1.0, ge=0)
@@ -31,7 +36,7 @@ class FewShot(ConfigModel):
     """Few-shot prompting: ``templates`` fixed sets of ``shots`` examples of ``shot_len``
     tokens each (after any system prompt); a ``fraction`` of requests use one (Zipf)."""
 
-    templates: PositiveInt = 1
+    templates: PositiveInt = Field(default=1, le=MAX_SHARED_PROMPTS)
     shots: PositiveInt
     shot_len: PositiveInt
     fraction: float = Field(default=1.0, ge=0, le=1)
