@@ -1138,9 +1138,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvsim: error: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
         if isinstance(exc, MemoryError):
-            print(f"kvsim: run failed: out of memory ({exc or 'no detail'}): the scenario "
-                  "asks for more than this machine holds; give fewer requests "
-                  "(stop.num_requests), shorter ones or a smaller sweep", file=sys.stderr)
+            detail = f" ({exc})" if str(exc) else ""  # numpy names the array; Python nothing
+            print(f"kvsim: run failed: out of memory{detail}: the scenario asks for more than "
+                  "this machine holds; give fewer requests (stop.num_requests), shorter ones, "
+                  "a smaller KV pool or a smaller sweep", file=sys.stderr)
             return EXIT_FAILED
         print(f"kvsim: run failed: {type(exc).__name__}: {exc} (rerun with --debug for the "
               "traceback)", file=sys.stderr)

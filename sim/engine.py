@@ -1306,9 +1306,15 @@ def scenario_pool_slots(scenario: Scenario) -> int:
                          pipeline_parallel_size=scenario.parallel.pipeline_parallel_size)
 
 
+# Each block (or page) costs the simulator about 120 bytes of host memory; 2^25 of them is
+# ~4 GiB, and more blocks than any GPU holds (an H200 holds ~1.1 M of Llama-2-7B's 16-token
+# blocks), so a larger pool is a typing slip that would otherwise end in an out-of-memory kill.
+MAX_POOL_BLOCKS = 1 << 25
+
+
 def check_pool(scenario: Scenario, system: SystemConfig, pool_slots: int) -> None:
     """Refuse a pool of ``pool_slots`` that holds not one token, or not one block (or page)
-    of ``system``."""
+    of ``system``, or more blocks than :data:`MAX_POOL_BLOCKS`."""
     if pool_slots < 1:
         model = scenario.model_spec()
         raise SizingError(f"memory: the KV pool holds not one token ({model.name} takes "
@@ -1318,6 +1324,19 @@ def check_pool(scenario: Scenario, system: SystemConfig, pool_slots: int) -> Non
         what = "page" if isinstance(system.allocator, VirtualConfig) else "block"
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than one {what} "
                           f"({unit} slots) of system {system.name!r}")
+    if isinstance(system.allocator, ContiguousConfig):
+        return  # extents, not blocks: its cost grows with the requests, not the pool
+    blocks = pool_slots // unit
+    model = scenario.model_spec()
+    if uses_hybrid_kv_cache(model, system):  # a block spans one group's layers
+        blocks = pool_slots * model.num_layers // (model.kv_cache_groups()[0] * unit)
+    if blocks > MAX_POOL_BLOCKS:
+        what = "pages" if isinstance(system.allocator, VirtualConfig) else "blocks"
+        source = ("memory.kv_memory_gib" if scenario.memory.kv_memory_gib is not None
+                  else "memory (the GPU's memory_gib)")
+        raise SizingError(f"{source}: the KV pool of system {system.name!r} would hold "
+                          f"{blocks:,} {what} of {unit} tokens; at most {MAX_POOL_BLOCKS:,} "
+                          f"are simulated: give a smaller pool or a larger block size")
 
 
 def memory_summary(scenario: Scenario) -> str:

@@ -127,6 +127,10 @@ BAD = [
      "stop.num_requests: Input should be less than or equal to 50000000"),
     ("prompts past any machine", GOOD.replace("groups: 2", "groups: 1099511627776"),
      "workload.prefix_groups.groups: Input should be less than or equal to 1000000"),
+    ("pool past any machine", GOOD.replace("kv_memory_gib: 2", "kv_memory_gib: 10000000"),
+     "bad.yaml: memory.kv_memory_gib: the KV pool of system 'paged' would hold 1,280,000,000 "
+     "blocks of 16 tokens; at most 33,554,432 are simulated: give a smaller pool or a larger "
+     "block size"),
 ]
 
 
@@ -513,9 +517,14 @@ def test_a_reader_that_stops_early_loses_no_results(tmp_path):
     assert (tmp_path / "figures" / "memory_over_time.png").is_file()
 
 
-def test_a_run_past_the_machines_memory_says_so_in_one_line(tmp_path):
-    """Fifty million requests in a process held to 2 GB of address space: the trace's
-    arrays do not fit, and the error says what to give less of (exit 1, no traceback)."""
+@pytest.mark.parametrize(("setting", "cause"), [
+    ("stop.num_requests=50000000", " (Unable to allocate"),  # numpy names the array
+    ("memory.kv_memory_gib=150000", ":"),  # 18.75 M blocks, under the cap; Python says nothing
+], ids=["requests", "pool"])
+def test_a_run_past_the_machines_memory_says_so_in_one_line(tmp_path, setting, cause):
+    """Fifty million requests, or a pool of millions of blocks, in a process held to 2 GB of
+    address space: they do not fit, and the error says what to give less of (exit 1, no
+    traceback, no empty parentheses where the MemoryError has no message)."""
     import os
     import resource
 
@@ -524,11 +533,11 @@ def test_a_run_past_the_machines_memory_says_so_in_one_line(tmp_path):
 
     proc = subprocess.run(
         [sys.executable, "-m", "sim.cli", "run", "scenarios/paged_vs_contiguous.yaml", "--set",
-         "stop.num_requests=50000000", "--quiet", "--no-report", "--out", str(tmp_path)],
+         setting, "--quiet", "--no-report", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
         preexec_fn=limited, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.startswith("kvsim: run failed: out of memory (Unable to allocate")
+    assert proc.stderr.startswith(f"kvsim: run failed: out of memory{cause}")
     assert proc.stderr.strip().endswith("give fewer requests (stop.num_requests), shorter "
-                                        "ones or a smaller sweep")
+                                        "ones, a smaller KV pool or a smaller sweep")
     assert "\n" not in proc.stderr.strip()

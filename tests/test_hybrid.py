@@ -18,8 +18,10 @@ from test_memory_properties import PREFIXES, PagedMachine, _prefix_of
 
 from sim.api import load, run
 from sim.engine import (
+    MAX_POOL_BLOCKS,
     build_allocator,
     build_timing,
+    check_pool,
     run_system,
     scenario_pool_slots,
     scenario_trace,
@@ -27,7 +29,7 @@ from sim.engine import (
 from sim.memory import AllocatorError, HybridPagedAllocator, SeqSpec
 from sim.memory.base import claim_end
 from sim.memory.content import BlockHasher
-from sim.presets import MODEL_PRESETS
+from sim.presets import MODEL_PRESETS, SizingError
 from sim.scenario import ScenarioError
 from sim.timing import StepTimeModel
 
@@ -587,6 +589,22 @@ GEMMA = {
          "scheduler": {"chunked_prefill": True}}],
     "stop": {"num_requests": 150},
 }
+
+
+def test_a_pool_past_the_block_cap_is_refused_counting_group_blocks():
+    scenario, _ = load(GEMMA)
+    hybrid_system, flat_system = scenario.systems
+    # All-layer blocks: the cap itself passes, one block more is refused.
+    check_pool(scenario, flat_system, MAX_POOL_BLOCKS * 16)
+    with pytest.raises(SizingError, match=r"^memory.kv_memory_gib: the KV pool of system "
+                       r"'all-layers' would hold 33,554,433 blocks of 16 tokens; at most "
+                       r"33,554,432 are simulated"):
+        check_pool(scenario, flat_system, (MAX_POOL_BLOCKS + 1) * 16)
+    # The same slots make 6.2 times as many blocks of one group's 10 layers.
+    group_cap_slots = MAX_POOL_BLOCKS * 16 * 10 // 62
+    check_pool(scenario, hybrid_system, group_cap_slots)
+    with pytest.raises(SizingError, match="'hybrid' would hold"):
+        check_pool(scenario, hybrid_system, MAX_POOL_BLOCKS * 16)
 
 
 def test_a_pool_of_group_blocks_sized_from_the_same_bytes():
