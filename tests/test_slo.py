@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -181,6 +182,20 @@ def test_systems_searched_at_once_find_the_same(capfd):
         mine = [line for line in printed if line.startswith(f"  {c.system}: ")]
         assert [float(line.split()[1]) for line in mine] == pytest.approx(
             [p.offered_req_s for p in c.probes], rel=1e-3)
+
+
+def _capacity_json(tmp_path: Path, data: dict, *args: str) -> tuple[Any, dict]:
+    """``kvsim capacity`` of system paged on the scenario ``data``, written to
+    ``tmp_path/s.yaml`` (with ``args``): the finished process and the capacity.json it
+    wrote."""
+    import yaml
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = kvsim_in_process("capacity", str(path), "--system", "paged", "--rel-tol", "0.05",
+                            *args, "--out", str(tmp_path / "out"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads((tmp_path / "out" / "capacity.json").read_text())
 
 
 def _print_probes(system: str, count: int) -> None:
@@ -508,8 +523,6 @@ def test_capacity_under_several_seeds_is_each_seeds_own_search(tmp_path, capfd):
     reports the median and the spread."""
     import functools
 
-    import yaml
-
     from sim.capacity import capacity_by_seed
     from sim.cli import _print_probe
 
@@ -536,12 +549,8 @@ def test_capacity_under_several_seeds_is_each_seeds_own_search(tmp_path, capfd):
     with pytest.raises(CapacityError, match="distinct seeds"):
         capacity_by_seed(base, Path(), [1, 1])
 
+    proc, result = _capacity_json(tmp_path, data, "--seeds", "0,3,5")
     path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump(data))
-    proc = kvsim_in_process("capacity", str(path), "--system", "paged", "--seeds", "0,3,5",
-                            "--rel-tol", "0.05", "--out", str(tmp_path / "out"), "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads((tmp_path / "out" / "capacity.json").read_text())
     assert result["seeds"] == [0, 3, 5] and "seed" not in result
     found = result["systems"]["paged"]
     assert found["capacity_req_s"] == pytest.approx(float(np.median(paged)))
@@ -584,14 +593,9 @@ def test_the_python_api_finds_what_the_command_finds(tmp_path):
     assert table.loc["paged", "capacity_req_s"] == paged.held
     assert table.loc["paged", "slo_attainment"] == paged.at(paged.held).attainment
     assert table.loc["paged", "runs"] == len(paged.probes)
-    import yaml
 
+    _, result = _capacity_json(tmp_path, data, "--seed", "3")
     path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump(data))
-    proc = kvsim_in_process("capacity", str(path), "--system", "paged", "--rel-tol", "0.05",
-                            "--seed", "3", "--out", str(tmp_path / "out"), "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads((tmp_path / "out" / "capacity.json").read_text())
     assert result["seed"] == 3
     assert result["systems"]["paged"]["capacity_req_s"] == paged.held
     # Under several seeds: a row per system and seed, the seed 3 row the search above.
