@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from sim.hit_curve import HitCurve
     from sim.presets import ModelSpec
     from sim.scenario import Scenario
+    from workloads.spec import ColumnMap
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -564,15 +565,20 @@ def _load_trace_arg(target: str, args: argparse.Namespace):  # type: ignore[no-u
 
     path = Path(target)
     if path.suffix in (".yaml", ".yml"):
+        for option, value, field in (("--columns", args.columns, "columns"),
+                                     ("--time-unit", args.time_unit, "time_unit")):
+            if value is not None:
+                raise BadInput(f"{target}: {option} reads a bare trace file; a scenario names "
+                               f"its own (workload.{field}; --set workload.{field}=...)")
         scenario, _ = load(path, overrides=dict(args.overrides or []))
         return scenario_trace(scenario, path.parent), scenario
     if args.overrides:
         raise BadInput(f"{target}: --set changes a scenario's fields; this is a trace file")
-    if args.format in ("csv", "jsonl"):
-        raise BadInput(f"{target}: format {args.format} needs a columns map (arrival, "
-                       "prompt_len, output_len): give a scenario whose workload.columns names "
-                       "them")
-    workload = TraceWorkload(path=target, format=args.format, skip_invalid=args.skip_invalid)
+    if args.format in ("csv", "jsonl") and args.columns is None:
+        raise BadInput(f"{target}: format {args.format} needs a columns map: give --columns "
+                       "arrival=NAME,prompt_len=NAME,output_len=NAME")
+    workload = TraceWorkload(path=target, format=args.format, columns=args.columns,
+                             time_unit=args.time_unit, skip_invalid=args.skip_invalid)
     return build_trace(workload, seed=0, max_model_len=args.max_model_len, base_dir=Path()), None
 
 
@@ -897,6 +903,33 @@ def _override(text: str) -> tuple[str, Any]:
         raise argparse.ArgumentTypeError(f"{text!r}: the value is not valid YAML") from None
 
 
+def _column_map(text: str) -> ColumnMap:
+    """An argparse type: ``KEY=NAME,...``, which column of a generic CSV/JSONL trace holds
+    what (``arrival=t,prompt_len=in,output_len=out``)."""
+    from workloads.spec import ColumnMap
+
+    keys = list(ColumnMap.model_fields)
+    required = [k for k, field in ColumnMap.model_fields.items() if field.is_required()]
+    mapping: dict[str, str] = {}
+    for part in text.split(","):
+        key, equals, name = (piece.strip() for piece in part.partition("="))
+        if not equals or not key or not name:
+            raise argparse.ArgumentTypeError(
+                f"expected KEY=NAME pairs separated by commas (arrival=t,prompt_len=in,"
+                f"output_len=out), got {part.strip()!r}")
+        if key not in keys:
+            raise argparse.ArgumentTypeError(
+                f"unknown key {key!r}: expected one of {', '.join(keys)}")
+        if key in mapping:
+            raise argparse.ArgumentTypeError(f"key {key!r} given twice")
+        mapping[key] = name
+    missing = [k for k in required if k not in mapping]
+    if missing:
+        raise argparse.ArgumentTypeError(
+            f"missing {', '.join(missing)}: {', '.join(required)} are required")
+    return ColumnMap(**mapping)
+
+
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", metavar="PATH=VALUE", type=_override,
                         action="append", help="change a field of the scenario, as a sweep "
@@ -1082,6 +1115,13 @@ def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--format", choices=["azure", "burstgpt", "mooncake", "csv", "jsonl"],
                         help="trace file format (default: guessed)")
+    common.add_argument("--columns", type=_column_map, metavar="KEY=NAME,...",
+                        help="a generic CSV/JSONL file's columns: arrival, prompt_len, "
+                        "output_len required; hash_ids, priority, predicted_output optional "
+                        "(arrival=t,prompt_len=in,output_len=out)")
+    common.add_argument("--time-unit", choices=["s", "ms", "us", "datetime"],
+                        help="unit of the arrival column (default: the format's; s for a "
+                        "generic file)")
     common.add_argument("--skip-invalid", action="store_true", help="skip bad rows")
     common.add_argument("--max-model-len", type=_positive_int, default=1 << 20,
                         help="context limit for a bare trace file (default: no clipping)")

@@ -466,12 +466,13 @@ def test_trace_stats_and_export(tmp_path):
     generic.write_text("t,in,out\n0,10,5\n")
     proc = kvsim("trace", "stats", str(generic), "--format", "csv")
     assert proc.returncode == 2 and proc.stderr.strip() == (
-        f"kvsim: error: {generic}: format csv needs a columns map (arrival, prompt_len, "
-        "output_len): give a scenario whose workload.columns names them")
+        f"kvsim: error: {generic}: format csv needs a columns map: give --columns "
+        "arrival=NAME,prompt_len=NAME,output_len=NAME")
     proc = kvsim("trace", "stats", str(generic))  # guessed: none of the formats known
     assert proc.returncode == 2 and proc.stderr.strip() == (
         f"kvsim: error: {generic}: format csv needs a columns map (workload.columns: "
-        "{arrival, prompt_len, output_len}: the names of its columns); it is none of the "
+        "{arrival, prompt_len, output_len}: the names of its columns; on kvsim trace, "
+        "--columns arrival=NAME,prompt_len=NAME,output_len=NAME); it is none of the "
         "known formats (azure: 'TIMESTAMP', 'ContextTokens', 'GeneratedTokens'; burstgpt: "
         "'Timestamp', 'Request tokens', 'Response tokens'; mooncake: 'timestamp', "
         "'input_length', 'output_length'); its first line: 't,in,out'")
@@ -485,6 +486,51 @@ def test_trace_stats_and_export(tmp_path):
     proc = kvsim("trace", "stats", "builtin:nope.csv")
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith("shipped: " + ", ".join(sorted(PUBLIC_TRACE_ROWS)))
+
+
+def test_trace_columns_read_a_generic_file(tmp_path):
+    generic = tmp_path / "generic.jsonl"
+    generic.write_text('{"t": 0, "in": 40, "out": 5, "h": [1, 2], "p": 1}\n'
+                       '{"t": 2000, "in": 40, "out": 7, "h": [1, 3], "p": 0}\n')
+    columns = "arrival=t, prompt_len=in, output_len=out, hash_ids=h, priority=p"
+    proc = kvsim("trace", "stats", str(generic), "--columns", columns, "--time-unit", "ms")
+    assert proc.returncode == 0, proc.stderr
+    stats = dict(line.split(None, 1) for line in proc.stdout.splitlines()[1:])
+    assert (stats["requests"], stats["duration_s"], stats["prompt_len_mean"],
+            stats["output_len_max"]) == ("2", "2.00", "40.00", "7")
+    # Both prompts open with hash id 1: their first two full blocks (64 of 80 tokens) shared.
+    assert stats["sharing_potential_bs16"] == "0.8000"
+    out = tmp_path / "out.csv"
+    proc = kvsim("trace", "export", str(generic), "--columns", columns, "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    header, *rows = (line.split(",") for line in out.read_text().splitlines())
+    exported = {name: [row[header.index(name)] for row in rows]
+                for name in ("arrival_s", "priority")}
+    assert exported == {"arrival_s": ["0.0", "2000.0"], "priority": ["1", "0"]}  # seconds
+    for bad, message in [
+        ("arrival=t,prompt_len=in", "missing output_len: arrival, prompt_len, output_len are "
+         "required"),
+        ("arrival=t,size=in", "unknown key 'size': expected one of arrival, prompt_len, "
+         "output_len, hash_ids, priority, predicted_output"),
+        ("arrival=t,arrival=u", "key 'arrival' given twice"),
+        ("arrival", "expected KEY=NAME pairs separated by commas (arrival=t,prompt_len=in,"
+         "output_len=out), got 'arrival'"),
+    ]:
+        proc = kvsim("trace", "stats", str(generic), "--columns", bad)
+        assert proc.returncode == 2
+        assert proc.stderr.splitlines()[-1] == f"kvsim: error: argument --columns: {message}"
+    proc = kvsim("trace", "stats", str(generic), "--columns",
+                 "arrival=t,prompt_len=in,output_len=tokens")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"kvsim: error: {generic}:1: missing column 'tokens'")
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(GOOD)
+    for option, value, field in [("--columns", columns, "columns"),
+                                 ("--time-unit", "ms", "time_unit")]:
+        proc = kvsim("trace", "stats", str(scenario), option, value)
+        assert proc.returncode == 2 and proc.stderr.strip() == (
+            f"kvsim: error: {scenario}: {option} reads a bare trace file; a scenario names "
+            f"its own (workload.{field}; --set workload.{field}=...)")
 
 
 def test_invariant_checks_refuse_python_O(tmp_path):

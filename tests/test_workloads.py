@@ -180,6 +180,10 @@ def write(tmp_path: Path, text: str, name: str = "t.csv") -> Path:
      ":2: column 'ContextTokens': expected an integer >= 1, got 'ten'"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:05,10,5\n"
      "2023-11-16 18:00:01,10,5\n", ":3: column 'TIMESTAMP': timestamps must not decrease"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n12.5,10,5\n",
+     ":2: column 'TIMESTAMP': expected a date and time, got '12.5' (skip_invalid: true"),
+    ("Timestamp,Model,Request tokens,Response tokens\n-3,GPT-4,10,5\n",
+     ":2: column 'Timestamp': expected a time >= 0 (in s), got '-3'"),
 ])
 def test_bad_rows_name_file_row_and_column(tmp_path, text, message):
     path = write(tmp_path, text)
@@ -218,6 +222,34 @@ def test_generic_jsonl_and_burstgpt(tmp_path):
         build_trace(TraceWorkload(path=str(bad), format="jsonl", columns={
             "arrival": "t", "prompt_len": "in", "output_len": "out"}), seed=0,
             max_model_len=4096)
+
+
+def test_hash_ids_of_a_generic_file_are_checked_row_by_row(tmp_path):
+    columns = {"arrival": "t", "prompt_len": "in", "output_len": "out", "hash_ids": "h"}
+    jsonl = write(tmp_path, '{"t": 0, "in": 40, "out": 5, "h": [1, 2]}\n'
+                  '{"t": 1, "in": 40, "out": 5, "h": [1, 3]}\n', "g.jsonl")
+    csv = write(tmp_path, 't,in,out,h\n0,40,5,"[1, 2]"\n1,40,5,"[1,3]"\n', "g.csv")
+    traces = [build_trace(TraceWorkload(path=str(path), columns=columns), seed=0,
+                          max_model_len=4096) for path in (jsonl, csv)]
+    assert traces[0].prompt_segments(1) == traces[1].prompt_segments(1)
+    assert traces[1].prompt_segments(0)[0] == traces[1].prompt_segments(1)[0]  # hash id 1
+    for name, text, shown in [
+        ("words.csv", 't,in,out,h\n0,40,5,"[1]"\n1,40,5,1 3\n', "'1 3'"),
+        ("float.jsonl", '{"t": 0, "in": 40, "out": 5, "h": [1.5]}\n', "[1.5]"),
+        ("null.jsonl", '{"t": 0, "in": 40, "out": 5, "h": null}\n', "None"),
+        ("negative.csv", 't,in,out,h\n0,40,5,[-1]\n', "'[-1]'"),
+    ]:
+        path = write(tmp_path, text, name)
+        with pytest.raises(TraceImportError) as err:
+            build_trace(TraceWorkload(path=str(path), columns=columns), seed=0,
+                        max_model_len=4096)
+        line = 3 if name == "words.csv" else (2 if name.endswith(".csv") else 1)
+        assert str(err.value).startswith(
+            f"{path}:{line}: column 'h': expected a list of integers 0 <= id < 2^50 (in a CSV "
+            f'cell, as JSON: "[1, 2, 3]"), got {shown}')
+    kept = build_trace(TraceWorkload(path=str(tmp_path / "words.csv"), columns=columns,
+                                     skip_invalid=True), seed=0, max_model_len=4096)
+    assert len(kept) == 1 and "skipped 1 rows with bad 'h'" in kept.notes[0]
 
 
 def test_trace_speed_and_frame_round_trip():

@@ -99,7 +99,8 @@ def _needs_columns(path: Path, fmt_name: str, guessed: bool) -> str:
     known = "; ".join(f"{name}: {fmt.columns.arrival!r}, {fmt.columns.prompt_len!r}, "
                       f"{fmt.columns.output_len!r}" for name, fmt in KNOWN_FORMATS.items())
     return (f"{path}: format {fmt_name} needs a columns map (workload.columns: {{arrival, "
-            "prompt_len, output_len}: the names of its columns)"
+            "prompt_len, output_len}: the names of its columns; on kvsim trace, --columns "
+            "arrival=NAME,prompt_len=NAME,output_len=NAME)"
             + (f"; it is none of the known formats ({known}); its first line: {first!r}"
                if guessed else ""))
 
@@ -107,7 +108,8 @@ def _needs_columns(path: Path, fmt_name: str, guessed: bool) -> str:
 def _read_rows(path: Path, reader: str, columns: ColumnMap) -> tuple[pd.DataFrame, int]:
     """Raw table with the mapped columns (as read) and the line number of its first row."""
     wanted = [columns.arrival, columns.prompt_len, columns.output_len]
-    wanted += [c for c in (columns.priority, columns.predicted_output) if c is not None]
+    wanted += [c for c in (columns.priority, columns.predicted_output, columns.hash_ids)
+               if c is not None]
     if reader == "csv":
         try:
             frame = pd.read_csv(path, dtype=str, keep_default_na=False)
@@ -136,6 +138,26 @@ def _read_rows(path: Path, reader: str, columns: ColumnMap) -> tuple[pd.DataFram
             records.append(record)
     frame = pd.DataFrame.from_records(records)
     return frame, 1
+
+
+# Hash ids become segment ids above SHARED_SEGMENT_BASE; this bound keeps them below the
+# ids of each request's own text.
+HASH_ID_BITS = 50
+
+
+def _hash_id_list(value: object) -> list[int] | None:
+    """A row's hash ids: a JSON list (a CSV cell holds its text) of integers in range, or
+    None where it is anything else."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else []
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(value, list):
+        return None
+    if not all(type(i) is int and 0 <= i < 1 << HASH_ID_BITS for i in value):
+        return None
+    return value
 
 
 def _times(raw: pd.Series, unit: str) -> np.ndarray:
@@ -171,7 +193,8 @@ def read_trace_table(
     prompt = pd.to_numeric(raw[columns.prompt_len], errors="coerce").to_numpy(dtype=float)
     output = pd.to_numeric(raw[columns.output_len], errors="coerce").to_numpy(dtype=float)
     problems = [
-        (~np.isfinite(arrival) | (arrival < 0), columns.arrival, "a time >= 0"),
+        (~np.isfinite(arrival) | (arrival < 0), columns.arrival,
+         "a date and time" if unit == "datetime" else f"a time >= 0 (in {unit})"),
         (~np.isfinite(prompt) | (prompt < 1) | (prompt != np.round(prompt)), columns.prompt_len,
          "an integer >= 1"),
         (~np.isfinite(output) | (output < 1) | (output != np.round(output)), columns.output_len,
@@ -187,6 +210,11 @@ def read_trace_table(
         problems.append((~np.isfinite(predicted) | (predicted < 1)
                          | (predicted != np.round(predicted)), columns.predicted_output,
                          "an integer >= 1"))
+    if columns.hash_ids is not None:
+        hash_lists = [_hash_id_list(value) for value in raw[columns.hash_ids]]
+        problems.append((np.array([ids is None for ids in hash_lists], dtype=bool),
+                         columns.hash_ids, f"a list of integers 0 <= id < 2^{HASH_ID_BITS} "
+                         "(in a CSV cell, as JSON: \"[1, 2, 3]\")"))
     bad = np.zeros(len(raw), dtype=bool)
     notes: list[str] = []
     for mask, column, expected in problems:
@@ -197,7 +225,8 @@ def read_trace_table(
             if not workload.skip_invalid:
                 raise TraceImportError(
                     f"{path}:{lines[row]}: column {column!r}: expected {expected}, got "
-                    f"{value!r} (set skip_invalid: true to skip such rows)")
+                    f"{value!r} (skip_invalid: true, or --skip-invalid on kvsim trace, "
+                    "skips such rows)")
             notes.append(f"skipped {int(mask.sum())} rows with bad {column!r} "
                          f"(first at line {lines[row]}: {value!r})")
             bad |= mask
@@ -224,9 +253,7 @@ def read_trace_table(
     if columns.predicted_output is not None:
         table["predicted_output"] = predicted[keep].astype(np.int64)
     if columns.hash_ids is not None:
-        if columns.hash_ids not in raw:
-            raise TraceImportError(f"{path}: missing column {columns.hash_ids!r}")
-        table["hash_ids"] = raw[columns.hash_ids][keep].to_list()
+        table["hash_ids"] = [ids for ids, kept in zip(hash_lists, keep, strict=True) if kept]
     if table.empty:
         raise TraceImportError(f"{path}: no valid rows")
     return table, notes
@@ -292,7 +319,7 @@ def _hash_segments(
     offsets = [0]
     for i, (ids, length) in enumerate(zip(hash_lists, prompt.tolist(), strict=True)):
         remaining = length
-        for hash_id in ids if isinstance(ids, list) else []:
+        for hash_id in ids:
             if remaining <= 0:
                 break
             take = min(block_tokens, remaining)

@@ -120,7 +120,10 @@ class ColumnMap(ConfigModel):
     arrival: str
     prompt_len: str
     output_len: str
-    hash_ids: str | None = None
+    hash_ids: str | None = Field(
+        default=None, description="prompt-block hash ids, Mooncake-style: a JSON list of "
+        "integers (in a CSV cell, its text), each naming hash_block_tokens tokens; equal ids "
+        "are shared content")
     priority: str | None = Field(default=None, description="integer scheduling priority, "
                                  "lower first")
     predicted_output: str | None = Field(
