@@ -558,6 +558,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def _load_trace_arg(target: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The trace of a scenario file (with its --set changes) and the scenario, or the trace
     of a trace file and None."""
+    from pydantic import ValidationError
+
     from sim.api import load
     from sim.engine import scenario_trace
     from workloads import build_trace
@@ -577,8 +579,12 @@ def _load_trace_arg(target: str, args: argparse.Namespace):  # type: ignore[no-u
     if args.format in ("csv", "jsonl") and args.columns is None:
         raise BadInput(f"{target}: format {args.format} needs a columns map: give --columns "
                        "arrival=NAME,prompt_len=NAME,output_len=NAME")
-    workload = TraceWorkload(path=target, format=args.format, columns=args.columns,
-                             time_unit=args.time_unit, skip_invalid=args.skip_invalid)
+    try:
+        workload = TraceWorkload(path=target, format=args.format, columns=args.columns,
+                                 time_unit=args.time_unit, skip_invalid=args.skip_invalid)
+    except ValidationError as exc:  # options that do not go together (kvsim with --columns)
+        raise BadInput(f"{target}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}"
+                       ) from None
     return build_trace(workload, seed=0, max_model_len=args.max_model_len, base_dir=Path()), None
 
 
@@ -709,18 +715,16 @@ def cmd_trace_hit_curve(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_export(args: argparse.Namespace) -> int:
+    from workloads.trace_file import write_trace_file
+
     trace, _ = _load_trace_arg(args.target, args)
-    frame = trace.to_frame()
     out = Path(args.output)
     if not out.parent.is_dir():
         raise BadInput(f"{out}: no folder {out.parent} to write into")
-    if out.suffix == ".jsonl":
-        frame.to_json(out, orient="records", lines=True)
-    elif out.suffix == ".csv":
-        frame.to_csv(out, index=False)
-    else:
+    if out.suffix not in (".csv", ".jsonl"):
         raise BadInput(f"{out}: expected a .csv or .jsonl output file")
-    print(f"wrote {len(frame):,} requests to {out}")
+    write_trace_file(trace, out)
+    print(f"wrote {len(trace):,} requests to {out}")
     return EXIT_OK
 
 
@@ -1113,8 +1117,10 @@ def build_parser() -> argparse.ArgumentParser:
     trace = sub.add_parser("trace", help="inspect, list and export traces")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
     common = _Parser(add_help=False)
-    common.add_argument("--format", choices=["azure", "burstgpt", "mooncake", "csv", "jsonl"],
-                        help="trace file format (default: guessed)")
+    common.add_argument("--format",
+                        choices=["azure", "burstgpt", "mooncake", "csv", "jsonl", "kvsim"],
+                        help="trace file format (default: guessed; kvsim: a table kvsim trace "
+                        "export wrote)")
     common.add_argument("--columns", type=_column_map, metavar="KEY=NAME,...",
                         help="a generic CSV/JSONL file's columns: arrival, prompt_len, "
                         "output_len required; hash_ids, priority, predicted_output optional "
@@ -1147,7 +1153,8 @@ def build_parser() -> argparse.ArgumentParser:
     curve.add_argument("--quiet", action="store_true", help="no progress bar")
     curve.set_defaults(func=cmd_trace_hit_curve)
     export = trace_sub.add_parser("export", parents=[common],
-                                  help="write a scenario's trace to CSV or JSONL")
+                                  help="write a trace to CSV or JSONL, a table a scenario "
+                                  "replays exactly (workload kind: trace)")
     export.add_argument("target", metavar="FILE|SCENARIO")
     export.add_argument("-o", "--output", required=True, help="output .csv or .jsonl")
     export.set_defaults(func=cmd_trace_export)

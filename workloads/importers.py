@@ -3,7 +3,8 @@
 Each format is read into one small table (arrival, prompt_len, output_len and, for Mooncake,
 ``hash_ids``), checked row by row with errors that name the file, the row and the column,
 and turned into a trace. Mooncake's ``hash_ids`` name 512-token prompt blocks: requests that
-share a hash id share that block's content, so they become shared segments here.
+share a hash id share that block's content, so they become shared segments here. A table
+``kvsim trace export`` wrote is read whole by :mod:`workloads.trace_file` instead.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ import pandas as pd
 
 from workloads.spec import ColumnMap, TraceWorkload
 from workloads.trace import SHARED_SEGMENT_BASE, UNIQUE_SEGMENT_BASE, Trace
+from workloads.trace_file import (
+    REQUIRED_COLUMNS,
+    SEGMENTS_COLUMN,
+    TraceImportError,
+    is_trace_table,
+    read_trace_file,
+)
 
 BUILTIN_DIR = Path(__file__).parent / "data"
 BUILTIN_PREFIX = "builtin:"
-
-
-class TraceImportError(ValueError):
-    """A trace file that cannot be read as asked; the message names file, row and column."""
 
 
 @dataclass(frozen=True)
@@ -82,14 +86,38 @@ def _guess_format(path: Path) -> str:
     if path.suffix == ".jsonl":
         with path.open() as handle:
             head = handle.readline()
+        try:
+            record = json.loads(head)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and is_trace_table(list(record)):
+            return "kvsim"
         return "mooncake" if '"hash_ids"' in head else "jsonl"
     with path.open() as handle:
         header = handle.readline()
+    if is_trace_table(header.strip().split(",")):
+        return "kvsim"
     if "ContextTokens" in header:
         return "azure"
     if "Request tokens" in header:
         return "burstgpt"
     return "csv"
+
+
+def _format_of(workload: TraceWorkload, path: Path) -> str:
+    """The format to read ``path`` as: the one given, else the one its first line shows (a
+    file that looks like a kvsim trace table but comes with a columns map is read as a
+    generic one)."""
+    if workload.format is not None:
+        return workload.format
+    guessed = _guess_format(path)
+    if guessed == "kvsim" and workload.columns is not None:
+        return "jsonl" if path.suffix == ".jsonl" else "csv"
+    if guessed == "kvsim" and workload.time_unit not in (None, "s"):
+        raise TraceImportError(f"{path}: a kvsim trace table (kvsim trace export wrote it) "
+                               f"keeps times in seconds: time_unit {workload.time_unit} does "
+                               "not apply")
+    return guessed
 
 
 def _needs_columns(path: Path, fmt_name: str, guessed: bool) -> str:
@@ -98,6 +126,7 @@ def _needs_columns(path: Path, fmt_name: str, guessed: bool) -> str:
         first = handle.readline().strip()[:120]
     known = "; ".join(f"{name}: {fmt.columns.arrival!r}, {fmt.columns.prompt_len!r}, "
                       f"{fmt.columns.output_len!r}" for name, fmt in KNOWN_FORMATS.items())
+    known += "; kvsim: " + ", ".join(map(repr, (*REQUIRED_COLUMNS, SEGMENTS_COLUMN)))
     return (f"{path}: format {fmt_name} needs a columns map (workload.columns: {{arrival, "
             "prompt_len, output_len}: the names of its columns; on kvsim trace, --columns "
             "arrival=NAME,prompt_len=NAME,output_len=NAME)"
@@ -175,7 +204,7 @@ def read_trace_table(
     """The trace as a clean table (arrival_s from 0, prompt_len, output_len[, priority]
     [, predicted_output][, hash_ids]) and notes on what was skipped."""
     path = resolve_path(workload.path, base_dir)
-    fmt_name = workload.format or _guess_format(path)
+    fmt_name = _format_of(workload, path)
     if fmt_name in KNOWN_FORMATS:
         fmt = KNOWN_FORMATS[fmt_name]
         columns = workload.columns or fmt.columns
@@ -261,6 +290,9 @@ def read_trace_table(
 
 def read_length_column(path: str, column: str, base_dir: Path, fmt: str | None) -> np.ndarray:
     """One length column of a trace file (for empirical distributions)."""
+    resolved = resolve_path(path, base_dir)
+    if (fmt or _guess_format(resolved)) == "kvsim":
+        return getattr(read_trace_file(resolved), column)
     table, _ = read_trace_table(TraceWorkload(path=path, format=fmt, skip_invalid=True), base_dir)  # type: ignore[arg-type]
     return table[column].to_numpy()
 
@@ -268,7 +300,11 @@ def read_length_column(path: str, column: str, base_dir: Path, fmt: str | None) 
 def import_trace(
     workload: TraceWorkload, base_dir: Path, max_model_len: int, seed: int = 0
 ) -> Trace:
-    """Read ``workload.path`` into a trace; lengths beyond the context limit are clipped."""
+    """Read ``workload.path`` into a trace; lengths beyond the context limit are clipped
+    (refused in a kvsim trace table, whose requests continue each other)."""
+    path = resolve_path(workload.path, base_dir)
+    if _format_of(workload, path) == "kvsim":
+        return _replay_trace_file(workload, path, max_model_len, seed)
     table, notes = read_trace_table(workload, base_dir)
     size = len(table)
     prompt = table["prompt_len"].to_numpy()
@@ -306,6 +342,27 @@ def import_trace(
         source=str(workload.path),
     )
     trace.notes.extend(notes)
+    return trace
+
+
+def _replay_trace_file(
+    workload: TraceWorkload, path: Path, max_model_len: int, seed: int
+) -> Trace:
+    """A table ``kvsim trace export`` wrote, with the workload's arrival and sampling."""
+    try:
+        trace = read_trace_file(path, max_model_len, workload.max_tokens)
+    except TraceImportError as exc:
+        if workload.skip_invalid:
+            raise TraceImportError(f"{exc} (skip_invalid skips no row of a kvsim trace table: "
+                                   "its rows name each other by index)") from None
+        raise
+    if workload.arrival.process == "trace":
+        trace.arrival_s = trace.arrival_s / workload.arrival.speed
+    else:
+        trace.arrival_s = workload.arrival.sample(np.random.default_rng(seed), len(trace))
+    if "sampling" in workload.model_fields_set:  # else each request keeps its own n
+        trace.n = np.full(len(trace), workload.sampling.forks, dtype=np.int64)
+    trace.validate()
     return trace
 
 

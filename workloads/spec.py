@@ -132,8 +132,9 @@ class ColumnMap(ConfigModel):
 
 
 class TraceWorkload(ConfigModel):
-    """A trace file: Azure LLM inference (2023/2024) CSV, BurstGPT CSV, Mooncake JSONL, or a
-    generic CSV/JSONL with a ``columns`` map.
+    """A trace file: Azure LLM inference (2023/2024) CSV, BurstGPT CSV, Mooncake JSONL, a
+    generic CSV/JSONL with a ``columns`` map, or a table ``kvsim trace export`` wrote (format
+    ``kvsim``: replayed exactly, sessions and shared prefixes included).
 
     ``path`` is relative to the scenario file; ``builtin:NAME`` names a trace shipped with
     kvsim (``kvsim trace list``). Bad rows stop the import with the file, row and column,
@@ -142,7 +143,7 @@ class TraceWorkload(ConfigModel):
 
     kind: Literal["trace"] = "trace"
     path: str
-    format: Literal["azure", "burstgpt", "mooncake", "csv", "jsonl"] | None = None
+    format: Literal["azure", "burstgpt", "mooncake", "csv", "jsonl", "kvsim"] | None = None
     columns: ColumnMap | None = None
     time_unit: Literal["s", "ms", "us", "datetime"] | None = None
     arrival: Annotated[
@@ -156,6 +157,10 @@ class TraceWorkload(ConfigModel):
 
     @model_validator(mode="after")
     def _generic_needs_columns(self):  # type: ignore[no-untyped-def]
+        if self.format == "kvsim" and (self.columns is not None
+                                       or self.time_unit not in (None, "s")):
+            raise ValueError("format kvsim (a table kvsim trace export wrote) names its own "
+                             "columns, times in seconds: give no columns or time_unit")
         if self.format in ("csv", "jsonl") and self.columns is None:
             raise ValueError(f"format {self.format} needs a columns map (arrival, prompt_len, "
                              "output_len)")

@@ -13,6 +13,7 @@ Requests arrive either at ``arrival_s`` (open arrivals) or ``think_s`` seconds a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,8 +47,35 @@ COLUMNS = (
 )
 
 
+def segments_from_text(cells: Iterable[str]) -> dict[str, np.ndarray]:
+    """Each request's ``id:length`` segment pairs (space-separated, as :meth:`Trace.to_frame`
+    writes them) as ``seg_offsets``, ``seg_ids`` and ``seg_lens``."""
+    seg_ids: list[int] = []
+    seg_lens: list[int] = []
+    offsets = [0]
+    for row, text in enumerate(cells):
+        for pair in text.split():
+            segment, colon, length = pair.partition(":")
+            if not (colon and segment.isdigit() and length.isdigit()
+                    and int(segment) < 1 << 63):
+                raise TraceError(f"column 'segments': expected id:length pairs of whole numbers "
+                                 f"(id < 2^63) separated by spaces, got {pair!r}", request=row)
+            seg_ids.append(int(segment))
+            seg_lens.append(int(length))
+        offsets.append(len(seg_ids))
+    return {"seg_offsets": np.array(offsets, dtype=np.int64),
+            "seg_ids": np.array(seg_ids, dtype=np.int64),
+            "seg_lens": np.array(seg_lens, dtype=np.int64)}
+
+
 class TraceError(ValueError):
-    """A trace that breaks its own rules (negative length, a parent after its child, …)."""
+    """A trace that breaks its own rules (negative length, a parent after its child, …);
+    ``request`` is the index of the first offending one, where there is one."""
+
+    def __init__(self, message: str, request: int | None = None) -> None:
+        super().__init__(message if request is None else f"request {request}: {message}")
+        self.request = request
+        self.problem = message
 
 
 @dataclass
@@ -148,11 +176,12 @@ class Trace:
         def first_bad(mask: np.ndarray, message: str) -> None:
             bad = np.flatnonzero(mask)
             if len(bad):
-                raise TraceError(f"request {bad[0]}: {message}")
+                raise TraceError(message, request=int(bad[0]))
 
         first_bad(~np.isfinite(self.arrival_s) | (self.arrival_s < 0),
                   "arrival_s must be a finite time >= 0")
-        first_bad(np.diff(self.arrival_s) < 0, "arrival_s must not decrease")  # i+1 reported as i
+        first_bad(np.concatenate(([False], np.diff(self.arrival_s) < 0)),
+                  "arrival_s must not decrease")
         first_bad(self.prompt_len < 1, "prompt_len must be >= 1")
         first_bad(self.output_len < 1, "output_len must be >= 1")
         first_bad(self.max_tokens < self.output_len, "max_tokens must be >= output_len")
@@ -224,21 +253,10 @@ class Trace:
     @classmethod
     def from_frame(cls, frame: pd.DataFrame, source: str = "table") -> Trace:
         """Inverse of :meth:`to_frame`."""
-        seg_ids: list[int] = []
-        seg_lens: list[int] = []
-        offsets = [0]
-        for text in frame["segments"].fillna("").astype(str):
-            for pair in text.split():
-                s, n = pair.split(":")
-                seg_ids.append(int(s))
-                seg_lens.append(int(n))
-            offsets.append(len(seg_ids))
         return cls.from_columns(
             # Tables written before priorities (predictions) existed lack them: all 0.
             **{name: frame[name].to_numpy() for name in COLUMNS if name in frame},
-            seg_offsets=np.array(offsets),
-            seg_ids=np.array(seg_ids, dtype=np.int64),
-            seg_lens=np.array(seg_lens, dtype=np.int64),
+            **segments_from_text(frame["segments"].fillna("").astype(str)),
             source=source,
         )
 

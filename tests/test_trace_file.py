@@ -1,0 +1,184 @@
+"""kvsim's own trace file: what ``kvsim trace export`` writes replays exactly, and a bad
+row of one stops the read naming its line."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import kvsim_in_process as kvsim
+from pydantic import ValidationError
+
+import sim
+from sim.api import load
+from sim.engine import scenario_trace
+from workloads import build_trace
+from workloads.spec import SyntheticWorkload, TraceWorkload
+from workloads.trace import COLUMNS
+from workloads.trace_file import TraceImportError, read_trace_file, write_trace_file
+
+# Sessions (requests that continue earlier ones), shared prefixes, parallel samples and
+# priorities: everything a trace table must carry.
+SESSIONS = {
+    "name": "replay", "model": "llama-2-7b", "gpu": "a100-80g", "memory": {"kv_memory_gib": 0.4},
+    "workload": {
+        "arrival": {"process": "poisson", "rate": 8},
+        "prompt_len": {"dist": "lognormal", "mean": 120, "sigma": 0.8, "max": 900},
+        "output_len": {"dist": "uniform", "low": 4, "high": 120},
+        "max_tokens": 256,
+        "prefix_groups": {"groups": 3, "length": 64, "fraction": 0.7},
+        "sessions": {"turns": {"dist": "uniform", "low": 1, "high": 4}, "think_time_s": 0.5},
+        "sampling": {"n": 2},
+        "priorities": {0: 0.3, 1: 0.7},
+    },
+    "systems": [{"name": "paged", "scheduler": {"policy": "priority"},
+                 "allocator": {"kind": "paged", "block_size": 16, "eviction": "lru"}},
+                {"name": "contiguous", "allocator": {"kind": "contiguous",
+                                                      "reserve_policy": "request_max"}}],
+    "stop": {"num_requests": 250},
+    "seed": 3,
+}
+CLOSED_LOOP = copy.deepcopy(SESSIONS)
+CLOSED_LOOP["workload"] = {
+    "arrival": {"process": "closed_loop", "users": 6, "think_time_s": 0.2},
+    "prompt_len": {"dist": "uniform", "low": 10, "high": 400},
+    "output_len": {"dist": "uniform", "low": 1, "high": 60},
+}
+
+
+def replayed(scenario: dict, path: Path) -> dict:
+    """``scenario`` with its workload replaced by the trace file at ``path``."""
+    again = copy.deepcopy(scenario)
+    again["workload"] = {"kind": "trace", "path": str(path)}
+    return again
+
+
+@pytest.mark.parametrize("scenario", [SESSIONS, CLOSED_LOOP], ids=["sessions", "closed_loop"])
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_an_exported_trace_replays_to_identical_results(tmp_path, scenario, suffix):
+    trace = scenario_trace(*load(scenario))
+    assert (trace.after >= 0).any()  # requests that wait on others: the hard part
+    path = tmp_path / f"trace{suffix}"
+    write_trace_file(trace, path)
+    back = read_trace_file(path)
+    for name in (*COLUMNS, "seg_offsets", "seg_ids", "seg_lens"):
+        assert np.array_equal(getattr(back, name), getattr(trace, name)), name
+    original, replay = sim.run(scenario), sim.run(replayed(scenario, path))
+    for name, system in original.systems.items():
+        assert replay.systems[name].summary == system.summary
+        assert replay.systems[name].requests.equals(system.requests)
+
+
+def test_the_cli_exports_and_reads_back_a_trace_table(tmp_path):
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text("name: s\nmodel: llama-2-7b\ngpu: a100-80g\nworkload:\n"
+                        "  arrival: {process: poisson, rate: 4}\n"
+                        "  prompt_len: {dist: constant, value: 64}\n"
+                        "  output_len: {dist: constant, value: 8}\n"
+                        "  prefix_groups: {groups: 1, length: 32, fraction: 1}\n"
+                        "systems: [{name: paged, allocator: {kind: paged}}]\n"
+                        "stop: {num_requests: 20}\n")
+    out = tmp_path / "t.csv"
+    assert kvsim("trace", "export", str(scenario), "-o", str(out)).returncode == 0
+    stats = [kvsim("trace", "stats", target).stdout.splitlines()[1:]
+             for target in (str(scenario), str(out))]
+    assert stats[0][1:] == stats[1][1:] and "requests                    20" in stats[1][1]
+    refused = kvsim("trace", "stats", str(out), "--format", "kvsim", "--columns",
+                    "arrival=a,prompt_len=b,output_len=c")
+    assert refused.returncode == 2 and refused.stderr == (
+        f"kvsim: error: {out}: format kvsim (a table kvsim trace export wrote) names its own "
+        "columns, times in seconds: give no columns or time_unit\n")
+    refused = kvsim("trace", "stats", str(out), "--time-unit", "ms")
+    assert refused.returncode == 2 and refused.stderr == (
+        f"kvsim: error: {out}: a kvsim trace table (kvsim trace export wrote it) keeps times "
+        "in seconds: time_unit ms does not apply\n")
+    # With a columns map, a file with these names is a generic one: no sharing is read.
+    generic = kvsim("trace", "stats", str(out), "--columns",
+                    "arrival=arrival_s,prompt_len=prompt_len,output_len=output_len")
+    assert generic.returncode == 0 and "sharing_potential_bs16      0.0000" in generic.stdout
+    assert "sharing_potential_bs16      0.0000" not in kvsim("trace", "stats", str(out)).stdout
+
+
+HEADER = "arrival_s,prompt_len,output_len,after,context_parent,segments\n"
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ("0,10,5,-1,-1,1:10\n0.5,ten,5,-1,-1,2:10\n",
+     ":3: column 'prompt_len': expected an integer, got 'ten'"),
+    ("0,10,5,-1,-1,1:10\nsoon,10,5,-1,-1,2:10\n",
+     ":3: column 'arrival_s': expected a finite time in seconds, got 'soon'"),
+    ("0,10,5,-1,-1,1:10\n1,10,5,-1,-1,2-10\n",
+     ":3: column 'segments': expected id:length pairs of whole numbers (id < 2^63) separated "
+     "by spaces, got '2-10'"),
+    ("0,10,5,-1,-1,1:10\n1,10,5,-1,-1,1:9\n",
+     ":3: prompt_len != parent's prompt + output + own segment lengths"),
+    ("0,10,5,-1,-1,1:10\n1,25,5,0,0,2:10\n1,30,5,3,-1,3:30\n",
+     ":4: after must name an earlier request (or -1)"),
+    ("2,10,5,-1,-1,1:10\n1,10,5,-1,-1,2:10\n", ":3: arrival_s must not decrease"),
+    ("", ": no requests"),
+])
+def test_a_bad_row_names_its_line(tmp_path, rows, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(HEADER + rows)
+    with pytest.raises(TraceImportError) as err:
+        read_trace_file(path)
+    assert str(err.value) == f"{path}{message}"
+
+
+def test_what_a_table_needs_and_what_its_replay_refuses(tmp_path):
+    path = tmp_path / "short.csv"
+    path.write_text("arrival_s,prompt_len\n0,10\n")
+    with pytest.raises(TraceImportError) as err:
+        read_trace_file(path)
+    assert str(err.value).startswith(
+        f"{path}: missing column 'output_len': a kvsim trace table needs arrival_s, "
+        "prompt_len, output_len (and may have max_tokens, n, after, ")
+    # Only the three needed: plain requests, each prompt its own text.
+    path.write_text("arrival_s,prompt_len,output_len,segments\n0,10,5,\n1,12,3,\n")
+    with pytest.raises(TraceImportError, match=r":2: prompt_len != parent's"):
+        read_trace_file(path)
+    path.write_text("arrival_s,prompt_len,output_len\n0,10,5\n1,12,3\n")
+    plain = read_trace_file(path)
+    assert plain.prompt_segments(0) != plain.prompt_segments(1)
+    assert plain.max_tokens.tolist() == [5, 3] and plain.n.tolist() == [1, 1]
+    # A continued request cannot be clipped: one that does not fit the context is refused,
+    # and skip_invalid cannot drop it.
+    path = tmp_path / "long.csv"
+    path.write_text(HEADER.replace("segments", "max_tokens,segments")
+                    + "0,100,50,-1,-1,200,1:100\n1,200,20,0,0,100,2:50\n")
+    workload = TraceWorkload(path=str(path), skip_invalid=True)
+    assert build_trace(workload, seed=0, max_model_len=270).max_tokens.tolist() == [170, 70]
+    with pytest.raises(TraceImportError) as err:
+        build_trace(workload, seed=0, max_model_len=219)
+    assert str(err.value) == (
+        f"{path}:3: prompt_len 200 + output_len 20 does not fit the context limit "
+        "max_model_len 219 (1 of 2 requests): the table was written for a longer one; its "
+        "requests continue each other, so none is clipped (skip_invalid skips no row of a "
+        "kvsim trace table: its rows name each other by index)")
+    with pytest.raises(TraceImportError, match=r":2: prompt_len 100 \+ output_len 50 does not "
+                       r"fit the context limit max_model_len 4096 with max_tokens 40 \(1 of 2 "
+                       r"requests\)"):
+        build_trace(workload.model_copy(update={"max_tokens": 40}), seed=0, max_model_len=4096)
+    faster = build_trace(TraceWorkload(path=str(path), arrival={"process": "trace",
+                                                                 "speed": 4}),
+                         seed=0, max_model_len=4096)
+    assert faster.arrival_s.tolist() == [0.0, 0.25]
+    forked = build_trace(TraceWorkload(path=str(path), sampling={"n": 3}), seed=0,
+                         max_model_len=4096)
+    assert forked.n.tolist() == [3, 3]
+    with pytest.raises(ValidationError, match=r"format kvsim .* give no columns or time_unit"):
+        TraceWorkload(path=str(path), format="kvsim", time_unit="ms")
+
+
+def test_an_empirical_length_resamples_a_trace_table(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival_s": 0, "prompt_len": 7, "output_len": 3, "segments": "1:7"}\n'
+                    '{"arrival_s": 1, "prompt_len": 9, "output_len": 3, "segments": "2:9"}\n')
+    workload = SyntheticWorkload(
+        arrival={"process": "poisson", "rate": 1},
+        prompt_len={"dist": "empirical", "path": str(path), "column": "prompt_len"},
+        output_len={"dist": "constant", "value": 2})
+    drawn = build_trace(workload, seed=0, max_model_len=4096, num_requests=200)
+    assert set(drawn.prompt_len.tolist()) == {7, 9}

@@ -1,0 +1,131 @@
+"""kvsim's own trace file: a :class:`~workloads.trace.Trace` written out as a table, and read
+back unchanged.
+
+A trace file is sheet music. ``kvsim trace export`` writes down every request of a scenario's
+trace, its dependencies (``after``, ``context_parent``) and its content as shared segments,
+so that another scenario, another machine or another simulator plays exactly the same piece:
+replayed in a scenario (``workload: {kind: trace, path: trace.csv}``) it gives results
+identical to the scenario that wrote it. Rows name each other by index, so a row cannot be
+skipped or clipped without changing the rest; a bad one stops the read, naming its line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from workloads.trace import COLUMNS, Trace, TraceError, segments_from_text
+
+
+class TraceImportError(ValueError):
+    """A trace file that cannot be read as asked; the message names file, row and column."""
+
+
+# The columns a table cannot do without; the others have the defaults of a plain request
+# (one sample, no dependency, one private segment of prompt).
+REQUIRED_COLUMNS = ("arrival_s", "prompt_len", "output_len")
+SEGMENTS_COLUMN = "segments"
+_TIME_COLUMNS = ("arrival_s", "think_s")
+
+
+def is_trace_table(names: list[str]) -> bool:
+    """Whether a file whose columns are ``names`` is one ``kvsim trace export`` wrote."""
+    return SEGMENTS_COLUMN in names and all(name in names for name in REQUIRED_COLUMNS)
+
+
+def write_trace_file(trace: Trace, path: Path) -> None:
+    """Write ``trace`` as CSV or JSONL (by ``path``'s suffix); times keep every digit."""
+    frame = trace.to_frame()
+    if path.suffix == ".csv":
+        frame.to_csv(path, index=False)
+    elif path.suffix == ".jsonl":
+        # json.dumps writes a float's shortest round-trip form; DataFrame.to_json rounds.
+        with path.open("w") as handle:
+            for record in frame.to_dict("records"):
+                handle.write(json.dumps(record) + "\n")
+    else:
+        raise TraceImportError(f"{path}: expected a .csv or .jsonl output file")
+
+
+def read_trace_file(path: Path, max_model_len: int | None = None,
+                    max_tokens: int | None = None) -> Trace:
+    """Read a trace table back into the trace it was written from.
+
+    With ``max_model_len`` (and ``max_tokens``, a cap on any request's generation), a request
+    whose prompt and output do not fit is refused, since clipping one would change the
+    prompts of those that continue it; each request's ``max_tokens`` is cut to what is left.
+    """
+    frame, lines = _read_frame(path)
+    missing = [name for name in REQUIRED_COLUMNS if name not in frame]
+    if missing:
+        optional = [name for name in (*COLUMNS, SEGMENTS_COLUMN) if name not in REQUIRED_COLUMNS]
+        raise TraceImportError(f"{path}: missing column {missing[0]!r}: a kvsim trace table "
+                               f"needs {', '.join(REQUIRED_COLUMNS)} (and may have "
+                               f"{', '.join(optional)})")
+    if frame.empty:
+        raise TraceImportError(f"{path}: no requests")
+    columns: dict[str, np.ndarray] = {}
+    for name in COLUMNS:
+        if name not in frame:
+            continue
+        values = pd.to_numeric(frame[name], errors="coerce").to_numpy(dtype=float)
+        whole = name not in _TIME_COLUMNS
+        bad = ~np.isfinite(values) | (whole & (values != np.round(values)))
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise TraceImportError(
+                f"{path}:{lines[row]}: column {name!r}: expected "
+                f"{'an integer' if whole else 'a finite time in seconds'}, got "
+                f"{frame[name].iloc[row]!r}")
+        columns[name] = values.astype(np.int64) if whole else values
+    try:
+        if SEGMENTS_COLUMN in frame:
+            cells = frame[SEGMENTS_COLUMN].fillna("").astype(str)
+            columns.update(segments_from_text(cells))
+        trace = Trace.from_columns(**columns, source=str(path))
+    except TraceError as exc:
+        where = f"{path}:{lines[exc.request]}" if exc.request is not None else str(path)
+        raise TraceImportError(f"{where}: {exc.problem}") from None
+    if max_model_len is None:
+        return trace
+    room = max_model_len - trace.prompt_len
+    if max_tokens is not None:
+        room = np.minimum(room, max_tokens)
+    over = np.flatnonzero(trace.output_len > room)
+    if len(over):
+        row = int(over[0])
+        raise TraceImportError(
+            f"{path}:{lines[row]}: prompt_len {trace.prompt_len[row]} + output_len "
+            f"{trace.output_len[row]} does not fit the context limit max_model_len "
+            f"{max_model_len}" + (f" with max_tokens {max_tokens}" if max_tokens else "")
+            + f" ({len(over)} of {len(trace)} requests): the table was written for a longer one; "
+            "its requests continue each other, so none is clipped")
+    trace.max_tokens = np.minimum(trace.max_tokens, room)
+    return trace
+
+
+def _read_frame(path: Path) -> tuple[pd.DataFrame, np.ndarray]:
+    """The table as read (CSV cells as text) and each row's line in the file."""
+    if path.suffix != ".jsonl":
+        try:
+            frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+            raise TraceImportError(f"{path}: not a readable CSV file: {exc}") from None
+        return frame, np.arange(len(frame)) + 2
+    records, lines = [], []
+    with path.open() as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceImportError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise TraceImportError(f"{path}:{line_no}: expected a JSON object per line")
+            records.append(record)
+            lines.append(line_no)
+    return pd.DataFrame.from_records(records), np.array(lines, dtype=np.int64)
