@@ -23,6 +23,7 @@ from workloads.trace_file import (
     SEGMENTS_COLUMN,
     TraceImportError,
     is_trace_table,
+    jsonl_records,
     read_trace_file,
 )
 
@@ -150,21 +151,12 @@ def _read_rows(path: Path, reader: str, columns: ColumnMap) -> tuple[pd.DataFram
                                    f"{', '.join(frame.columns)}")
         return frame, 2
     records = []
-    with path.open() as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceImportError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise TraceImportError(f"{path}:{line_no}: expected a JSON object per line")
-            for col in wanted:
-                if col not in record:
-                    raise TraceImportError(f"{path}:{line_no}: missing column {col!r}")
-            record["__line"] = line_no
-            records.append(record)
+    for line_no, record in jsonl_records(path):
+        for col in wanted:
+            if col not in record:
+                raise TraceImportError(f"{path}:{line_no}: missing column {col!r}")
+        record["__line"] = line_no
+        records.append(record)
     frame = pd.DataFrame.from_records(records)
     return frame, 1
 

@@ -12,7 +12,9 @@ skipped or clipped without changing the rest; a bad one stops the read, naming i
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -115,7 +117,13 @@ def _read_frame(path: Path) -> tuple[pd.DataFrame, np.ndarray]:
         except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
             raise TraceImportError(f"{path}: not a readable CSV file: {exc}") from None
         return frame, np.arange(len(frame)) + 2
-    records, lines = [], []
+    numbered = list(jsonl_records(path))
+    return (pd.DataFrame.from_records([record for _, record in numbered]),
+            np.array([line_no for line_no, _ in numbered], dtype=np.int64))
+
+
+def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Each JSON object of a JSON-lines file with its line number; blank lines skipped."""
     with path.open() as handle:
         for line_no, line in enumerate(handle, start=1):
             if not line.strip():
@@ -126,6 +134,4 @@ def _read_frame(path: Path) -> tuple[pd.DataFrame, np.ndarray]:
                 raise TraceImportError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
             if not isinstance(record, dict):
                 raise TraceImportError(f"{path}:{line_no}: expected a JSON object per line")
-            records.append(record)
-            lines.append(line_no)
-    return pd.DataFrame.from_records(records), np.array(lines, dtype=np.int64)
+            yield line_no, record
