@@ -15,7 +15,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, get_args
 
 from sim import CORE, __version__
 from sim.bench import DEFAULT_SIZES, request_counts
@@ -993,6 +993,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from sim.presets import KV_CACHE_DTYPES
+    from workloads.distributions import TraceFormat
 
     parser = _Parser(prog="kvsim", description="KV-cache memory simulator for LLM serving: "
                      "contiguous reservation vs paged allocation.")
@@ -1118,7 +1119,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace_sub = trace.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
     common = _Parser(add_help=False)
     common.add_argument("--format",
-                        choices=["azure", "burstgpt", "mooncake", "csv", "jsonl", "kvsim"],
+                        choices=get_args(TraceFormat),
                         help="trace file format (default: guessed; kvsim: a table kvsim trace "
                         "export wrote)")
     common.add_argument("--columns", type=_column_map, metavar="KEY=NAME,...",

@@ -182,3 +182,9 @@ def test_an_empirical_length_resamples_a_trace_table(tmp_path):
         output_len={"dist": "constant", "value": 2})
     drawn = build_trace(workload, seed=0, max_model_len=4096, num_requests=200)
     assert set(drawn.prompt_len.tolist()) == {7, 9}
+    with pytest.raises(ValidationError, match=r"prompt_len\.empirical\.format\n.*'kvsim'"):
+        SyntheticWorkload(
+            arrival={"process": "poisson", "rate": 1},
+            prompt_len={"dist": "empirical", "path": str(path), "column": "prompt_len",
+                        "format": "kvsim-table"},
+            output_len={"dist": "constant", "value": 2})

@@ -156,13 +156,18 @@ class ZipfLength(_LengthBase):
         return rng.zipf(self.a, size) * self.scale
 
 
+# The formats a trace file may have (workloads.importers reads them; kvsim: a table
+# ``kvsim trace export`` wrote).
+TraceFormat = Literal["azure", "burstgpt", "mooncake", "csv", "jsonl", "kvsim"]
+
+
 class EmpiricalLength(_LengthBase):
     """Resampled (with replacement) from one column of a trace file."""
 
     dist: Literal["empirical"]
     path: str
     column: Literal["prompt_len", "output_len"]
-    format: str | None = None
+    format: TraceFormat | None = None
 
     def raw(self, rng, size, base_dir):  # type: ignore[no-untyped-def]
         from workloads.importers import read_length_column

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from workloads.distributions import TraceFormat
 from workloads.spec import ColumnMap, TraceWorkload
 from workloads.trace import SHARED_SEGMENT_BASE, UNIQUE_SEGMENT_BASE, Trace
 from workloads.trace_file import (
@@ -280,12 +281,14 @@ def read_trace_table(
     return table, notes
 
 
-def read_length_column(path: str, column: str, base_dir: Path, fmt: str | None) -> np.ndarray:
+def read_length_column(
+    path: str, column: str, base_dir: Path, fmt: TraceFormat | None
+) -> np.ndarray:
     """One length column of a trace file (for empirical distributions)."""
     resolved = resolve_path(path, base_dir)
     if (fmt or _guess_format(resolved)) == "kvsim":
         return getattr(read_trace_file(resolved), column)
-    table, _ = read_trace_table(TraceWorkload(path=path, format=fmt, skip_invalid=True), base_dir)  # type: ignore[arg-type]
+    table, _ = read_trace_table(TraceWorkload(path=path, format=fmt, skip_invalid=True), base_dir)
     return table[column].to_numpy()
 
 

@@ -12,9 +12,9 @@ from workloads.distributions import (
     OpenArrivals,
     SyntheticArrivals,
     TraceArrivals,
+    TraceFormat,
 )
 
-TRACE_FORMATS = ("azure", "burstgpt", "mooncake", "csv", "jsonl")
 # The most requests a trace holds (stop.num_requests; a duration's synthetic stream stops
 # drawing past it), and the most shared prompts a recipe draws from: beyond these the
 # arrays alone outgrow any machine, and the run would take days.
@@ -143,7 +143,7 @@ class TraceWorkload(ConfigModel):
 
     kind: Literal["trace"] = "trace"
     path: str
-    format: Literal["azure", "burstgpt", "mooncake", "csv", "jsonl", "kvsim"] | None = None
+    format: TraceFormat | None = None
     columns: ColumnMap | None = None
     time_unit: Literal["s", "ms", "us", "datetime"] | None = None
     arrival: Annotated[
