@@ -8,7 +8,6 @@ another request's prompt — the most a perfect, infinite prefix cache could reu
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -19,15 +18,14 @@ from workloads.trace import Trace
 
 def sharing_potential(trace: Trace, block_size: int) -> float:
     """Share of prompt tokens in full blocks that another request's prompt also has."""
-    counts: Counter[int] = Counter()
-    per_request: list[list[int]] = []
+    hashes: list[int] = []
     for i in range(len(trace)):
         hasher = BlockHasher(trace.prompt_segments(i), block_size)
-        hashes = hasher.hash_upto(int(trace.prompt_len[i]) // block_size)
-        unique = list(dict.fromkeys(hashes))
-        per_request.append(unique)
-        counts.update(unique)
-    shared_blocks = sum(sum(1 for h in hashes if counts[h] > 1) for hashes in per_request)
+        hashes += hasher.hash_upto(int(trace.prompt_len[i]) // block_size)
+    # A block's hash chains all before it, so one prompt holds each hash once (a 64-bit
+    # collision aside, ignored as in the pool): a hash's count is how many prompts hold it.
+    _, holders = np.unique(np.array(hashes, dtype=np.int64), return_counts=True)
+    shared_blocks = int(holders[holders > 1].sum())
     total = int(trace.prompt_len.sum())
     return shared_blocks * block_size / total if total else 0.0
 
