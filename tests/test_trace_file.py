@@ -128,6 +128,10 @@ def test_a_bad_row_names_its_line(tmp_path, rows, message):
 
 
 def test_what_a_table_needs_and_what_its_replay_refuses(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(TraceImportError, match=r"empty\.jsonl: no requests$"):
+        read_trace_file(empty)
     path = tmp_path / "short.csv"
     path.write_text("arrival_s,prompt_len\n0,10\n")
     with pytest.raises(TraceImportError) as err:

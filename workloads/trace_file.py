@@ -61,14 +61,14 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
     prompts of those that continue it; each request's ``max_tokens`` is cut to what is left.
     """
     frame, lines = _read_frame(path)
+    if frame.empty:
+        raise TraceImportError(f"{path}: no requests")
     missing = [name for name in REQUIRED_COLUMNS if name not in frame]
     if missing:
         optional = [name for name in (*COLUMNS, SEGMENTS_COLUMN) if name not in REQUIRED_COLUMNS]
         raise TraceImportError(f"{path}: missing column {missing[0]!r}: a kvsim trace table "
                                f"needs {', '.join(REQUIRED_COLUMNS)} (and may have "
                                f"{', '.join(optional)})")
-    if frame.empty:
-        raise TraceImportError(f"{path}: no requests")
     columns: dict[str, np.ndarray] = {}
     for name in COLUMNS:
         if name not in frame:
