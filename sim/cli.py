@@ -562,6 +562,7 @@ def _load_trace_arg(target: str, args: argparse.Namespace):  # type: ignore[no-u
 
     from sim.api import load
     from sim.engine import scenario_trace
+    from sim.scenario import validation_message
     from workloads import build_trace
     from workloads.spec import TraceWorkload
 
@@ -583,8 +584,7 @@ def _load_trace_arg(target: str, args: argparse.Namespace):  # type: ignore[no-u
         workload = TraceWorkload(path=target, format=args.format, columns=args.columns,
                                  time_unit=args.time_unit, skip_invalid=args.skip_invalid)
     except ValidationError as exc:  # options that do not go together (kvsim with --columns)
-        raise BadInput(f"{target}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}"
-                       ) from None
+        raise BadInput(f"{target}: {validation_message(exc, vars(args))}") from None
     return build_trace(workload, seed=0, max_model_len=args.max_model_len, base_dir=Path()), None
 
 
@@ -721,9 +721,7 @@ def cmd_trace_export(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if not out.parent.is_dir():
         raise BadInput(f"{out}: no folder {out.parent} to write into")
-    if out.suffix not in (".csv", ".jsonl"):
-        raise BadInput(f"{out}: expected a .csv or .jsonl output file")
-    write_trace_file(trace, out)
+    write_trace_file(trace, out)  # refuses a suffix other than .csv or .jsonl
     print(f"wrote {len(trace):,} requests to {out}")
     return EXIT_OK
 

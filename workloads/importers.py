@@ -285,10 +285,11 @@ def read_length_column(
     path: str, column: str, base_dir: Path, fmt: TraceFormat | None
 ) -> np.ndarray:
     """One length column of a trace file (for empirical distributions)."""
+    workload = TraceWorkload(path=path, format=fmt, skip_invalid=True)
     resolved = resolve_path(path, base_dir)
-    if (fmt or _guess_format(resolved)) == "kvsim":
+    if _format_of(workload, resolved) == "kvsim":
         return getattr(read_trace_file(resolved), column)
-    table, _ = read_trace_table(TraceWorkload(path=path, format=fmt, skip_invalid=True), base_dir)
+    table, _ = read_trace_table(workload, base_dir)
     return table[column].to_numpy()
 
 
@@ -317,13 +318,8 @@ def import_trace(
         offsets = np.arange(size + 1)
         seg_ids = UNIQUE_SEGMENT_BASE + np.arange(size)
         seg_lens = prompt
-    arrival = table["arrival_s"].to_numpy()
-    if workload.arrival.process == "trace":
-        arrival = arrival / workload.arrival.speed
-    else:
-        arrival = workload.arrival.sample(np.random.default_rng(seed), size)
     trace = Trace.from_columns(
-        arrival_s=arrival,
+        arrival_s=_arrivals(workload, table["arrival_s"].to_numpy(), seed),
         prompt_len=prompt,
         output_len=output,
         max_tokens=max_tokens,
@@ -351,14 +347,18 @@ def _replay_trace_file(
             raise TraceImportError(f"{exc} (skip_invalid skips no row of a kvsim trace table: "
                                    "its rows name each other by index)") from None
         raise
-    if workload.arrival.process == "trace":
-        trace.arrival_s = trace.arrival_s / workload.arrival.speed
-    else:
-        trace.arrival_s = workload.arrival.sample(np.random.default_rng(seed), len(trace))
+    trace.arrival_s = _arrivals(workload, trace.arrival_s, seed)
     if "sampling" in workload.model_fields_set:  # else each request keeps its own n
         trace.n = np.full(len(trace), workload.sampling.forks, dtype=np.int64)
-    trace.validate()
     return trace
+
+
+def _arrivals(workload: TraceWorkload, arrival_s: np.ndarray, seed: int) -> np.ndarray:
+    """The trace's own times, ``speed`` times faster, or times drawn by the workload's
+    synthetic arrival process."""
+    if workload.arrival.process == "trace":
+        return arrival_s / workload.arrival.speed
+    return workload.arrival.sample(np.random.default_rng(seed), len(arrival_s))
 
 
 def _hash_segments(
