@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import PUBLIC_TRACE_ROWS
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from sim.memory.content import BlockHasher
 from sim.trace_stats import sharing_potential, trace_stats
@@ -123,6 +123,56 @@ def test_empirical_lengths_and_few_shot_templates():
     assert (trace.prompt_len > 200).all()
 
 
+def test_empirical_lengths_read_any_column_of_a_generic_file(tmp_path):
+    csv_path = write(tmp_path, "id,tokens_in\n1,7\n2,9\n3,7\n", "lengths.csv")
+    jsonl_path = write(tmp_path, '{"n": 5, "x": 1}\n\n{"n": 6}\n', "lengths.jsonl")
+    assert set(draw({"dist": "empirical", "path": str(csv_path),
+                     "file_column": "tokens_in"}).tolist()) == {7, 9}
+    assert set(draw({"dist": "empirical", "path": str(jsonl_path),
+                     "file_column": "n"}).tolist()) == {5, 6}
+    # A known format's column by its own name: the same values as by meaning.
+    by_name = draw({"dist": "empirical", "path": "builtin:azure_llm_2023_code.csv",
+                    "file_column": "GeneratedTokens"})
+    by_meaning = draw({"dist": "empirical", "path": "builtin:azure_llm_2023_code.csv",
+                       "column": "output_len"})
+    assert (by_name == by_meaning).all()
+    with pytest.raises(TraceImportError, match=r"lengths\.csv: format csv does not say which "
+                       r"column holds prompt_len: give the empirical length a file_column.*"
+                       r"first line: 'id,tokens_in'"):
+        draw({"dist": "empirical", "path": str(csv_path), "column": "prompt_len"})
+    with pytest.raises(TraceImportError, match=r"lengths\.csv: missing column 'tokens'; "
+                       r"header has id, tokens_in"):
+        draw({"dist": "empirical", "path": str(csv_path), "file_column": "tokens"})
+    with pytest.raises(TraceImportError, match=r"lengths\.jsonl:3: missing column 'x'"):
+        draw({"dist": "empirical", "path": str(jsonl_path), "file_column": "x"})
+    for both_or_neither in ({"column": "prompt_len", "file_column": "n"}, {}):
+        with pytest.raises(ValidationError, match=r"give column .* or file_column"):
+            draw({"dist": "empirical", "path": str(jsonl_path), **both_or_neither})
+
+
+def test_empirical_bad_rows_stop_or_are_skipped_and_reported(tmp_path):
+    path = write(tmp_path, "tokens_in\n7\n0\nmany\n9\n", "lengths.csv")
+    spec = {"dist": "empirical", "path": str(path), "file_column": "tokens_in"}
+    with pytest.raises(TraceImportError, match=r"lengths\.csv:3: column 'tokens_in': expected "
+                       r"an integer >= 1, got '0' \(skip_invalid: true on the empirical length, "
+                       r"skips such rows\)$"):
+        draw(spec)
+    workload = WORKLOAD.validate_python(synthetic(
+        prompt_len={**spec, "skip_invalid": True}, output_len={**spec, "skip_invalid": True}))
+    trace = build_trace(workload, seed=0, max_model_len=4096, num_requests=200)
+    assert set(trace.prompt_len.tolist()) == set(trace.output_len.tolist()) == {7, 9}
+    assert trace.notes == [f"empirical lengths from {path}: skipped 2 rows with bad "
+                           "'tokens_in' (first at line 3: '0')"]  # once for both columns
+
+
+def test_empirical_lengths_follow_a_rewritten_file(tmp_path):
+    path = write(tmp_path, "n\n7\n", "lengths.csv")
+    spec = {"dist": "empirical", "path": str(path), "file_column": "n"}
+    assert set(draw(spec).tolist()) == {7}
+    path.write_text("n\n1234\n")  # another size, so another file even at the same mtime
+    assert set(draw(spec).tolist()) == {1234}
+
+
 def test_beam_width_forks_and_onoff_bursts():
     spec = WORKLOAD.validate_python({**synthetic(sampling={"n": 2, "beam_width": 4}),
                                      "arrival": {"process": "onoff", "rate": 100,
@@ -199,8 +249,8 @@ def test_skip_invalid_counts_and_reports(tmp_path):
     trace = build_trace(TraceWorkload(path=str(path), skip_invalid=True), seed=0,
                         max_model_len=4096)
     assert len(trace) == 2
-    assert any("skipped 1 rows with bad 'ContextTokens'" in n for n in trace.notes)
-    assert any("skipped 1 rows with bad 'GeneratedTokens'" in n for n in trace.notes)
+    assert any("skipped 1 row with bad 'ContextTokens'" in n for n in trace.notes)
+    assert any("skipped 1 row with bad 'GeneratedTokens'" in n for n in trace.notes)
 
 
 def test_generic_jsonl_and_burstgpt(tmp_path):
@@ -249,7 +299,7 @@ def test_hash_ids_of_a_generic_file_are_checked_row_by_row(tmp_path):
             f'cell, as JSON: "[1, 2, 3]"), got {shown}')
     kept = build_trace(TraceWorkload(path=str(tmp_path / "words.csv"), columns=columns,
                                      skip_invalid=True), seed=0, max_model_len=4096)
-    assert len(kept) == 1 and "skipped 1 rows with bad 'h'" in kept.notes[0]
+    assert len(kept) == 1 and "skipped 1 row with bad 'h'" in kept.notes[0]
 
 
 def test_trace_speed_and_frame_round_trip():

@@ -55,6 +55,8 @@ def build_trace(
             if trace.arrival_s[-1] > duration_s or count > MAX_REQUESTS:
                 break
             count *= 4
+    if isinstance(workload, SyntheticWorkload):
+        trace.notes.extend(workload.length_notes(base_dir))
     if workload.priorities is not None:
         trace = dataclasses.replace(trace, priority=draw_priorities(
             workload.priorities, trace.session_id, seed))

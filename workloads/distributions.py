@@ -162,18 +162,43 @@ TraceFormat = Literal["azure", "burstgpt", "mooncake", "csv", "jsonl", "kvsim"]
 
 
 class EmpiricalLength(_LengthBase):
-    """Resampled (with replacement) from one column of a trace file."""
+    """Resampled (with replacement) from one column of a trace file.
+
+    ``column`` names the column by its meaning, for a file whose format names it (Azure,
+    BurstGPT, Mooncake, a kvsim trace table); ``file_column`` names it as the file does, for
+    any CSV/JSONL. Each value must be an integer >= 1; a bad row is an error unless
+    ``skip_invalid`` (then it is skipped, and the run's notes say how many).
+    """
 
     dist: Literal["empirical"]
     path: str
-    column: Literal["prompt_len", "output_len"]
+    column: Literal["prompt_len", "output_len"] | None = None
+    file_column: str | None = Field(
+        default=None, min_length=1, description="the column's name in the file (its header "
+        "in a CSV, its key in JSONL): reads any CSV/JSONL")
     format: TraceFormat | None = None
+    skip_invalid: bool = False
+
+    @model_validator(mode="after")
+    def _one_column(self):  # type: ignore[no-untyped-def]
+        if (self.column is None) == (self.file_column is None):
+            raise ValueError("give column (prompt_len or output_len, in a file whose format "
+                             "names them) or file_column (the column's name in the file), "
+                             "one of the two")
+        return self
 
     def raw(self, rng, size, base_dir):  # type: ignore[no-untyped-def]
         from workloads.importers import read_length_column
 
-        values = read_length_column(self.path, self.column, base_dir, self.format)
+        values, _ = read_length_column(self, base_dir)
         return rng.choice(values, size).astype(float)
+
+    def notes(self, base_dir: Path) -> list[str]:
+        """What reading the file skipped (under ``skip_invalid``)."""
+        from workloads.importers import read_length_column
+
+        _, skipped = read_length_column(self, base_dir)
+        return [f"empirical lengths from {self.path}: {note}" for note in skipped]
 
 
 LengthDist = Annotated[

@@ -9,6 +9,7 @@ share a hash id share that block's content, so they become shared segments here.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from workloads.distributions import TraceFormat
+from workloads.distributions import EmpiricalLength
 from workloads.spec import ColumnMap, TraceWorkload
 from workloads.trace import SHARED_SEGMENT_BASE, UNIQUE_SEGMENT_BASE, Trace
 from workloads.trace_file import (
@@ -122,10 +123,15 @@ def _format_of(workload: TraceWorkload, path: Path) -> str:
     return guessed
 
 
+def _first_line(path: Path) -> str:
+    """The start of a file's first line, to show what a file that cannot be read holds."""
+    with path.open(errors="replace") as handle:
+        return handle.readline().strip()[:120]
+
+
 def _needs_columns(path: Path, fmt_name: str, guessed: bool) -> str:
     """Why a generic file cannot be read without a columns map, and what would read it."""
-    with path.open(errors="replace") as handle:
-        first = handle.readline().strip()[:120]
+    first = _first_line(path)
     known = "; ".join(f"{name}: {fmt.columns.arrival!r}, {fmt.columns.prompt_len!r}, "
                       f"{fmt.columns.output_len!r}" for name, fmt in KNOWN_FORMATS.items())
     known += "; kvsim: " + ", ".join(map(repr, (*REQUIRED_COLUMNS, SEGMENTS_COLUMN)))
@@ -136,11 +142,8 @@ def _needs_columns(path: Path, fmt_name: str, guessed: bool) -> str:
                if guessed else ""))
 
 
-def _read_rows(path: Path, reader: str, columns: ColumnMap) -> tuple[pd.DataFrame, int]:
-    """Raw table with the mapped columns (as read) and the line number of its first row."""
-    wanted = [columns.arrival, columns.prompt_len, columns.output_len]
-    wanted += [c for c in (columns.priority, columns.predicted_output, columns.hash_ids)
-               if c is not None]
+def _read_rows(path: Path, reader: str, wanted: list[str]) -> tuple[pd.DataFrame, np.ndarray]:
+    """Raw table (values as read) that has the ``wanted`` columns, and each row's line."""
     if reader == "csv":
         try:
             frame = pd.read_csv(path, dtype=str, keep_default_na=False)
@@ -150,16 +153,57 @@ def _read_rows(path: Path, reader: str, columns: ColumnMap) -> tuple[pd.DataFram
         if missing:
             raise TraceImportError(f"{path}: missing column {missing[0]!r}; header has "
                                    f"{', '.join(frame.columns)}")
-        return frame, 2
-    records = []
+        return frame, np.arange(len(frame)) + 2  # line 1 is the header
+    records, lines = [], []
     for line_no, record in jsonl_records(path):
         for col in wanted:
             if col not in record:
                 raise TraceImportError(f"{path}:{line_no}: missing column {col!r}")
-        record["__line"] = line_no
         records.append(record)
-    frame = pd.DataFrame.from_records(records)
-    return frame, 1
+        lines.append(line_no)
+    return pd.DataFrame.from_records(records), np.array(lines, dtype=np.int64)
+
+
+def _numbers(raw: pd.Series) -> np.ndarray:
+    """A column's values as floats, NaN where one is not a number."""
+    return pd.to_numeric(raw, errors="coerce").to_numpy(dtype=float)
+
+
+def _not_a_count(values: np.ndarray) -> np.ndarray:
+    """Where ``values`` are not integers >= 1 (a length, a token count)."""
+    return ~np.isfinite(values) | (values < 1) | (values != np.round(values))
+
+
+def _rows(count: int) -> str:
+    return f"{count} row" if count == 1 else f"{count} rows"
+
+
+def _bad_rows(
+    raw: pd.DataFrame,
+    lines: np.ndarray,
+    problems: list[tuple[np.ndarray, str, str]],
+    path: Path,
+    skip_invalid: bool,
+    skip_hint: str = "skip_invalid: true, or --skip-invalid on kvsim trace",
+) -> tuple[np.ndarray, list[str]]:
+    """The rows that fail any of ``problems`` (mask, column, what was expected) and a note per
+    column on what was skipped; without ``skip_invalid``, the first bad row is an error that
+    names its line, column and value, and ``skip_hint``: how to skip such rows instead."""
+    bad = np.zeros(len(raw), dtype=bool)
+    notes: list[str] = []
+    for mask, column, expected in problems:
+        mask = mask & ~bad
+        if mask.any():
+            row = int(np.flatnonzero(mask)[0])
+            value = raw[column].iloc[row]
+            if not skip_invalid:
+                raise TraceImportError(
+                    f"{path}:{lines[row]}: column {column!r}: expected {expected}, got "
+                    f"{value!r} ({skip_hint}, skips such rows)")
+            notes.append(f"skipped {_rows(int(mask.sum()))} with bad {column!r} "
+                         f"(first at line {lines[row]}: {value!r})")
+            bad |= mask
+    return bad, notes
 
 
 # Hash ids become segment ids above SHARED_SEGMENT_BASE; this bound keeps them below the
@@ -188,7 +232,7 @@ def _times(raw: pd.Series, unit: str) -> np.ndarray:
         seconds = (parsed - parsed.min()).dt.total_seconds()
         return seconds.to_numpy(dtype=float, na_value=np.nan)
     scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
-    return pd.to_numeric(raw, errors="coerce").to_numpy(dtype=float) * scale
+    return _numbers(raw) * scale
 
 
 def read_trace_table(
@@ -208,50 +252,32 @@ def read_trace_table(
             raise TraceImportError(_needs_columns(path, fmt_name, guessed=not workload.format))
         columns, reader = workload.columns, fmt_name
         unit = workload.time_unit or "s"
-    raw, first_line = _read_rows(path, reader, columns)
-    lines = (raw["__line"].to_numpy() if "__line" in raw else
-             np.arange(len(raw)) + first_line)
+    wanted = [columns.arrival, columns.prompt_len, columns.output_len]
+    wanted += [c for c in (columns.priority, columns.predicted_output, columns.hash_ids)
+               if c is not None]
+    raw, lines = _read_rows(path, reader, wanted)
     arrival = _times(raw[columns.arrival], unit)
-    prompt = pd.to_numeric(raw[columns.prompt_len], errors="coerce").to_numpy(dtype=float)
-    output = pd.to_numeric(raw[columns.output_len], errors="coerce").to_numpy(dtype=float)
+    prompt = _numbers(raw[columns.prompt_len])
+    output = _numbers(raw[columns.output_len])
     problems = [
         (~np.isfinite(arrival) | (arrival < 0), columns.arrival,
          "a date and time" if unit == "datetime" else f"a time >= 0 (in {unit})"),
-        (~np.isfinite(prompt) | (prompt < 1) | (prompt != np.round(prompt)), columns.prompt_len,
-         "an integer >= 1"),
-        (~np.isfinite(output) | (output < 1) | (output != np.round(output)), columns.output_len,
-         "an integer >= 1"),
+        (_not_a_count(prompt), columns.prompt_len, "an integer >= 1"),
+        (_not_a_count(output), columns.output_len, "an integer >= 1"),
     ]
     if columns.priority is not None:
-        priority = pd.to_numeric(raw[columns.priority], errors="coerce").to_numpy(dtype=float)
+        priority = _numbers(raw[columns.priority])
         problems.append((~np.isfinite(priority) | (priority != np.round(priority)),
                          columns.priority, "an integer"))
     if columns.predicted_output is not None:
-        predicted = pd.to_numeric(raw[columns.predicted_output],
-                                  errors="coerce").to_numpy(dtype=float)
-        problems.append((~np.isfinite(predicted) | (predicted < 1)
-                         | (predicted != np.round(predicted)), columns.predicted_output,
-                         "an integer >= 1"))
+        predicted = _numbers(raw[columns.predicted_output])
+        problems.append((_not_a_count(predicted), columns.predicted_output, "an integer >= 1"))
     if columns.hash_ids is not None:
         hash_lists = [_hash_id_list(value) for value in raw[columns.hash_ids]]
         problems.append((np.array([ids is None for ids in hash_lists], dtype=bool),
                          columns.hash_ids, f"a list of integers 0 <= id < 2^{HASH_ID_BITS} "
                          "(in a CSV cell, as JSON: \"[1, 2, 3]\")"))
-    bad = np.zeros(len(raw), dtype=bool)
-    notes: list[str] = []
-    for mask, column, expected in problems:
-        mask = mask & ~bad
-        if mask.any():
-            row = int(np.flatnonzero(mask)[0])
-            value = raw[column].iloc[row]
-            if not workload.skip_invalid:
-                raise TraceImportError(
-                    f"{path}:{lines[row]}: column {column!r}: expected {expected}, got "
-                    f"{value!r} (skip_invalid: true, or --skip-invalid on kvsim trace, "
-                    "skips such rows)")
-            notes.append(f"skipped {int(mask.sum())} rows with bad {column!r} "
-                         f"(first at line {lines[row]}: {value!r})")
-            bad |= mask
+    bad, notes = _bad_rows(raw, lines, problems, path, workload.skip_invalid)
     # Unsorted timestamps: a row earlier than one before it.
     running = np.fmax.accumulate(np.where(bad, -np.inf, arrival))
     earlier = ~bad & (arrival < np.concatenate(([-np.inf], running[:-1])))
@@ -261,7 +287,7 @@ def read_trace_table(
             raise TraceImportError(
                 f"{path}:{lines[row]}: column {columns.arrival!r}: timestamps must not decrease "
                 f"(got {raw[columns.arrival].iloc[row]!r} after a later one)")
-        notes.append(f"skipped {int(earlier.sum())} rows with out-of-order "
+        notes.append(f"skipped {_rows(int(earlier.sum()))} with out-of-order "
                      f"{columns.arrival!r} (first at line {lines[row]})")
         bad |= earlier
     keep = ~bad
@@ -282,15 +308,42 @@ def read_trace_table(
 
 
 def read_length_column(
-    path: str, column: str, base_dir: Path, fmt: TraceFormat | None
-) -> np.ndarray:
-    """One length column of a trace file (for empirical distributions)."""
-    workload = TraceWorkload(path=path, format=fmt, skip_invalid=True)
-    resolved = resolve_path(path, base_dir)
-    if _format_of(workload, resolved) == "kvsim":
-        return getattr(read_trace_file(resolved), column)
-    table, _ = read_trace_table(workload, base_dir)
-    return table[column].to_numpy()
+    dist: EmpiricalLength, base_dir: Path
+) -> tuple[np.ndarray, tuple[str, ...]]:
+    """The lengths an empirical distribution resamples (read-only) and notes on skipped rows:
+    the column ``dist.file_column`` names, else the one its format keeps ``dist.column`` in.
+    A file is read once while it is unchanged, however many times the workload is drawn."""
+    path = resolve_path(dist.path, base_dir)
+    stat = path.stat()
+    return _length_values(path, stat.st_mtime_ns, stat.st_size, dist.format or
+                          _guess_format(path), dist.column, dist.file_column, dist.skip_invalid)
+
+
+@functools.lru_cache(maxsize=32)
+def _length_values(
+    path: Path, mtime_ns: int, size_bytes: int, fmt_name: str, column: str | None,
+    file_column: str | None, skip_invalid: bool,
+) -> tuple[np.ndarray, tuple[str, ...]]:
+    if fmt_name in KNOWN_FORMATS:
+        known = KNOWN_FORMATS[fmt_name]
+        reader, name = known.reader, file_column or getattr(known.columns, str(column))
+    else:
+        reader = "jsonl" if fmt_name == "jsonl" or path.suffix == ".jsonl" else "csv"
+        name = file_column or (column if fmt_name == "kvsim" else None)
+        if name is None:
+            raise TraceImportError(
+                f"{path}: format {fmt_name} does not say which column holds {column}: give the "
+                "empirical length a file_column (the column's name in the file); its first "
+                f"line: {_first_line(path)!r}")
+    raw, lines = _read_rows(path, reader, [name])
+    values = _numbers(raw[name])
+    bad, notes = _bad_rows(raw, lines, [(_not_a_count(values), name, "an integer >= 1")],
+                           path, skip_invalid, "skip_invalid: true on the empirical length")
+    kept = values[~bad]
+    if not kept.size:
+        raise TraceImportError(f"{path}: no valid rows in column {name!r}")
+    kept.setflags(write=False)
+    return kept, tuple(notes)
 
 
 def import_trace(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, PositiveFloat, PositiveInt, Tag, model_validator
 
 from workloads.distributions import (
     ConfigModel,
+    EmpiricalLength,
     LengthDist,
     OpenArrivals,
     SyntheticArrivals,
@@ -96,6 +98,15 @@ class SyntheticWorkload(ConfigModel):
         if self.sessions is not None and self.arrival.process == "closed_loop":
             raise ValueError("sessions and a closed_loop arrival process cannot be combined")
         return self
+
+    def length_notes(self, base_dir: Path) -> list[str]:
+        """What the empirical length distributions skipped in their files."""
+        dists: list[LengthDist | None] = [self.prompt_len, self.output_len]
+        if self.sessions is not None:
+            dists += [self.sessions.turns, self.sessions.user_len]
+        notes = [note for dist in dists if isinstance(dist, EmpiricalLength)
+                 for note in dist.notes(base_dir)]
+        return list(dict.fromkeys(notes))  # one file read by two distributions: one note
 
     def context_problem(self, max_model_len: int) -> str | None:
         """Why the shared prefixes leave a request no room in the model's context, or None
