@@ -4,11 +4,15 @@ row of one stops the read naming its line."""
 from __future__ import annotations
 
 import copy
+import csv
+import io
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import kvsim_in_process as kvsim
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 import sim
@@ -17,7 +21,12 @@ from sim.engine import scenario_trace
 from workloads import build_trace
 from workloads.spec import SyntheticWorkload, TraceWorkload
 from workloads.trace import COLUMNS
-from workloads.trace_file import TraceImportError, read_trace_file, write_trace_file
+from workloads.trace_file import (
+    TraceImportError,
+    read_rows,
+    read_trace_file,
+    write_trace_file,
+)
 
 # Sessions (requests that continue earlier ones), shared prefixes, parallel samples and
 # priorities: everything a trace table must carry.
@@ -118,6 +127,8 @@ HEADER = "arrival_s,prompt_len,output_len,after,context_parent,segments\n"
      ":4: after must name an earlier request (or -1)"),
     ("2,10,5,-1,-1,1:10\n1,10,5,-1,-1,2:10\n", ":3: arrival_s must not decrease"),
     ("", ": no requests"),
+    ("0,10,5,-1,-1,1:10\n\n0.5,ten,5,-1,-1,2:10\n",  # a blank line still counts
+     ":4: column 'prompt_len': expected an integer, got 'ten'"),
 ])
 def test_a_bad_row_names_its_line(tmp_path, rows, message):
     path = tmp_path / "bad.csv"
@@ -192,3 +203,29 @@ def test_an_empirical_length_resamples_a_trace_table(tmp_path):
             prompt_len={"dist": "empirical", "path": str(path), "column": "prompt_len",
                         "format": "kvsim-table"},
             output_len={"dist": "constant", "value": 2})
+
+
+_CELL = st.text(alphabet=st.sampled_from('ab1 ,"\n'), max_size=6)
+
+
+@given(rows=st.lists(st.tuples(st.tuples(_CELL, _CELL), st.sampled_from(["", "\n", "  \n"])),
+                     min_size=1, max_size=12))
+@settings(max_examples=200, deadline=None)
+def test_csv_rows_are_placed_on_the_lines_they_start_on(tmp_path_factory, rows):
+    """Whatever the cells hold (quotes, commas, line breaks) and wherever blank lines fall,
+    each row pandas reads is reported at the line it starts on."""
+    path = tmp_path_factory.mktemp("csv") / "t.csv"
+    text, starts, expected = "x,y\n", [], []
+    for cells, blank_after in rows:
+        buffer = io.StringIO()
+        csv.writer(buffer, lineterminator="\n").writerow(cells)
+        record = buffer.getvalue()
+        if not record.strip():
+            continue  # a row of empty cells written as a blank line: no row at all
+        starts.append(text.count("\n") + 1)
+        expected.append(list(cells))
+        text += record + blank_after
+    path.write_bytes(text.encode())
+    frame, lines = read_rows(path, "csv")
+    assert frame.to_numpy().tolist() == expected
+    assert [lines[row] for row in range(len(frame))] == starts

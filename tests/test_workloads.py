@@ -145,6 +145,14 @@ def test_empirical_lengths_read_any_column_of_a_generic_file(tmp_path):
         draw({"dist": "empirical", "path": str(csv_path), "file_column": "tokens"})
     with pytest.raises(TraceImportError, match=r"lengths\.jsonl:3: missing column 'x'"):
         draw({"dist": "empirical", "path": str(jsonl_path), "file_column": "x"})
+    empty = write(tmp_path, "", "empty.csv")
+    with pytest.raises(TraceImportError, match=r"empty\.csv: empty file: expected a CSV file "
+                       "whose first line names its columns"):
+        draw({"dist": "empirical", "path": str(empty), "file_column": "n"})
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b'{"n": 5}\n\xff\xfe\x00\n')
+    with pytest.raises(TraceImportError, match=r"binary\.jsonl:2: not valid JSON"):
+        draw({"dist": "empirical", "path": str(binary), "file_column": "n"})
     for both_or_neither in ({"column": "prompt_len", "file_column": "n"}, {}):
         with pytest.raises(ValidationError, match=r"give column .* or file_column"):
             draw({"dist": "empirical", "path": str(jsonl_path), **both_or_neither})
@@ -234,6 +242,11 @@ def write(tmp_path: Path, text: str, name: str = "t.csv") -> Path:
      ":2: column 'TIMESTAMP': expected a date and time, got '12.5' (skip_invalid: true"),
     ("Timestamp,Model,Request tokens,Response tokens\n-3,GPT-4,10,5\n",
      ":2: column 'Timestamp': expected a time >= 0 (in s), got '-3'"),
+    # Lines as the file counts them: past blank ones and a quoted line break.
+    ("\nTIMESTAMP,ContextTokens,GeneratedTokens\n\n2023-11-16 18:00:00,10,5\n  \n"
+     "2023-11-16 18:00:01,-4,5\n", ":6: column 'ContextTokens'"),
+    ('Timestamp,Model,Request tokens,Response tokens\n1,"GPT\n4",10,5\n2,GPT-4,10,0\n',
+     ":4: column 'Response tokens': expected an integer >= 1, got '0'"),
 ])
 def test_bad_rows_name_file_row_and_column(tmp_path, text, message):
     path = write(tmp_path, text)

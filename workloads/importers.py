@@ -23,9 +23,10 @@ from workloads.trace import SHARED_SEGMENT_BASE, UNIQUE_SEGMENT_BASE, Trace
 from workloads.trace_file import (
     REQUIRED_COLUMNS,
     SEGMENTS_COLUMN,
+    RowLines,
     TraceImportError,
     is_trace_table,
-    jsonl_records,
+    read_rows,
     read_trace_file,
 )
 
@@ -86,9 +87,8 @@ def builtin_trace_summary(name: str) -> tuple[str, int]:
 
 
 def _guess_format(path: Path) -> str:
+    head = _first_line(path)
     if path.suffix == ".jsonl":
-        with path.open() as handle:
-            head = handle.readline()
         try:
             record = json.loads(head)
         except json.JSONDecodeError:
@@ -96,13 +96,11 @@ def _guess_format(path: Path) -> str:
         if isinstance(record, dict) and is_trace_table(list(record)):
             return "kvsim"
         return "mooncake" if '"hash_ids"' in head else "jsonl"
-    with path.open() as handle:
-        header = handle.readline()
-    if is_trace_table(header.strip().split(",")):
+    if is_trace_table(head.split(",")):
         return "kvsim"
-    if "ContextTokens" in header:
+    if "ContextTokens" in head:
         return "azure"
-    if "Request tokens" in header:
+    if "Request tokens" in head:
         return "burstgpt"
     return "csv"
 
@@ -124,14 +122,14 @@ def _format_of(workload: TraceWorkload, path: Path) -> str:
 
 
 def _first_line(path: Path) -> str:
-    """The start of a file's first line, to show what a file that cannot be read holds."""
+    """A file's first line that is not blank (a CSV's header), stripped."""
     with path.open(errors="replace") as handle:
-        return handle.readline().strip()[:120]
+        return next((line.strip() for line in handle if line.strip()), "")
 
 
 def _needs_columns(path: Path, fmt_name: str, guessed: bool) -> str:
     """Why a generic file cannot be read without a columns map, and what would read it."""
-    first = _first_line(path)
+    first = _first_line(path)[:120]
     known = "; ".join(f"{name}: {fmt.columns.arrival!r}, {fmt.columns.prompt_len!r}, "
                       f"{fmt.columns.output_len!r}" for name, fmt in KNOWN_FORMATS.items())
     known += "; kvsim: " + ", ".join(map(repr, (*REQUIRED_COLUMNS, SEGMENTS_COLUMN)))
@@ -140,28 +138,6 @@ def _needs_columns(path: Path, fmt_name: str, guessed: bool) -> str:
             "arrival=NAME,prompt_len=NAME,output_len=NAME)"
             + (f"; it is none of the known formats ({known}); its first line: {first!r}"
                if guessed else ""))
-
-
-def _read_rows(path: Path, reader: str, wanted: list[str]) -> tuple[pd.DataFrame, np.ndarray]:
-    """Raw table (values as read) that has the ``wanted`` columns, and each row's line."""
-    if reader == "csv":
-        try:
-            frame = pd.read_csv(path, dtype=str, keep_default_na=False)
-        except (pd.errors.ParserError, UnicodeDecodeError) as exc:
-            raise TraceImportError(f"{path}: not a readable CSV file: {exc}") from None
-        missing = [c for c in wanted if c not in frame.columns]
-        if missing:
-            raise TraceImportError(f"{path}: missing column {missing[0]!r}; header has "
-                                   f"{', '.join(frame.columns)}")
-        return frame, np.arange(len(frame)) + 2  # line 1 is the header
-    records, lines = [], []
-    for line_no, record in jsonl_records(path):
-        for col in wanted:
-            if col not in record:
-                raise TraceImportError(f"{path}:{line_no}: missing column {col!r}")
-        records.append(record)
-        lines.append(line_no)
-    return pd.DataFrame.from_records(records), np.array(lines, dtype=np.int64)
 
 
 def _numbers(raw: pd.Series) -> np.ndarray:
@@ -180,7 +156,7 @@ def _rows(count: int) -> str:
 
 def _bad_rows(
     raw: pd.DataFrame,
-    lines: np.ndarray,
+    lines: RowLines,
     problems: list[tuple[np.ndarray, str, str]],
     path: Path,
     skip_invalid: bool,
@@ -255,7 +231,7 @@ def read_trace_table(
     wanted = [columns.arrival, columns.prompt_len, columns.output_len]
     wanted += [c for c in (columns.priority, columns.predicted_output, columns.hash_ids)
                if c is not None]
-    raw, lines = _read_rows(path, reader, wanted)
+    raw, lines = read_rows(path, reader, wanted)
     arrival = _times(raw[columns.arrival], unit)
     prompt = _numbers(raw[columns.prompt_len])
     output = _numbers(raw[columns.output_len])
@@ -334,8 +310,8 @@ def _length_values(
             raise TraceImportError(
                 f"{path}: format {fmt_name} does not say which column holds {column}: give the "
                 "empirical length a file_column (the column's name in the file); its first "
-                f"line: {_first_line(path)!r}")
-    raw, lines = _read_rows(path, reader, [name])
+                f"line: {_first_line(path)[:120]!r}")
+    raw, lines = read_rows(path, reader, [name])
     values = _numbers(raw[name])
     bad, notes = _bad_rows(raw, lines, [(_not_a_count(values), name, "an integer >= 1")],
                            path, skip_invalid, "skip_invalid: true on the empirical length")

@@ -11,10 +11,11 @@ skipped or clipped without changing the rest; a bad one stops the read, naming i
 
 from __future__ import annotations
 
+import csv
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import pandas as pd
@@ -60,7 +61,7 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
     whose prompt and output do not fit is refused, since clipping one would change the
     prompts of those that continue it; each request's ``max_tokens`` is cut to what is left.
     """
-    frame, lines = _read_frame(path)
+    frame, lines = read_rows(path, "jsonl" if path.suffix == ".jsonl" else "csv")
     if frame.empty:
         raise TraceImportError(f"{path}: no requests")
     missing = [name for name in REQUIRED_COLUMNS if name not in frame]
@@ -109,22 +110,78 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
     return trace
 
 
-def _read_frame(path: Path) -> tuple[pd.DataFrame, np.ndarray]:
-    """The table as read (CSV cells as text) and each row's line in the file."""
-    if path.suffix != ".jsonl":
+class RowLines:
+    """The line of its file that each row of a table starts on, for messages.
+
+    A JSONL file's lines are known as it is read. A CSV file's are counted only when a message
+    asks for one: blank lines and quoted line breaks make them differ from the row number, and
+    counting them is a second, slower pass over the file.
+    """
+
+    def __init__(self, path: Path, known: np.ndarray | None = None) -> None:
+        self._path = path
+        self._lines = known
+
+    def __getitem__(self, row: int) -> int:
+        if self._lines is None:
+            self._lines = _csv_row_lines(self._path)
+        return int(self._lines[row])
+
+
+def _csv_row_lines(path: Path) -> np.ndarray:
+    """Where each data row of a CSV file starts, past blank lines (which pandas skips too)."""
+    last_line = [""]
+
+    def physical_lines(handle: TextIO) -> Iterator[str]:
+        for line in handle:
+            last_line[0] = line
+            yield line
+
+    starts: list[int] = []
+    with path.open(newline="", errors="replace") as handle:
+        records = csv.reader(physical_lines(handle))
+        end = 0
+        header_seen = False
+        for _ in records:
+            start, end = end + 1, records.line_num
+            if start == end and not last_line[0].strip():
+                continue
+            if header_seen:
+                starts.append(start)
+            header_seen = True
+    return np.array(starts, dtype=np.int64)
+
+
+def read_rows(path: Path, reader: str, wanted: Sequence[str] = ()) -> tuple[pd.DataFrame,
+                                                                               RowLines]:
+    """A CSV or JSONL file (``reader``) as a table of its values as read (a CSV's as text),
+    with the line each row starts on; a ``wanted`` column it lacks is an error."""
+    if reader == "csv":
         try:
             frame = pd.read_csv(path, dtype=str, keep_default_na=False)
-        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        except pd.errors.EmptyDataError:
+            raise TraceImportError(f"{path}: empty file: expected a CSV file whose first line "
+                                   "names its columns") from None
+        except (pd.errors.ParserError, UnicodeDecodeError) as exc:
             raise TraceImportError(f"{path}: not a readable CSV file: {exc}") from None
-        return frame, np.arange(len(frame)) + 2
-    numbered = list(jsonl_records(path))
-    return (pd.DataFrame.from_records([record for _, record in numbered]),
-            np.array([line_no for line_no, _ in numbered], dtype=np.int64))
+        missing = [name for name in wanted if name not in frame.columns]
+        if missing:
+            raise TraceImportError(f"{path}: missing column {missing[0]!r}; header has "
+                                   f"{', '.join(frame.columns)}")
+        return frame, RowLines(path)
+    records, lines = [], []
+    for line_no, record in jsonl_records(path):
+        for name in wanted:
+            if name not in record:
+                raise TraceImportError(f"{path}:{line_no}: missing column {name!r}")
+        records.append(record)
+        lines.append(line_no)
+    return pd.DataFrame.from_records(records), RowLines(path, np.array(lines, dtype=np.int64))
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Each JSON object of a JSON-lines file with its line number; blank lines skipped."""
-    with path.open() as handle:
+    with path.open(errors="replace") as handle:  # undecodable bytes: invalid JSON, its line
         for line_no, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
