@@ -8,26 +8,45 @@ another request's prompt — the most a perfect, infinite prefix cache could reu
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
 
-from sim.memory.content import BlockHasher
 from workloads.trace import Trace
 
 
 def sharing_potential(trace: Trace, block_size: int) -> float:
     """Share of prompt tokens in full blocks that another request's prompt also has."""
-    hashes: list[int] = []
-    for i in range(len(trace)):
-        hasher = BlockHasher(trace.prompt_segments(i), block_size)
-        hashes += hasher.hash_upto(int(trace.prompt_len[i]) // block_size)
-    # A block's hash chains all before it, so one prompt holds each hash once (a 64-bit
-    # collision aside, ignored as in the pool): a hash's count is how many prompts hold it.
-    _, holders = np.unique(np.array(hashes, dtype=np.int64), return_counts=True)
-    shared_blocks = int(holders[holders > 1].sum())
+    # Two prompts share block k exactly when their first (k + 1) · block_size tokens agree,
+    # and sorted prompts keep those sharing a prefix together, so a prompt's longest prefix
+    # in common with any other is the longer of those with its two neighbours: the count a
+    # pool's chained block hashes would give, without hashing millions of blocks.
+    prompts = [tuple(seg for seg in trace.prompt_segments(i) if seg[1] > 0)
+               for i in range(len(trace))]
+    order = sorted(range(len(prompts)), key=prompts.__getitem__)
+    longest_shared = [0] * len(prompts)
+    for a, b in itertools.pairwise(order):
+        common = _common_prefix_tokens(prompts[a], prompts[b])
+        longest_shared[a] = max(longest_shared[a], common)
+        longest_shared[b] = max(longest_shared[b], common)
+    shared_blocks = sum(tokens // block_size for tokens in longest_shared)
     total = int(trace.prompt_len.sum())
     return shared_blocks * block_size / total if total else 0.0
+
+
+def _common_prefix_tokens(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> int:
+    """How many leading tokens two prompts (as segments of nonzero length) have in common: a
+    segment's tokens are its id at each offset, so the same id agrees for the shorter one's
+    length, and after that the two differ."""
+    tokens = 0
+    for (id_a, len_a), (id_b, len_b) in zip(a, b, strict=False):  # up to the shorter
+        if id_a != id_b:
+            break
+        tokens += min(len_a, len_b)
+        if len_a != len_b:
+            break
+    return tokens
 
 
 def trace_stats(trace: Trace, block_size: int = 16) -> dict[str, Any]:

@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import PUBLIC_TRACE_ROWS
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
 from sim.memory.content import BlockHasher
@@ -337,6 +339,33 @@ def test_trace_stats_figures():
     unique = build_trace(WORKLOAD.validate_python(synthetic()), seed=0, max_model_len=100_000,
                          num_requests=50)
     assert sharing_potential(unique, 16) == 0.0
+
+
+# Prompts as segments from a small alphabet, so that ids repeat, lengths differ for the same
+# id, segments are empty and whole prompts coincide.
+_PROMPTS = st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40)), min_size=1,
+                             max_size=5).filter(lambda segs: sum(n for _, n in segs) > 0),
+                    min_size=1, max_size=12)
+
+
+@given(prompts=_PROMPTS, block_size=st.sampled_from([1, 4, 16, 48]))
+@settings(max_examples=300, deadline=None)
+def test_sharing_potential_counts_what_chained_block_hashes_share(prompts, block_size):
+    """The figure equals the share of prompt tokens in full blocks whose chained hash, as the
+    pool computes it, more than one prompt holds."""
+    lens = [sum(n for _, n in segs) for segs in prompts]
+    trace = Trace.from_columns(
+        arrival_s=np.arange(len(prompts), dtype=float), prompt_len=np.array(lens),
+        output_len=np.ones(len(prompts), dtype=np.int64),
+        seg_offsets=np.cumsum([0] + [len(segs) for segs in prompts]),
+        seg_ids=np.array([i for segs in prompts for i, _ in segs]),
+        seg_lens=np.array([n for segs in prompts for _, n in segs]))
+    holders: dict[int, int] = {}
+    for segs, length in zip(prompts, lens, strict=True):
+        for block_hash in BlockHasher(segs, block_size).hash_upto(length // block_size):
+            holders[block_hash] = holders.get(block_hash, 0) + 1
+    shared_blocks = sum(count for count in holders.values() if count > 1)
+    assert sharing_potential(trace, block_size) == shared_blocks * block_size / sum(lens)
 
 
 def test_million_requests_vectorised():
