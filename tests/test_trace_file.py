@@ -180,6 +180,14 @@ def test_what_a_table_needs_and_what_its_replay_refuses(tmp_path):
                                                                  "speed": 4}),
                          seed=0, max_model_len=4096)
     assert faster.arrival_s.tolist() == [0.0, 0.25]
+    session = tmp_path / "session.csv"  # a second turn 2 s after the first's answer
+    session.write_text("arrival_s,prompt_len,output_len,after,think_s,context_parent,segments\n"
+                       "0,10,5,-1,0,-1,1:10\n0,25,5,0,2,0,2:10\n")
+    for scale_think, think in ((False, [0.0, 2.0]), (True, [0.0, 0.5])):
+        replay = build_trace(TraceWorkload(path=str(session), arrival={
+            "process": "trace", "speed": 4, "scale_think": scale_think}), seed=0,
+            max_model_len=4096)
+        assert replay.think_s.tolist() == think
     forked = build_trace(TraceWorkload(path=str(path), sampling={"n": 3}), seed=0,
                          max_model_len=4096)
     assert forked.n.tolist() == [3, 3]

@@ -276,10 +276,16 @@ class ClosedLoopArrivals(ConfigModel):
 
 
 class TraceArrivals(ConfigModel):
-    """The trace's own timestamps, replayed ``speed`` times faster (2 = twice the rate)."""
+    """The trace's own timestamps, replayed ``speed`` times faster (2 = twice the rate).
+
+    A session's later turns wait on the turn before and then its recorded think time (in a
+    kvsim trace table); ``scale_think`` shortens those by ``speed`` too, as if the whole
+    recording were played faster, where by default users think as long as they did.
+    """
 
     process: Literal["trace"]
     speed: PositiveFloat = 1.0
+    scale_think: bool = False
 
 
 OpenArrivals = Annotated[

@@ -377,6 +377,8 @@ def _replay_trace_file(
                                    "its rows name each other by index)") from None
         raise
     trace.arrival_s = _arrivals(workload, trace.arrival_s, seed)
+    if workload.arrival.process == "trace" and workload.arrival.scale_think:
+        trace.think_s = trace.think_s / workload.arrival.speed
     if "sampling" in workload.model_fields_set:  # else each request keeps its own n
         trace.n = np.full(len(trace), workload.sampling.forks, dtype=np.int64)
     return trace
