@@ -237,3 +237,78 @@ def test_csv_rows_are_placed_on_the_lines_they_start_on(tmp_path_factory, rows):
     frame, lines = read_rows(path, "csv")
     assert frame.to_numpy().tolist() == expected
     assert [lines[row] for row in range(len(frame))] == starts
+
+
+@pytest.mark.parametrize(("name", "text", "wanted", "message"), [
+    # pandas would read the second 'in' as 'in.1', and the map's 'in' as the first.
+    ("t.csv", "t,in,out,in\n0,40,5,7\n", ["t", "in", "out"],
+     ":1: column 'in' appears 2 times in the header: expected each column once"),
+    ("t.csv", "\n\nt,in,out,in\n0,40,5,7\n", ["in"], ":3: column 'in' appears 2 times"),
+    # One value too many in the first row: pandas would take the first as an index and
+    # shift every column left, silently.
+    ("t.csv", "t,in,out\n0,40,5,9\n1,2,3\n", ["t"],
+     ":2: 4 values, but the header names 3 columns: expected one value per column "
+     "(a trailing comma?)"),
+    ("t.csv", "t,in,out\n0,40,5,\n1,2,3,\n", ["t"], ":2: 4 values, but the header names 3"),
+    # Further down, past a quoted line break: the line the row starts on.
+    ("t.csv", 't,in,out\n0,"4\n0",5\n\n1,2,3,4,5\n', ["t"],
+     ":5: 5 values, but the header names 3 columns"),
+    ("t.jsonl", '{"t": 0, "in": 4, "out": 5}\n{"t": 1, "in": 4, "in": 9, "out": 5}\n',
+     ["t", "in", "out"], ":2: column 'in' appears 2 times in the object: expected each "
+     "column once"),
+])
+def test_a_column_that_is_read_must_be_unambiguous(tmp_path, name, text, wanted, message):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(TraceImportError) as err:
+        read_rows(path, "jsonl" if name.endswith(".jsonl") else "csv", wanted)
+    assert str(err.value).startswith(f"{path}{message}")
+
+
+def test_a_duplicated_column_that_is_not_read_is_left_alone(tmp_path):
+    csv_path = tmp_path / "t.csv"
+    csv_path.write_text("t,note,in,note,out\n0,a,40,b,5\n")
+    frame, _ = read_rows(csv_path, "csv", ["t", "in", "out"])
+    assert frame[["t", "in", "out"]].to_numpy().tolist() == [["0", "40", "5"]]
+    jsonl_path = tmp_path / "t.jsonl"
+    jsonl_path.write_text('{"t": 0, "note": 1, "in": 40, "note": 2, "out": 5}\n')
+    frame, _ = read_rows(jsonl_path, "jsonl", ["t", "in", "out"])
+    assert frame[["t", "in", "out"]].to_numpy().tolist() == [[0, 40, 5]]
+    # A trace table reads all of its columns, optional ones too.
+    table = tmp_path / "table.csv"
+    table.write_text("arrival_s,prompt_len,output_len,n,n\n0,10,5,1,2\n")
+    with pytest.raises(TraceImportError, match=r"table\.csv:1: column 'n' appears 2 times"):
+        read_trace_file(table)
+
+
+def test_the_cli_refuses_a_shifted_csv_in_one_line(tmp_path):
+    path = tmp_path / "shifted.csv"
+    path.write_text("t,in,out\n0,40,5,9\n1,30,6,9\n")
+    proc = kvsim("trace", "stats", str(path), "--columns", "arrival=t,prompt_len=in,output_len=out")
+    assert proc.returncode != 0
+    assert proc.stderr.strip() == (f"kvsim: error: {path}:2: 4 values, but the header names 3 "
+                                   "columns: expected one value per column (a trailing comma?)")
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
+    # Spreadsheets save "CSV UTF-8" with a byte-order mark before the first name.
+    bom = "\ufeff"
+    csv_path = tmp_path / "t.csv"
+    csv_path.write_text(f"{bom}t,in,out\n0,40,5\n1,30,6\n", encoding="utf-8")
+    frame, lines = read_rows(csv_path, "csv", ["t", "in", "out"])
+    assert list(frame.columns) == ["t", "in", "out"]
+    assert [lines[0], lines[1]] == [2, 3]
+    jsonl_path = tmp_path / "t.jsonl"
+    jsonl_path.write_text(f'{bom}{{"t": 0, "in": 40, "out": 5}}\n', encoding="utf-8")
+    frame, _ = read_rows(jsonl_path, "jsonl", ["t", "in", "out"])
+    assert frame.to_numpy().tolist() == [[0, 40, 5]]
+    # A kvsim trace table is still known by its columns, and replays the same requests.
+    trace = scenario_trace(*load(SESSIONS))
+    table = tmp_path / "table.csv"
+    write_trace_file(trace, table)
+    marked = tmp_path / "marked.csv"
+    marked.write_text(bom + table.read_text(), encoding="utf-8")
+    plain = kvsim("trace", "stats", str(table))
+    with_mark = kvsim("trace", "stats", str(marked))
+    assert with_mark.returncode == 0, with_mark.stderr
+    assert with_mark.stdout.replace(str(marked), str(table)) == plain.stdout

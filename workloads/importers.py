@@ -23,8 +23,10 @@ from workloads.trace import SHARED_SEGMENT_BASE, UNIQUE_SEGMENT_BASE, Trace
 from workloads.trace_file import (
     REQUIRED_COLUMNS,
     SEGMENTS_COLUMN,
+    TRACE_ENCODING,
     RowLines,
     TraceImportError,
+    csv_row_lines,
     is_trace_table,
     read_rows,
     read_trace_file,
@@ -81,9 +83,12 @@ def builtin_traces() -> list[str]:
 def builtin_trace_summary(name: str) -> tuple[str, int]:
     """(format, rows) of a shipped trace, for ``kvsim trace list``."""
     path = BUILTIN_DIR / name
-    with path.open() as handle:
-        lines = sum(1 for line in handle if line.strip())
-    return _guess_format(path), lines - (path.suffix == ".csv")  # a CSV's header is no row
+    if path.suffix == ".csv":  # records, not lines: a quoted value may hold a line break
+        rows = len(csv_row_lines(path))
+    else:
+        with path.open(encoding=TRACE_ENCODING, errors="replace") as handle:
+            rows = sum(1 for line in handle if line.strip())
+    return _guess_format(path), rows
 
 
 def _guess_format(path: Path) -> str:
@@ -123,7 +128,7 @@ def _format_of(workload: TraceWorkload, path: Path) -> str:
 
 def _first_line(path: Path) -> str:
     """A file's first line that is not blank (a CSV's header), stripped."""
-    with path.open(errors="replace") as handle:
+    with path.open(encoding=TRACE_ENCODING, errors="replace") as handle:
         return next((line.strip() for line in handle if line.strip()), "")
 
 

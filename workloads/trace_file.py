@@ -32,6 +32,9 @@ class TraceImportError(ValueError):
 REQUIRED_COLUMNS = ("arrival_s", "prompt_len", "output_len")
 SEGMENTS_COLUMN = "segments"
 _TIME_COLUMNS = ("arrival_s", "think_s")
+# How trace files are read: UTF-8, less a byte-order mark (spreadsheets write one), which
+# would otherwise be read as part of the first column's name.
+TRACE_ENCODING = "utf-8-sig"
 
 
 def is_trace_table(names: list[str]) -> bool:
@@ -61,7 +64,8 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
     whose prompt and output do not fit is refused, since clipping one would change the
     prompts of those that continue it; each request's ``max_tokens`` is cut to what is left.
     """
-    frame, lines = read_rows(path, "jsonl" if path.suffix == ".jsonl" else "csv")
+    frame, lines = read_rows(path, "jsonl" if path.suffix == ".jsonl" else "csv",
+                             optional=(*COLUMNS, SEGMENTS_COLUMN))
     if frame.empty:
         raise TraceImportError(f"{path}: no requests")
     missing = [name for name in REQUIRED_COLUMNS if name not in frame]
@@ -124,12 +128,13 @@ class RowLines:
 
     def __getitem__(self, row: int) -> int:
         if self._lines is None:
-            self._lines = _csv_row_lines(self._path)
+            self._lines = csv_row_lines(self._path)
         return int(self._lines[row])
 
 
-def _csv_row_lines(path: Path) -> np.ndarray:
-    """Where each data row of a CSV file starts, past blank lines (which pandas skips too)."""
+def _csv_records(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """Each record of a CSV file (the header first) with the line it starts on, past blank
+    lines (which pandas skips too)."""
     last_line = [""]
 
     def physical_lines(handle: TextIO) -> Iterator[str]:
@@ -137,40 +142,77 @@ def _csv_row_lines(path: Path) -> np.ndarray:
             last_line[0] = line
             yield line
 
-    starts: list[int] = []
-    with path.open(newline="", errors="replace") as handle:
+    with path.open(newline="", encoding=TRACE_ENCODING, errors="replace") as handle:
         records = csv.reader(physical_lines(handle))
         end = 0
-        header_seen = False
-        for _ in records:
+        for fields in records:
             start, end = end + 1, records.line_num
             if start == end and not last_line[0].strip():
                 continue
-            if header_seen:
-                starts.append(start)
-            header_seen = True
+            yield start, fields
+
+
+def csv_row_lines(path: Path) -> np.ndarray:
+    """Where each data row of a CSV file starts."""
+    starts = [start for start, _ in _csv_records(path)][1:]
     return np.array(starts, dtype=np.int64)
 
 
-def read_rows(path: Path, reader: str, wanted: Sequence[str] = ()) -> tuple[pd.DataFrame,
-                                                                               RowLines]:
+def _csv_overlong_row(path: Path) -> str:
+    """The first data row with more values than the header names, as "FILE:LINE: ..."."""
+    records = _csv_records(path)
+    _, header = next(records)
+    for start, fields in records:
+        if len(fields) > len(header):
+            return (f"{path}:{start}: {len(fields)} values, but the header names "
+                    f"{len(header)} columns: expected one value per column (a trailing comma?)")
+    return f"{path}: a row has more values than the header names columns"
+
+
+def _refuse_duplicates(path: Path, where: str, names: Sequence[str], read: Sequence[str],
+                       kind: str) -> None:
+    """A column that is read must be named once: pandas would rename a CSV's second one
+    (``a.1``) and JSON keeps an object's last, so either would be read silently."""
+    for name in read:
+        count = sum(1 for n in names if n == name)
+        if count > 1:
+            raise TraceImportError(f"{path}:{where}: column {name!r} appears {count} times in "
+                                   f"the {kind}: expected each column once, so that which one "
+                                   "is read is clear")
+
+
+def read_rows(path: Path, reader: str, wanted: Sequence[str] = (),
+              optional: Sequence[str] = ()) -> tuple[pd.DataFrame, RowLines]:
     """A CSV or JSONL file (``reader``) as a table of its values as read (a CSV's as text),
-    with the line each row starts on; a ``wanted`` column it lacks is an error."""
+    with the line each row starts on. A ``wanted`` column it lacks is an error, and so is a
+    column read (``wanted`` or ``optional``) that is named twice."""
+    read = [*wanted, *optional]
     if reader == "csv":
-        try:
-            frame = pd.read_csv(path, dtype=str, keep_default_na=False)
-        except pd.errors.EmptyDataError:
+        header_line, header = next(_csv_records(path), (0, []))
+        if not header:
             raise TraceImportError(f"{path}: empty file: expected a CSV file whose first line "
-                                   "names its columns") from None
-        except (pd.errors.ParserError, UnicodeDecodeError) as exc:
+                                   "names its columns")
+        _refuse_duplicates(path, str(header_line), header, read, "header")
+        try:
+            frame = pd.read_csv(path, dtype=str, keep_default_na=False,
+                                encoding=TRACE_ENCODING)
+        except pd.errors.ParserError as exc:
+            if "Expected " in str(exc) and " fields in line " in str(exc):
+                raise TraceImportError(_csv_overlong_row(path)) from None
             raise TraceImportError(f"{path}: not a readable CSV file: {exc}") from None
-        missing = [name for name in wanted if name not in frame.columns]
+        except UnicodeDecodeError as exc:
+            raise TraceImportError(f"{path}: not a readable CSV file: {exc}") from None
+        if not isinstance(frame.index, pd.RangeIndex):
+            # More values in the first row than names: pandas took the extra as an index and
+            # would shift every column by one.
+            raise TraceImportError(_csv_overlong_row(path))
+        missing = [name for name in wanted if name not in header]
         if missing:
             raise TraceImportError(f"{path}: missing column {missing[0]!r}; header has "
-                                   f"{', '.join(frame.columns)}")
+                                   f"{', '.join(header)}")
         return frame, RowLines(path)
     records, lines = [], []
-    for line_no, record in jsonl_records(path):
+    for line_no, record in jsonl_records(path, read):
         for name in wanted:
             if name not in record:
                 raise TraceImportError(f"{path}:{line_no}: missing column {name!r}")
@@ -179,14 +221,23 @@ def read_rows(path: Path, reader: str, wanted: Sequence[str] = ()) -> tuple[pd.D
     return pd.DataFrame.from_records(records), RowLines(path, np.array(lines, dtype=np.int64))
 
 
-def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Each JSON object of a JSON-lines file with its line number; blank lines skipped."""
-    with path.open(errors="replace") as handle:  # undecodable bytes: invalid JSON, its line
+def jsonl_records(path: Path, read: Sequence[str] = ()) -> Iterator[tuple[int,
+                                                                          dict[str, Any]]]:
+    """Each JSON object of a JSON-lines file with its line number; blank lines skipped, and
+    a key in ``read`` that an object holds twice an error."""
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        record = dict(pairs)
+        if len(record) < len(pairs):
+            _refuse_duplicates(path, str(line_no), [key for key, _ in pairs], read, "object")
+        return record
+
+    # Undecodable bytes are replaced, so that they are invalid JSON on their line.
+    with path.open(encoding=TRACE_ENCODING, errors="replace") as handle:
         for line_no, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line, object_pairs_hook=unique_keys)
             except json.JSONDecodeError as exc:
                 raise TraceImportError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
             if not isinstance(record, dict):
