@@ -292,6 +292,8 @@ def replica_balance(result: ScenarioResult) -> Figure | None:
     for name, run in systems.items():
         requests = run.requests
         served = requests[~requests["rejected"]]
+        if "abandoned_s" in served:  # (a run folder written before clients could give up)
+            served = served[served["abandoned_s"].isna()]
         ttft = served["first_token_s"] - served["arrival_s"]
         # Each replica's running totals of prompt tokens looked up and hit, at its last sample
         # (every admission counts, re-admissions after a preemption too).

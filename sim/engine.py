@@ -429,7 +429,7 @@ class _Replica:
             return Scheduler(allocator, sim.system.scheduler, sim.debug, setup.swap_slots,
                              sim.predicted_output, overflow_to_max=overflow_to_max,
                              sliding_window=sim.sliding_window, speculative=setup.speculative,
-                             waiting=waiting)
+                             waiting=waiting, queue_timeout_s=sim.queue_timeout_s)
 
         self.scheduler = scheduler()
         # Pipeline stages: a scheduler for each batch in flight, all of one allocator, one
@@ -468,7 +468,8 @@ class _Replica:
         return t
 
     def pull_arrivals(self) -> None:
-        """Queue every request that has arrived by the replica's clock, in time order."""
+        """Queue every request that has arrived by the replica's clock, in time order; then
+        let go those whose clients gave up waiting by then (recorded at the time they did)."""
         sim = self.sim
         sim.route_until(self.clock)
         while True:
@@ -477,7 +478,7 @@ class _Replica:
             t_rel = self.released[0][0] if self.released else math.inf
             t = min(t_open, t_rel)
             if t > self.clock:
-                return
+                break
             prepared = None
             if t_open <= t_rel:
                 index = self.open[self.open_pos]
@@ -489,6 +490,9 @@ class _Replica:
                 sim.serve_as(request, self)
             if request.rejected or not self.scheduler.add(request):
                 sim.on_done(self, request, t)
+        if sim.queue_timeout_s is not None:
+            for request in self.scheduler.time_out(self.clock):
+                sim.on_done(self, request, request.abandoned_s)
 
     # -------------------------------------------------------------- the loop
     def arrivals(self):  # type: ignore[no-untyped-def]
@@ -909,6 +913,7 @@ class _SystemRun:
         self.rank_groups: list[_RankGroup] = []
         self.usd_per_gpu_hour = scenario.cost.usd_per_gpu_hour if scenario.cost else None
         self.slo = scenario.slo
+        self.queue_timeout_s = scenario.workload.queue_timeout_s  # clients' patience
         # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode
         # (counted in ranks: P is the prefill engines' ranks).
         split = scenario.engine.disaggregation
@@ -946,7 +951,7 @@ class _SystemRun:
         self.request_rows = _RowBuffer([
             "request", "arrival_s", "admitted_s", "first_token_s", "finished_s", "prompt_len",
             "output_len", "n", "priority", "preemptions", "prefix_hit_tokens",
-            "recomputed_tokens", "rejected", "replica", "allocated_at_finish",
+            "recomputed_tokens", "rejected", "abandoned_s", "replica", "allocated_at_finish",
             *(["decode_replica"] if self.handovers else [])], {"rejected": bool})
         self.allocated_at_finish = np.zeros(len(trace), dtype=np.int64)
         self.recorder = _Recorder(scenario.engine.sample_interval_s)
@@ -1151,26 +1156,26 @@ class _SystemRun:
 
     def on_done(self, replica: _Replica, request: Request, now_s: float,
                 step_start_s: float | None = None) -> None:
-        """A request finished (in the step from ``step_start_s``) or was rejected: record
-        it, release whoever waits on it."""
+        """A request finished (in the step from ``step_start_s``), was rejected, or was
+        given up by its client while it waited: record it, release whoever waits on it."""
         if self.least_loaded_decode and replica.role == "decode":
             heapq.heappush(self.decode_done, (now_s, replica.index - self.prefill_replicas))
         if self.router is not None and not request.rejected and replica.role != "decode":
             self.router.finished(request.index, replica.index, now_s)
-        if (replica.role == "prefill" and not request.rejected
-                and self.output_lens[request.index] > 1):
+        served = not request.rejected and request.abandoned_s < 0
+        if replica.role == "prefill" and served and self.output_lens[request.index] > 1:
             self._hand_over(replica, request, now_s,
                             now_s if step_start_s is None else step_start_s)
             return
-        if replica.role == "prefill" and not request.rejected:
+        if replica.role == "prefill" and served:
             replica.scheduler.release(request)  # one token: nothing to send on
         routed_to = int(self.replica_of[request.index])
         row: tuple[object, ...] = (
             request.index, request.arrival_s, request.admitted_s, request.first_token_s,
             request.finished_s, request.prompt_len, self.output_lens[request.index],
             request.n, request.priority, request.preemptions, request.hit_tokens,
-            request.recomputed_tokens,
-            request.rejected, routed_to, int(self.allocated_at_finish[request.index]))
+            request.recomputed_tokens, request.rejected, request.abandoned_s, routed_to,
+            int(self.allocated_at_finish[request.index]))
         if self.handovers:
             row += (replica.index if replica.role == "decode" else -1,)
         self.request_rows.append(row)
@@ -1224,7 +1229,7 @@ class _SystemRun:
         # Dependents whose release fell after the stop never ran and have no row.
         requests = self.request_rows.frame().sort_values("request", kind="stable")
         requests = requests.reset_index(drop=True)
-        for column in ("admitted_s", "first_token_s", "finished_s"):
+        for column in ("admitted_s", "first_token_s", "finished_s", "abandoned_s"):
             requests[column] = requests[column].where(requests[column] >= 0)
         requests["finished_s"] = requests["finished_s"].astype(float)
         steps = self.recorder.steps.frame()
@@ -1282,6 +1287,9 @@ class _SystemRun:
         extra["reservation_overflows"] = (
             sum(s.reservation_overflows for s in schedulers)
             if self.system.predicts_reservations else None)
+        # None (shown "—") where clients wait for ever (no workload.queue_timeout_s).
+        extra["abandoned"] = (int(requests["abandoned_s"].notna().sum())
+                              if self.queue_timeout_s is not None else None)
         summary_requests = requests.fillna({"finished_s": -1.0})
         summary = summarize(summary_requests, steps,
                             self.recorder.averages(), capacity, extra,

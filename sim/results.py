@@ -68,11 +68,11 @@ def _percentiles(values: np.ndarray, name: str) -> dict[str, float]:
 
 def _waiting_at(requests: pd.DataFrame, time_s: float) -> int:
     """Requests arrived by ``time_s`` and not yet seated (every replica's; not those turned
-    away on arrival): how far arrivals had outrun the server when they stopped. (From the
-    requests' own times, so a run of decode steps advanced at once counts the arrivals
-    within it as stepping does.)"""
+    away on arrival, nor those their clients had given up by then): how far arrivals had
+    outrun the server when they stopped. (From the requests' own times, so a run of decode
+    steps advanced at once counts the arrivals within it as stepping does.)"""
     return int(((requests["arrival_s"] <= time_s) & ~(requests["admitted_s"] <= time_s)
-                & ~requests["rejected"]).sum())
+                & ~requests["rejected"] & ~(requests["abandoned_s"] <= time_s)).sum())
 
 
 def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, float],
@@ -204,11 +204,24 @@ def rejection_note(summaries: dict[str, dict[str, Any]]) -> str | None:
             "count only the requests that were served")
 
 
+def abandonment_note(summaries: dict[str, dict[str, Any]]) -> str | None:
+    """A warning when clients gave up on requests that waited too long for a seat
+    (``workload.queue_timeout_s``): the latencies are of the requests served."""
+    abandoning = {name: s for name, s in summaries.items() if s.get("abandoned")}
+    if not abandoning:
+        return None
+    counts = ", ".join(f"{name} {s['abandoned']:,} of {s['requests']:,}"
+                       for name, s in abandoning.items())
+    return (f"abandoned by their clients after waiting queue_timeout_s unseated: {counts}; "
+            "they count against the SLO, while throughput and latency percentiles are of "
+            "the requests served")
+
+
 def run_notes(summaries: dict[str, dict[str, Any]]) -> list[str]:
-    """The warnings a reader of a run's summary needs: saturation and rejections; and the
-    drafts by batch size that an auto schedule chose."""
+    """The warnings a reader of a run's summary needs: saturation, rejections and
+    abandonments; and the drafts by batch size that an auto schedule chose."""
     notes = (saturation_note(summaries), rejection_note(summaries),
-             *schedule_notes(summaries))
+             abandonment_note(summaries), *schedule_notes(summaries))
     return [note for note in notes if note]
 
 

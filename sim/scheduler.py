@@ -64,6 +64,7 @@ class Request:
     """One request's progress through the system (times are simulation seconds)."""
 
     __slots__ = (
+        "abandoned_s",
         "admit_seq",
         "admitted_s",
         "arrival_s",
@@ -130,6 +131,7 @@ class Request:
         self.hit_tokens = 0
         self.recomputed_tokens = 0
         self.rejected = False
+        self.abandoned_s = -1.0  # when its client gave up waiting for a seat (-1: never)
         self.resumed = False  # re-admitted after a preemption that discarded computed KV
         self.computed = False  # some step has computed KV for it
         # Leading tokens of the prompt it is seated with next whose KV some step computed
@@ -180,7 +182,7 @@ class Request:
 
 class WaitingLine:
     """The queue of requests waiting for a seat: first come, first served, by priority, or
-    shortest predicted job first.
+    shortest predicted job first; and, with a ``timeout_s``, the clients who give up.
 
     First come, first served is a deque; a preempted request goes back to its front. The
     others are heaps, lower first, ordered by (priority, arrival, request index) — vLLM
@@ -196,10 +198,16 @@ class WaitingLine:
     key's order, the oldest first. It then sits in a second heap, by arrival, too; an entry
     whose ticket is no longer its request's (the request left the line by the other heap)
     is skipped when it surfaces.
+
+    With ``timeout_s``, a client whose request has not been seated that long after it
+    arrived cancels it: :meth:`expire` takes it out of the line wherever it stands. A
+    request seated once (a preempted one, or one whose KV another replica prefilled) has
+    been answered and never times out. Its deadline sits in a third heap, checked by ticket
+    in the same way; each request joining or leaving the line takes a new ticket.
     """
 
     def __init__(self, order: str = "fcfs", max_wait_s: float | None = None,
-                 aging_tokens_per_s: float = 0.0) -> None:
+                 aging_tokens_per_s: float = 0.0, timeout_s: float | None = None) -> None:
         self.by_priority = order == "priority"
         self.by_length = order == "shortest_predicted"
         self.ordered = self.by_priority or self.by_length  # an arrival may pass the head
@@ -211,6 +219,9 @@ class WaitingLine:
         # spare comparing requests.
         self._heap: list[tuple[float, float, int, int, Request]] = []
         self._by_arrival: list[tuple[float, int, int, Request]] = []
+        self.timeout_s = timeout_s
+        # (deadline, request index, ticket, request) of those that may still time out.
+        self._by_deadline: list[tuple[float, int, int, Request]] = []
         self._count = 0
 
     def __len__(self) -> int:
@@ -223,13 +234,12 @@ class WaitingLine:
         """The request to seat next."""
         if not self.ordered:
             return self._line[0]
-        if self.max_wait_s is None:
-            return self._heap[0][4]
-        overdue = self._oldest()
-        if overdue is not None and overdue.arrival_s + self.max_wait_s <= self.clock:
-            return overdue
+        if self.max_wait_s is not None:
+            overdue = self._oldest()
+            if overdue is not None and overdue.arrival_s + self.max_wait_s <= self.clock:
+                return overdue
         heap = self._heap
-        while heap[0][3] != heap[0][4].ticket:  # left by the other heap
+        while heap[0][3] != heap[0][4].ticket:  # left by the other heap, or timed out
             heapq.heappop(heap)
         return heap[0][4]
 
@@ -250,17 +260,17 @@ class WaitingLine:
     def pop(self) -> Request:
         """Take the head off the line."""
         self._count -= 1
-        if not self.ordered:
-            return self._line.popleft()
-        if self.max_wait_s is None:
-            return heapq.heappop(self._heap)[4]
-        request = self.head()
-        request.ticket += 1  # its entry in the other heap is stale now
+        request = self._line.popleft() if not self.ordered else self.head()
+        request.ticket += 1  # its entries in the heaps are stale now
         return request
 
     def arrive(self, request: Request) -> None:
         """A new arrival joins the back (or its place, by its key)."""
         self._count += 1
+        request.ticket += 1
+        if self.timeout_s is not None and request.admitted_s < 0:
+            heapq.heappush(self._by_deadline, (request.arrival_s + self.timeout_s,
+                                               request.index, request.ticket, request))
         key: float
         if self.by_priority:
             key = float(request.priority)
@@ -272,7 +282,6 @@ class WaitingLine:
         else:
             self._line.append(request)
             return
-        request.ticket += 1
         heapq.heappush(self._heap, (key, request.arrival_s, request.index, request.ticket,
                                     request))
         if self.max_wait_s is not None:
@@ -285,7 +294,36 @@ class WaitingLine:
             self.arrive(request)
         else:
             self._count += 1
+            request.ticket += 1
             self._line.appendleft(request)
+
+    def _next_deadline(self) -> tuple[float, int, int, Request] | None:
+        """The earliest deadline of a request still in the line."""
+        deadlines = self._by_deadline
+        while deadlines and deadlines[0][2] != deadlines[0][3].ticket:  # seated meanwhile
+            heapq.heappop(deadlines)
+        return deadlines[0] if deadlines else None
+
+    def next_timeout_s(self) -> float:
+        """When the next client waiting gives up (inf if none will)."""
+        entry = self._next_deadline()
+        return math.inf if entry is None else entry[0]
+
+    def expire(self, now_s: float) -> list[Request]:
+        """Take out every request whose client gave up by ``now_s``, in the order they did,
+        each with ``abandoned_s`` set to when it did."""
+        gone: list[Request] = []
+        while True:
+            entry = self._next_deadline()
+            if entry is None or entry[0] > now_s:
+                return gone
+            deadline, _, _, request = heapq.heappop(self._by_deadline)
+            if not self.ordered:
+                self._line.remove(request)  # near the front: the oldest unseated arrivals
+            request.ticket += 1  # its entries in the other heaps are stale now
+            request.abandoned_s = deadline
+            self._count -= 1
+            gone.append(request)
 
     def requests(self) -> list[Request]:
         """Everyone waiting, in no particular order."""
@@ -358,7 +396,8 @@ class Scheduler:
                  swap_slots: int = 0, predicted_output: list[int] | None = None,
                  overflow_to_max: bool = False, sliding_window: int = 0,
                  speculative: SpeculativeConfig | None = None,
-                 waiting: WaitingLine | None = None) -> None:
+                 waiting: WaitingLine | None = None,
+                 queue_timeout_s: float | None = None) -> None:
         self.allocator = allocator
         # The token clock (see the module's docstring) reads ⌊acc / den⌋: acc moves on by
         # each step's rate (τ·den, of the drafts the step verifies), so that with one K it
@@ -403,7 +442,8 @@ class Scheduler:
         self.swapped_in_slots = 0
         # A line of its own, or one it shares with the other batches of a pipeline.
         self.waiting = waiting if waiting is not None else WaitingLine(
-            config.policy, config.max_wait_s, config.aging_tokens_per_s or 0.0)
+            config.policy, config.max_wait_s, config.aging_tokens_per_s or 0.0,
+            queue_timeout_s)
         # Under pipeline parallelism the schedulers of the batches in flight, which share
         # the allocator, the line and max_num_seqs (None: this one alone).
         self._peers: list[Scheduler] | None = None
@@ -538,10 +578,20 @@ class Scheduler:
         self._noticed_s = self.waiting.clock = now_s
 
     def next_promotion_s(self) -> float:
-        """When the line's head next changes by time alone (aging), or inf: a run of
-        decode steps must stop there, as stepping would try to seat it then."""
+        """When the line's head next changes by time alone (aging, or a client giving up),
+        or inf: a run of decode steps must stop there, as stepping would try to seat it
+        then."""
         due = self.waiting.oldest_due_s()
-        return due if due > self._noticed_s else math.inf
+        return min(due if due > self._noticed_s else math.inf, self.waiting.next_timeout_s())
+
+    def time_out(self, now_s: float) -> list[Request]:
+        """The waiting requests whose clients gave up by ``now_s``, taken out of the line (a
+        head that could not be seated may have been one of them)."""
+        gone = self.waiting.expire(now_s)
+        if gone:
+            for sched in self._peers or [self]:  # (a pipeline's batches share the line)
+                sched.head_blocked = False
+        return gone
 
     def _snapshot_head(self) -> SeqSpec | None:
         # Only contiguous memory has external fragmentation, defined by the waiting head.

@@ -34,20 +34,23 @@ def trace_of(priorities: list[int], prompt_len: int = 32, output_len: int = 8) -
 
 def test_the_waiting_line_orders_by_priority_then_arrival():
     trace = trace_of([1, 0, 1, 0])
-    requests = [Request(trace, i, float(i)) for i in range(4)]
-    fcfs, by_priority = WaitingLine("fcfs"), WaitingLine("priority")
-    for request in requests:
-        fcfs.arrive(request)
-        by_priority.arrive(request)
+    # A request stands in one line at a time (its ticket is its place there): each line
+    # gets requests of its own.
+    lines = {"fcfs": WaitingLine("fcfs"), "priority": WaitingLine("priority")}
+    requests = {name: [Request(trace, i, float(i)) for i in range(4)] for name in lines}
+    fcfs, by_priority = lines["fcfs"], lines["priority"]
+    for name, line in lines.items():
+        for request in requests[name]:
+            line.arrive(request)
     assert [fcfs.pop().index for _ in range(4)] == [0, 1, 2, 3]
     assert [by_priority.pop().index for _ in range(4)] == [1, 3, 0, 2]
     # A preempted request goes back to the front under FCFS, to its place by priority.
-    for line in (fcfs, by_priority):
-        for request in requests[1:]:
+    for name, line in lines.items():
+        for request in requests[name][1:]:
             line.arrive(request)
-        line.readmit(requests[0])
+        line.readmit(requests[name][0])
         assert len(line) == 4 and line
-    assert fcfs.head() is requests[0]
+    assert fcfs.head() is requests["fcfs"][0]
     assert [by_priority.pop().index for _ in range(4)] == [1, 3, 0, 2]
     assert not by_priority
 
@@ -65,6 +68,8 @@ def test_the_line_by_priority_always_seats_the_best_waiting(operations):
     waiting: list[Request] = []
     model: list[Request] = []  # FCFS: the deque, as a list
     taken: list[Request] = []
+    # The FCFS line's own request of each index (a request stands in one line at a time).
+    twin: dict[int, Request] = {}
     for index, (operation, _) in enumerate(operations):
         if operation == "pop" and waiting:
             best = min(waiting, key=lambda r: (r.priority, r.arrival_s, r.index))
@@ -76,14 +81,15 @@ def test_the_line_by_priority_always_seats_the_best_waiting(operations):
             again = taken.pop()
             by_priority.readmit(again)
             waiting.append(again)
-            fcfs.readmit(again)
-            model.insert(0, again)
+            fcfs.readmit(twin[again.index])
+            model.insert(0, twin[again.index])
         elif operation != "pop":
             request = Request(trace, index, float(index))
             by_priority.arrive(request)
             waiting.append(request)
-            fcfs.arrive(request)
-            model.append(request)
+            twin[index] = Request(trace, index, float(index))
+            fcfs.arrive(twin[index])
+            model.append(twin[index])
         assert len(by_priority) == len(waiting) == len(fcfs)
         assert sorted(r.index for r in by_priority.requests()) == sorted(r.index for r in waiting)
         assert fcfs.requests() == model

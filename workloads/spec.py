@@ -72,6 +72,12 @@ PRIORITIES_DESCRIPTION = (
     "priority, as vLLM's")
 Priorities = Annotated[dict[int, PositiveFloat] | None,
                        Field(default=None, min_length=1, description=PRIORITIES_DESCRIPTION)]
+QUEUE_TIMEOUT_DESCRIPTION = (
+    "seconds a client waits for its request to be seated before it cancels it (a client's "
+    "time-out): the request leaves the queue unserved, counted as abandoned and missing "
+    "every SLO; one seated once is never cancelled; absent: clients wait for ever")
+QueueTimeout = Annotated[PositiveFloat | None,
+                         Field(default=None, description=QUEUE_TIMEOUT_DESCRIPTION)]
 
 
 class SyntheticWorkload(ConfigModel):
@@ -92,6 +98,7 @@ class SyntheticWorkload(ConfigModel):
     sessions: Sessions | None = None
     sampling: Sampling = Sampling()
     priorities: Priorities = None
+    queue_timeout_s: QueueTimeout = None
 
     @model_validator(mode="after")
     def _closed_loop_without_sessions(self):  # type: ignore[no-untyped-def]
@@ -165,6 +172,7 @@ class TraceWorkload(ConfigModel):
     max_tokens: PositiveInt | None = None
     sampling: Sampling = Sampling()
     priorities: Priorities = None
+    queue_timeout_s: QueueTimeout = None
 
     @model_validator(mode="after")
     def _generic_needs_columns(self):  # type: ignore[no-untyped-def]

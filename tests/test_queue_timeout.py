@@ -1,0 +1,226 @@
+"""Clients who give up (``workload.queue_timeout_s``): a request not seated that long after
+it arrived leaves the queue unserved, at exactly that moment, and counts as abandoned; a
+request seated once is never given up; a session goes on after an abandoned turn as after
+a served one."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import kvsim_in_process as kvsim
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.engine import run_scenario, scenario_trace
+from sim.metrics import format_summary
+from sim.results import run_notes
+from sim.scenario import ScenarioError, scenario_from_dict
+from sim.scheduler import Request, WaitingLine
+from workloads.trace import Trace
+
+ONE_SEAT = {
+    "name": "one-seat", "model": "llama-2-7b", "memory": {"kv_memory_gib": 4},
+    # Four requests 10 ms apart; the first runs for thousands of steps (tens of seconds).
+    "workload": {"arrival": {"process": "constant", "rate": 100},
+                 "prompt_len": {"dist": "constant", "value": 100},
+                 "output_len": {"dist": "constant", "value": 2000},
+                 "queue_timeout_s": 1.5},
+    "systems": [{"name": "paged", "allocator": {"kind": "paged"},
+                 "scheduler": {"max_num_seqs": 1}}],
+    "stop": {"num_requests": 4},
+    "slo": {"ttft_s": 2.0},
+}
+
+
+@pytest.mark.parametrize("mode", ["jump", "step"])
+def test_requests_left_waiting_are_given_up_at_their_deadline(mode):
+    data = {**ONE_SEAT, "engine": {"mode": mode}}
+    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    requests = run.requests
+    # The first is seated at once and served; the other three wait behind it for far longer
+    # than 1.5 s and are given up exactly 1.5 s after each arrived, never seated.
+    assert requests["finished_s"].notna().tolist() == [True, False, False, False]
+    gone = requests.iloc[1:]
+    assert (gone["abandoned_s"] == gone["arrival_s"] + 1.5).all()
+    assert gone[["admitted_s", "first_token_s"]].isna().all().all()
+    assert math.isnan(requests["abandoned_s"].iloc[0])
+    summary = run.summary
+    assert (summary["completed"], summary["abandoned"], summary["rejected"]) == (1, 3, 0)
+    assert summary["slo_attainment"] == 0.25  # an abandoned request misses the SLO
+    # Nobody waits any longer once the last arrives: it is still within its patience.
+    assert summary["waiting_at_last_arrival"] == 3
+    # The makespan ends with the request served, not with the last one given up.
+    assert summary["makespan_s"] == requests["finished_s"].iloc[0]
+
+
+def test_without_a_timeout_every_request_waits_its_turn():
+    data = {**ONE_SEAT, "workload": {**ONE_SEAT["workload"], "queue_timeout_s": None}}
+    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    assert run.requests["finished_s"].notna().all()
+    assert run.requests["abandoned_s"].isna().all()
+    assert run.summary["abandoned"] is None  # not "0": no client ever gives up here
+    assert "abandoned" not in format_summary({"paged": run.summary})
+    assert not any("abandoned" in note for note in run_notes({"paged": run.summary}))
+
+
+def test_the_summary_and_notes_say_how_many_were_given_up():
+    run = run_scenario(scenario_from_dict(ONE_SEAT)).systems["paged"]
+    table = format_summary({"paged": run.summary})
+    assert any(line.startswith("requests abandoned (client time-out)") and
+               line.split()[-1] == "3" for line in table.splitlines())
+    notes = [n for n in run_notes({"paged": run.summary}) if n.startswith("abandoned")]
+    assert notes == ["abandoned by their clients after waiting queue_timeout_s unseated: "
+                     "paged 3 of 4; they count against the SLO, while throughput and latency "
+                     "percentiles are of the requests served"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_preempted_request_is_never_given_up(policy):
+    # A pool that holds about three of these requests at their full length, eight of them
+    # seated at once: growth preempts the latest seated, who then wait far longer than the
+    # timeout to be seated again (at the front of the line, or in their place by priority),
+    # and are served all the same.
+    data = {"name": "preempted", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1.5},
+            "workload": {"arrival": {"process": "constant", "rate": 1000},
+                         "prompt_len": {"dist": "constant", "value": 200},
+                         "output_len": {"dist": "constant", "value": 800},
+                         "queue_timeout_s": 0.05},
+            "systems": [{"name": "paged", "allocator": {"kind": "paged", "watermark": 0.0},
+                         "scheduler": {"policy": policy}}],
+            "stop": {"num_requests": 8}}
+    requests = run_scenario(scenario_from_dict(data)).systems["paged"].requests
+    preempted = requests[requests["preemptions"] > 0]
+    assert len(preempted) > 0
+    assert preempted["finished_s"].notna().all() and preempted["abandoned_s"].isna().all()
+    assert (preempted["finished_s"] - preempted["arrival_s"]).min() > 0.05
+
+
+def test_a_user_goes_on_after_a_turn_given_up():
+    # Closed loop: three users, one seat. A user whose request was given up sends the next
+    # after its think time, counted from when it gave up.
+    data = {"name": "users", "model": "llama-2-7b", "memory": {"kv_memory_gib": 4},
+            "workload": {"arrival": {"process": "closed_loop", "users": 3,
+                                     "think_time_s": 0.25},
+                         "prompt_len": {"dist": "constant", "value": 100},
+                         "output_len": {"dist": "constant", "value": 300},
+                         "queue_timeout_s": 0.5},
+            "systems": [{"name": "paged", "allocator": {"kind": "paged"},
+                         "scheduler": {"max_num_seqs": 1}}],
+            "stop": {"num_requests": 30}}
+    scenario = scenario_from_dict(data)
+    trace = scenario_trace(scenario, Path())
+    requests = run_scenario(scenario).systems["paged"].requests.set_index("request")
+    after = trace.after
+    abandoned = requests.index[requests["abandoned_s"].notna()]
+    followed = 0
+    for index in np.flatnonzero(after >= 0).tolist():
+        parent = int(after[index])
+        if parent in abandoned and index in requests.index:
+            expected = requests.at[parent, "abandoned_s"] + trace.think_s[index]
+            assert requests.at[index, "arrival_s"] == pytest.approx(expected, abs=1e-12)
+            followed += 1
+    assert followed >= 3
+    assert len(requests) == 30  # every user's every request ran, served or given up
+
+
+@pytest.mark.parametrize("value", [0, -1.5])
+def test_a_timeout_must_be_positive(tmp_path, value):
+    data = {**ONE_SEAT, "workload": {**ONE_SEAT["workload"], "queue_timeout_s": value}}
+    with pytest.raises(ScenarioError, match=r"workload\.synthetic\.queue_timeout_s|"
+                                            r"workload.*queue_timeout_s"):
+        scenario_from_dict(data)
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: s\nworkload: {{arrival: {{process: poisson, rate: 1}}, "
+                    f"prompt_len: {{dist: constant, value: 10}}, "
+                    f"output_len: {{dist: constant, value: 10}}, queue_timeout_s: {value}}}\n"
+                    "systems: [{name: p, allocator: {kind: paged}}]\n")
+    proc = kvsim("validate", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "queue_timeout_s" in proc.stderr
+    assert "greater than 0" in proc.stderr
+
+
+def test_a_pipeline_gives_up_requests_as_one_engine_does():
+    data = {"name": "pp", "model": "llama-2-13b", "gpu": "a100-80g",
+            "parallel": {"pipeline_parallel_size": 2},
+            "workload": {"arrival": {"process": "poisson", "rate": 60},
+                         "prompt_len": {"dist": "lognormal", "mean": 300, "sigma": 0.8,
+                                        "max": 2000},
+                         "output_len": {"dist": "uniform", "low": 50, "high": 600},
+                         "queue_timeout_s": 0.5},
+            "systems": [{"name": "paged", "allocator": {"kind": "paged"},
+                         "scheduler": {"max_num_seqs": 16}}],
+            "stop": {"num_requests": 300}}
+    runs = {mode: run_scenario(scenario_from_dict({**data, "engine": {"mode": mode}}))
+            .systems["paged"].requests for mode in ("jump", "step")}
+    requests = runs["jump"]
+    gone = requests[requests["abandoned_s"].notna()]
+    assert len(gone) > 0 and gone["admitted_s"].isna().all()
+    assert (gone["abandoned_s"] == gone["arrival_s"] + 0.5).all()
+    assert (requests["finished_s"].notna() | requests["abandoned_s"].notna()).all()
+    assert requests.equals(runs["step"])
+
+
+# --------------------------------------------------------------- the line itself
+ORDERS = ["fcfs", "priority", "shortest_predicted"]
+
+
+@given(order=st.sampled_from(ORDERS),
+       operations=st.lists(st.tuples(st.sampled_from(["arrive", "pop", "readmit", "wait"]),
+                                     st.integers(0, 3)), max_size=80))
+@settings(max_examples=300, deadline=None, derandomize=True)
+def test_the_line_lets_go_exactly_those_unseated_past_their_deadline(order, operations):
+    """Whatever arrives, is seated, returns after a preemption or waits: ``expire`` takes out
+    exactly the requests never seated whose deadline has come, wherever they stand; the
+    others keep their order, and the head is the one the order says."""
+    timeout_s = 1.0
+    count = sum(1 for op, _ in operations if op == "arrive") or 1
+    trace = Trace.from_columns(arrival_s=np.zeros(count), prompt_len=np.full(count, 20),
+                               output_len=np.full(count, 50),
+                               priority=np.array([v for op, v in operations
+                                                  if op == "arrive"] or [0]))
+    line = WaitingLine(order, timeout_s=timeout_s)
+    model: list[Request] = []  # FCFS: the deque as a list; else the set waiting
+    seated: list[Request] = []
+    now = 0.0
+    arrived = 0
+
+    def key(r: Request) -> tuple:
+        if order == "priority":
+            return (r.priority, r.arrival_s, r.index)
+        return (max(r.predicted_output - r.gen_sync, 1), r.arrival_s, r.index)
+
+    for operation, value in operations:
+        if operation == "arrive":
+            request = Request(trace, arrived, now)
+            request.predicted_output = 10 * value + 1
+            arrived += 1
+            line.arrive(request)
+            model.append(request)
+        elif operation == "pop" and model:
+            expected = model[0] if order == "fcfs" else min(model, key=key)
+            assert line.head() is expected and line.pop() is expected
+            model.remove(expected)
+            expected.admitted_s = now  # the scheduler marks it seated
+            seated.append(expected)
+        elif operation == "readmit" and seated:
+            again = seated.pop(value % len(seated))
+            line.readmit(again)
+            model.insert(0, again)
+        elif operation == "wait":
+            now += 0.25 * value
+            due = [r for r in model if r.admitted_s < 0 and r.arrival_s + timeout_s <= now]
+            gone = line.expire(now)
+            assert sorted(r.index for r in gone) == sorted(r.index for r in due)
+            assert all(r.abandoned_s == r.arrival_s + timeout_s for r in gone)
+            model = [r for r in model if r not in due]
+        assert len(line) == len(model)
+        if order == "fcfs":
+            assert line.requests() == model
+        else:
+            assert sorted(r.index for r in line.requests()) == sorted(r.index for r in model)
+        upcoming = [r.arrival_s + timeout_s for r in model if r.admitted_s < 0]
+        assert line.next_timeout_s() == min(upcoming, default=math.inf)
