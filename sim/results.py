@@ -192,29 +192,31 @@ def saturation_note(summaries: dict[str, dict[str, Any]]) -> str | None:
             + ", so throughput is capacity and TTFT/E2E are mostly queueing")
 
 
+def _unserved(summaries: dict[str, dict[str, Any]], key: str) -> str | None:
+    """``"NAME COUNT of REQUESTS, ..."`` for each system with requests unserved by ``key``
+    (``rejected``, ``abandoned``), or None where none has any."""
+    counts = [f"{name} {s[key]:,} of {s['requests']:,}" for name, s in summaries.items()
+              if s.get(key)]
+    return ", ".join(counts) if counts else None
+
+
 def rejection_note(summaries: dict[str, dict[str, Any]]) -> str | None:
     """A warning when a system turned requests away because they could never fit its pool
     (all of a request's samples at their reservation, in an empty pool)."""
-    rejecting = {name: s for name, s in summaries.items() if s.get("rejected")}
-    if not rejecting:
-        return None
-    counts = ", ".join(f"{name} {s['rejected']:,} of {s['requests']:,}"
-                       for name, s in rejecting.items())
-    return (f"rejected as larger than the whole KV pool: {counts}; throughput and latency "
-            "count only the requests that were served")
+    counts = _unserved(summaries, "rejected")
+    return None if counts is None else (
+        f"rejected as larger than the whole KV pool: {counts}; throughput and latency "
+        "count only the requests that were served")
 
 
 def abandonment_note(summaries: dict[str, dict[str, Any]]) -> str | None:
     """A warning when clients gave up on requests that waited too long for a seat
     (``workload.queue_timeout_s``): the latencies are of the requests served."""
-    abandoning = {name: s for name, s in summaries.items() if s.get("abandoned")}
-    if not abandoning:
-        return None
-    counts = ", ".join(f"{name} {s['abandoned']:,} of {s['requests']:,}"
-                       for name, s in abandoning.items())
-    return (f"abandoned by their clients after waiting queue_timeout_s unseated: {counts}; "
-            "they count against the SLO, while throughput and latency percentiles are of "
-            "the requests served")
+    counts = _unserved(summaries, "abandoned")
+    return None if counts is None else (
+        f"abandoned by their clients after waiting queue_timeout_s unseated: {counts}; "
+        "they count against the SLO, while throughput and latency percentiles are of the "
+        "requests served")
 
 
 def run_notes(summaries: dict[str, dict[str, Any]]) -> list[str]:
