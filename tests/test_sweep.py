@@ -261,7 +261,7 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
                                   "priority_classes", "length_prediction",
                                   "virtual_memory", "shortest_first", "attention_kinds",
                                   "sliding_window", "prefill_allocation", "max_model_len",
-                                  "gpu_choice", "weight_precision"])
+                                  "gpu_choice", "weight_precision", "queue_timeout"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -274,6 +274,13 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         assert table["contiguous-max"].is_monotonic_decreasing
         assert table["contiguous-max"].iloc[0] > 4 * table["contiguous-max"].iloc[-1]
         assert table["paged-16"].nunique() == table["contiguous-req"].nunique() == 1
+    if name == "queue_timeout":  # the fewer seated at once, the more clients give up
+        abandoned = outcome.table.pivot_table(index="param:workload.arrival.rate",
+                                              columns="system", values="abandoned")
+        assert (abandoned["contiguous-max"] >= abandoned["contiguous-req"]).all()
+        assert (abandoned["contiguous-req"] >= abandoned["paged-16"]).all()
+        assert abandoned["contiguous-max"].iloc[-1] > abandoned["paged-16"].iloc[-1]
+        assert abandoned["contiguous-max"].is_monotonic_increasing
     if name == "gpu_choice":  # each GPU in the splits of 8 that hold Llama-3.1-70B
         splits = outcome.table.groupby("param:gpu")["param:engine.replicas"].apply(sorted)
         assert splits.to_dict() == {"a100-80g": [1, 2, 4], "h100-80g": [1, 2, 4],
