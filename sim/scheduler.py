@@ -146,7 +146,7 @@ class Request:
         self.swap_slots = 0
         self.past_window = False  # decoding with context past a sliding window
         self.spec_cache: SeqSpec | None = None
-        self.ticket = 0  # its place in the waiting line; a new one each time it joins
+        self.ticket = 0  # its place in the waiting line; a new one each time it joins or leaves
 
     @property
     def final_len(self) -> int:
@@ -324,6 +324,18 @@ class WaitingLine:
             request.abandoned_s = deadline
             self._count -= 1
             gone.append(request)
+            if self.ordered and len(self._heap) > 2 * self._count + 64:
+                self._drop_stale()
+
+    def _drop_stale(self) -> None:
+        """Rebuild the heaps without their stale entries: those of requests that timed out
+        deep in the line would otherwise stay (and keep their requests) until they surface,
+        which under lasting overload may be never."""
+        self._heap = [entry for entry in self._heap if entry[3] == entry[4].ticket]
+        heapq.heapify(self._heap)
+        self._by_arrival = [entry for entry in self._by_arrival
+                            if entry[2] == entry[3].ticket]
+        heapq.heapify(self._by_arrival)
 
     def requests(self) -> list[Request]:
         """Everyone waiting, in no particular order."""

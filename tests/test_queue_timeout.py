@@ -224,3 +224,33 @@ def test_the_line_lets_go_exactly_those_unseated_past_their_deadline(order, oper
             assert sorted(r.index for r in line.requests()) == sorted(r.index for r in model)
         upcoming = [r.arrival_s + timeout_s for r in model if r.admitted_s < 0]
         assert line.next_timeout_s() == min(upcoming, default=math.inf)
+
+
+@pytest.mark.parametrize("order", ["priority", "shortest_predicted"])
+def test_requests_given_up_deep_in_an_ordered_line_are_not_kept(order):
+    # Lasting overload: every second 50 requests arrive and one, the best placed, is
+    # seated; the rest time out after 2 s, most of them far from the head. Their entries
+    # must not pile up in the line's heaps (each keeps its request alive).
+    arrivals = 50 * 200
+    trace = Trace.from_columns(arrival_s=np.repeat(np.arange(200.0), 50),
+                               prompt_len=np.full(arrivals, 20),
+                               output_len=np.full(arrivals, 50),
+                               priority=np.arange(arrivals) % 7)
+    line = WaitingLine(order, timeout_s=2.0, max_wait_s=5.0 if order != "priority" else None)
+    index, seated, gone = 0, 0, 0
+    for second in range(200):
+        now = float(second)
+        line.clock = now
+        gone += len(line.expire(now))
+        for _ in range(50):
+            request = Request(trace, index, now)
+            request.predicted_output = 1 + index % 13
+            line.arrive(request)
+            index += 1
+        head = line.head()
+        assert line.pop() is head
+        head.admitted_s = now
+        seated += 1
+        assert len(line._heap) <= 2 * len(line) + 64 + 50
+    assert seated + gone + len(line) == arrivals
+    assert gone > arrivals * 0.9
