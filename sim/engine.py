@@ -534,6 +534,10 @@ class _Replica:
                 if self.role == "decode" and heeded:
                     stop_at = min(stop_at, sim.handover_horizon())
                 stop_at = min(stop_at, sched.next_promotion_s())
+                if sim.queue_timeout_s is not None:
+                    # One arriving meanwhile may give up meanwhile too: the router learns of
+                    # that when stepping would tell it.
+                    stop_at = min(stop_at, self.next_arrival() + sim.queue_timeout_s)
                 timing = self.setup.timings[batch.draft_tokens]
                 quiet = sched.decode_quietly(
                     timing.decode_step_time(batch.decode_seqs, self.rho), start, stop_at, snap)

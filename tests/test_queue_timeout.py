@@ -6,9 +6,11 @@ a served one."""
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from conftest import kvsim_in_process as kvsim
 from hypothesis import given, settings
@@ -254,3 +256,35 @@ def test_requests_given_up_deep_in_an_ordered_line_are_not_kept(order):
         assert len(line._heap) <= 2 * len(line) + 64 + 50
     assert seated + gone + len(line) == arrivals
     assert gone > arrivals * 0.9
+
+
+def routed_under_pressure(seed: int) -> dict:
+    """Replicas behind a router, a pool small enough to preempt, clients quick to give up:
+    a request may arrive and give up within one run of decode steps behind a head that
+    waits for memory, and the router must learn of it when stepping would tell it."""
+    rng = random.Random(seed)
+    return {
+        "name": f"routed-{seed}", "model": "llama-2-7b",
+        "memory": {"kv_memory_gib": rng.choice([0.15, 0.25, 0.4])},
+        "workload": {"arrival": {"process": "poisson", "rate": rng.choice([5, 20, 60])},
+                     "prompt_len": {"dist": "uniform", "low": 20, "high": 300},
+                     "output_len": {"dist": "uniform", "low": 50, "high": 800},
+                     "queue_timeout_s": rng.choice([0.01, 0.05, 0.2])},
+        "systems": [{"name": "s", "allocator": {"kind": "paged", "watermark": 0.0},
+                     "scheduler": {"max_num_seqs": rng.choice([2, 8, 64])}}],
+        "engine": {"replicas": rng.choice([2, 3]),
+                   "router": {"policy": rng.choice(["least_loaded", "cache_aware",
+                                                    "kv_aware"])}},
+        "stop": {"num_requests": 150}, "seed": seed}
+
+
+@pytest.mark.parametrize("seed", [3, 6, 7, 8, 9, 10])
+def test_a_router_learns_of_clients_giving_up_as_stepping_tells_it(seed):
+    data = routed_under_pressure(seed)
+    tables = {}
+    for mode in ("jump", "step"):
+        data["engine"]["mode"] = mode
+        tables[mode] = run_scenario(scenario_from_dict(data)).systems["s"].requests
+    assert tables["jump"]["abandoned_s"].notna().any()
+    assert tables["jump"]["preemptions"].sum() > 0
+    pd.testing.assert_frame_equal(tables["jump"], tables["step"])
