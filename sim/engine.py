@@ -918,6 +918,7 @@ class _SystemRun:
         self.usd_per_gpu_hour = scenario.cost.usd_per_gpu_hour if scenario.cost else None
         self.slo = scenario.slo
         self.queue_timeout_s = scenario.workload.queue_timeout_s  # clients' patience
+        self.retry = scenario.workload.retry  # and what they do when it runs out
         # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode
         # (counted in ranks: P is the prefill engines' ranks).
         split = scenario.engine.disaggregation
@@ -955,7 +956,8 @@ class _SystemRun:
         self.request_rows = _RowBuffer([
             "request", "arrival_s", "admitted_s", "first_token_s", "finished_s", "prompt_len",
             "output_len", "n", "priority", "preemptions", "prefix_hit_tokens",
-            "recomputed_tokens", "rejected", "abandoned_s", "replica", "allocated_at_finish",
+            "recomputed_tokens", "rejected", "abandoned_s", "attempts", "replica",
+            "allocated_at_finish",
             *(["decode_replica"] if self.handovers else [])], {"rejected": bool})
         self.allocated_at_finish = np.zeros(len(trace), dtype=np.int64)
         self.recorder = _Recorder(scenario.engine.sample_interval_s)
@@ -1130,7 +1132,7 @@ class _SystemRun:
         rest.gen_sync = 1
         rest.transferred = request.prompt_len
         for carried in ("admitted_s", "first_token_s", "preemptions", "hit_tokens",
-                        "recomputed_tokens"):
+                        "recomputed_tokens", "first_arrival_s", "attempts"):
             setattr(rest, carried, getattr(request, carried))
         transfer_s = self._transfer_tokens(decode, request.prompt_len) * (
             self.transfer_s_per_token)
@@ -1154,9 +1156,15 @@ class _SystemRun:
             return
         for request, _, _ in batch.prefill:
             if request.admitted_s == start_s:
-                router.admitted(request.index, replica.index, start_s)
+                router.admitted(self.router_key(request), replica.index, start_s)
             if not request.in_prefill:
-                router.prefilled(request.index, replica.index, now_s)
+                router.prefilled(self.router_key(request), replica.index, now_s)
+
+    def router_key(self, request: Request) -> int:
+        """Who ``request`` is to the router: its index; each retry of it a request of its
+        own, numbered past every first try (a retry is expected before the router has
+        applied the end of the try before)."""
+        return request.index + (request.attempts - 1) * len(self.arrival_s)
 
     def on_done(self, replica: _Replica, request: Request, now_s: float,
                 step_start_s: float | None = None) -> None:
@@ -1165,7 +1173,7 @@ class _SystemRun:
         if self.least_loaded_decode and replica.role == "decode":
             heapq.heappush(self.decode_done, (now_s, replica.index - self.prefill_replicas))
         if self.router is not None and not request.rejected and replica.role != "decode":
-            self.router.finished(request.index, replica.index, now_s)
+            self.router.finished(self.router_key(request), replica.index, now_s)
         served = not request.rejected and request.abandoned_s < 0
         if replica.role == "prefill" and served and self.output_lens[request.index] > 1:
             self._hand_over(replica, request, now_s,
@@ -1173,13 +1181,15 @@ class _SystemRun:
             return
         if replica.role == "prefill" and served:
             replica.scheduler.release(request)  # one token: nothing to send on
+        if not served and request.abandoned_s >= 0 and self._retry(replica, request):
+            return
         routed_to = int(self.replica_of[request.index])
         row: tuple[object, ...] = (
-            request.index, request.arrival_s, request.admitted_s, request.first_token_s,
+            request.index, request.first_arrival_s, request.admitted_s, request.first_token_s,
             request.finished_s, request.prompt_len, self.output_lens[request.index],
             request.n, request.priority, request.preemptions, request.hit_tokens,
-            request.recomputed_tokens, request.rejected, request.abandoned_s, routed_to,
-            int(self.allocated_at_finish[request.index]))
+            request.recomputed_tokens, request.rejected, request.abandoned_s, request.attempts,
+            routed_to, int(self.allocated_at_finish[request.index]))
         if self.handovers:
             row += (replica.index if replica.role == "decode" else -1,)
         self.request_rows.append(row)
@@ -1201,6 +1211,25 @@ class _SystemRun:
                 turn = self.new_request(index, release, home)
                 if self.accepts(home, turn):
                     self.router.expect(index, home.index, release, turn.prompt_segments)
+
+    def _retry(self, replica: _Replica, request: Request) -> bool:
+        """Whether the client of ``request``, given up, sends it again (to the same
+        replica, after its back-off; not past the stop's duration): if so, it is on its
+        way, and nothing is recorded yet."""
+        retry = self.retry
+        if retry is None or request.attempts > retry.max_retries:
+            return False
+        again_s = request.abandoned_s + retry.delay_s(request.attempts)
+        if self.duration_s is not None and again_s > self.duration_s:
+            return False
+        again = Request(self.trace, request.index, again_s)
+        again.first_arrival_s = request.first_arrival_s
+        again.attempts = request.attempts + 1
+        self.release(replica, again_s, request.index, again)
+        if self.router is not None:
+            self.router.expect(self.router_key(again), replica.index, again_s,
+                               again.prompt_segments)
+        return True
 
     def run(self) -> RunResult:
         for replica in self.replicas:
@@ -1294,6 +1323,8 @@ class _SystemRun:
         # None (shown "—") where clients wait for ever (no workload.queue_timeout_s).
         extra["abandoned"] = (int(requests["abandoned_s"].notna().sum())
                               if self.queue_timeout_s is not None else None)
+        extra["retries"] = (int((requests["attempts"] - 1).sum())
+                            if self.retry is not None else None)
         summary_requests = requests.fillna({"finished_s": -1.0})
         summary = summarize(summary_requests, steps,
                             self.recorder.averages(), capacity, extra,

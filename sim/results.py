@@ -213,8 +213,10 @@ def abandonment_note(summaries: dict[str, dict[str, Any]]) -> str | None:
     """A warning when clients gave up on requests that waited too long for a seat
     (``workload.queue_timeout_s``): the latencies are of the requests served."""
     counts = _unserved(summaries, "abandoned")
+    retried = any(s.get("retries") is not None for s in summaries.values())
     return None if counts is None else (
-        f"abandoned by their clients after waiting queue_timeout_s unseated: {counts}; "
+        "abandoned by their clients after waiting queue_timeout_s unseated"
+        + (" (at their last try)" if retried else "") + f": {counts}; "
         "they count against the SLO, while throughput and latency percentiles are of the "
         "requests served")
 

@@ -68,11 +68,13 @@ class Request:
         "admit_seq",
         "admitted_s",
         "arrival_s",
+        "attempts",
         "c_sync",
         "computed",
         "computed_tokens",
         "decoding",
         "finished_s",
+        "first_arrival_s",
         "first_token_s",
         "gen_sync",
         "hit_tokens",
@@ -103,7 +105,9 @@ class Request:
 
     def __init__(self, trace: Trace, index: int, arrival_s: float) -> None:
         self.index = index
-        self.arrival_s = arrival_s
+        self.arrival_s = arrival_s  # of this attempt: a client may send it again (retry)
+        self.first_arrival_s = arrival_s  # of its first attempt, which latencies count from
+        self.attempts = 1
         columns = trace.column_lists()
         self.prompt_len = columns["prompt_len"][index]
         self.output_len = columns["output_len"][index]

@@ -203,6 +203,9 @@ def random_scenario(seed: int) -> dict:
     # deadline may fall inside a run of decode steps, or while the head is blocked).
     if rng.random() < 0.3:
         workload["queue_timeout_s"] = rng.choice([0.02, 0.3, 2.0])
+        if rng.random() < 0.5:  # drawn last, as the above: and who try again
+            workload["retry"] = {"max_retries": rng.randint(1, 3),
+                                 "backoff_s": rng.choice([0.0, 0.05, 0.5])}
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",

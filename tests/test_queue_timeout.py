@@ -279,6 +279,18 @@ def routed_under_pressure(seed: int) -> dict:
 
 
 @pytest.mark.parametrize("seed", [3, 6, 7, 8, 9, 10])
+def test_a_router_learns_of_retries_as_stepping_tells_it(seed):
+    data = routed_under_pressure(seed)
+    data["workload"]["retry"] = {"max_retries": 2, "backoff_s": 0.02}
+    tables = {}
+    for mode in ("jump", "step"):
+        data["engine"]["mode"] = mode
+        tables[mode] = run_scenario(scenario_from_dict(data)).systems["s"].requests
+    assert (tables["jump"]["attempts"] > 1).any()
+    pd.testing.assert_frame_equal(tables["jump"], tables["step"])
+
+
+@pytest.mark.parametrize("seed", [3, 6, 7, 8, 9, 10])
 def test_a_router_learns_of_clients_giving_up_as_stepping_tells_it(seed):
     data = routed_under_pressure(seed)
     tables = {}
@@ -288,3 +300,95 @@ def test_a_router_learns_of_clients_giving_up_as_stepping_tells_it(seed):
     assert tables["jump"]["abandoned_s"].notna().any()
     assert tables["jump"]["preemptions"].sum() > 0
     pd.testing.assert_frame_equal(tables["jump"], tables["step"])
+
+
+# --------------------------------------------------------------- clients who try again
+def test_a_client_tries_again_after_each_time_out_with_a_longer_back_off():
+    data = {**ONE_SEAT, "workload": {**ONE_SEAT["workload"],
+                                     "retry": {"max_retries": 2, "backoff_s": 0.25}}}
+    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    requests = run.requests
+    gone = requests.iloc[1:]
+    # Three tries of 1.5 s each, 0.25 s and then 0.5 s apart; times count from the first.
+    assert gone["attempts"].tolist() == [3, 3, 3]
+    assert np.allclose(gone["abandoned_s"], gone["arrival_s"] + 3 * 1.5 + 0.25 + 0.5,
+                       rtol=0, atol=1e-12)
+    assert gone[["admitted_s", "first_token_s"]].isna().all().all()
+    assert requests["attempts"].iloc[0] == 1
+    assert (run.summary["abandoned"], run.summary["retries"]) == (3, 6)
+    assert "retries after a time-out" in format_summary({"paged": run.summary})
+
+
+def test_a_retry_that_is_seated_is_served_and_timed_from_the_first_try():
+    # The first request holds the only seat for about 2 s; the others time out after
+    # 0.5 s, try again after 1 s, time out again, and try a third time 2 s later, when the
+    # seat is free: served then, their TTFT counted from when they first arrived.
+    data = {**ONE_SEAT, "workload": {**ONE_SEAT["workload"], "queue_timeout_s": 0.5,
+                                     "output_len": {"dist": "constant", "value": 150},
+                                     "retry": {"max_retries": 5, "backoff_s": 1.0}}}
+    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    requests = run.requests
+    assert requests["finished_s"].notna().all() and requests["abandoned_s"].isna().all()
+    retried = requests[requests["attempts"] > 1]
+    assert len(retried) >= 2
+    for _, row in retried.iterrows():
+        tries = int(row["attempts"])
+        last_try_s = row["arrival_s"] + 0.5 * (tries - 1) + sum(
+            min(1.0 * 2 ** k, 8.0) for k in range(tries - 1))
+        assert row["admitted_s"] >= last_try_s - 1e-12
+        assert row["admitted_s"] < last_try_s + 0.5  # within that try's patience
+    ttft = requests["first_token_s"] - requests["arrival_s"]
+    assert (ttft[requests["attempts"] > 1] > 1.5).all()
+    assert run.summary["retries"] == int((requests["attempts"] - 1).sum())
+
+
+def test_the_back_off_doubles_up_to_its_cap():
+    from workloads.spec import Retry
+
+    retry = Retry(max_retries=6, backoff_s=0.5, max_backoff_s=3.0)
+    assert [retry.delay_s(k) for k in range(1, 7)] == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+
+
+def test_a_retry_needs_a_time_out(tmp_path):
+    data = {**ONE_SEAT, "workload": {**ONE_SEAT["workload"], "queue_timeout_s": None,
+                                     "retry": {"max_retries": 2}}}
+    with pytest.raises(ScenarioError, match="retry: a client retries a request it gave up "
+                                            "on; give queue_timeout_s too"):
+        scenario_from_dict(data)
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nworkload: {arrival: {process: poisson, rate: 1}, "
+                    "prompt_len: {dist: constant, value: 10}, "
+                    "output_len: {dist: constant, value: 10}, retry: {max_retries: 2}}\n"
+                    "systems: [{name: p, allocator: {kind: paged}}]\n")
+    proc = kvsim("validate", str(path))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "give queue_timeout_s too" in proc.stderr
+
+
+def test_a_user_waits_for_the_last_try_before_the_next_request():
+    # Closed loop with retries: a user's next request follows the final outcome of the one
+    # before (served or given up after its last try), never a try in between.
+    data = {"name": "users", "model": "llama-2-7b", "memory": {"kv_memory_gib": 4},
+            "workload": {"arrival": {"process": "closed_loop", "users": 3,
+                                     "think_time_s": 0.25},
+                         "prompt_len": {"dist": "constant", "value": 100},
+                         "output_len": {"dist": "constant", "value": 300},
+                         "queue_timeout_s": 0.5,
+                         "retry": {"max_retries": 1, "backoff_s": 0.1}},
+            "systems": [{"name": "paged", "allocator": {"kind": "paged"},
+                         "scheduler": {"max_num_seqs": 1}}],
+            "stop": {"num_requests": 30}}
+    scenario = scenario_from_dict(data)
+    trace = scenario_trace(scenario, Path())
+    requests = run_scenario(scenario).systems["paged"].requests.set_index("request")
+    assert (requests["attempts"] == 2).any()
+    after = trace.after
+    for index in np.flatnonzero(after >= 0).tolist():
+        parent = int(after[index])
+        if index not in requests.index:
+            continue
+        done_s = requests.at[parent, "finished_s"]
+        if math.isnan(done_s):
+            done_s = requests.at[parent, "abandoned_s"]
+        assert requests.at[index, "arrival_s"] == pytest.approx(
+            done_s + trace.think_s[index], abs=1e-12)

@@ -80,6 +80,27 @@ QueueTimeout = Annotated[PositiveFloat | None,
                          Field(default=None, description=QUEUE_TIMEOUT_DESCRIPTION)]
 
 
+class Retry(ConfigModel):
+    """What a client whose request timed out does next (``queue_timeout_s``): it sends the
+    request again, up to ``max_retries`` times, waiting ``backoff_s`` before the first
+    retry and twice as long before each next one, at most ``max_backoff_s``: the OpenAI
+    Python client's defaults (without its random jitter, so that runs repeat exactly)."""
+
+    max_retries: PositiveInt = Field(default=2, le=100)
+    backoff_s: float = Field(default=0.5, ge=0)
+    max_backoff_s: float = Field(default=8.0, ge=0)
+
+    def delay_s(self, retry: int) -> float:
+        """Seconds between a time-out and retry number ``retry`` (1 for the first)."""
+        return min(self.backoff_s * 2.0 ** (retry - 1), self.max_backoff_s)
+
+
+def _retry_needs_a_timeout(retry: Retry | None, queue_timeout_s: float | None) -> None:
+    if retry is not None and queue_timeout_s is None:
+        raise ValueError("retry: a client retries a request it gave up on; give "
+                         "queue_timeout_s too (how long it waits before giving up)")
+
+
 class SyntheticWorkload(ConfigModel):
     """Requests drawn from distributions: arrivals, lengths, shared content, sampling.
 
@@ -99,11 +120,13 @@ class SyntheticWorkload(ConfigModel):
     sampling: Sampling = Sampling()
     priorities: Priorities = None
     queue_timeout_s: QueueTimeout = None
+    retry: Retry | None = None
 
     @model_validator(mode="after")
     def _closed_loop_without_sessions(self):  # type: ignore[no-untyped-def]
         if self.sessions is not None and self.arrival.process == "closed_loop":
             raise ValueError("sessions and a closed_loop arrival process cannot be combined")
+        _retry_needs_a_timeout(self.retry, self.queue_timeout_s)
         return self
 
     def length_notes(self, base_dir: Path) -> list[str]:
@@ -173,6 +196,7 @@ class TraceWorkload(ConfigModel):
     sampling: Sampling = Sampling()
     priorities: Priorities = None
     queue_timeout_s: QueueTimeout = None
+    retry: Retry | None = None
 
     @model_validator(mode="after")
     def _generic_needs_columns(self):  # type: ignore[no-untyped-def]
@@ -187,6 +211,7 @@ class TraceWorkload(ConfigModel):
                 self.columns.priority is not None):
             raise ValueError("give priorities or columns.priority, not both: the trace's own "
                              "priorities or drawn ones")
+        _retry_needs_a_timeout(self.retry, self.queue_timeout_s)
         return self
 
 
