@@ -100,34 +100,6 @@ def test_a_preempted_request_is_never_given_up(policy):
     assert (preempted["finished_s"] - preempted["arrival_s"]).min() > 0.05
 
 
-def test_a_user_goes_on_after_a_turn_given_up():
-    # Closed loop: three users, one seat. A user whose request was given up sends the next
-    # after its think time, counted from when it gave up.
-    data = {"name": "users", "model": "llama-2-7b", "memory": {"kv_memory_gib": 4},
-            "workload": {"arrival": {"process": "closed_loop", "users": 3,
-                                     "think_time_s": 0.25},
-                         "prompt_len": {"dist": "constant", "value": 100},
-                         "output_len": {"dist": "constant", "value": 300},
-                         "queue_timeout_s": 0.5},
-            "systems": [{"name": "paged", "allocator": {"kind": "paged"},
-                         "scheduler": {"max_num_seqs": 1}}],
-            "stop": {"num_requests": 30}}
-    scenario = scenario_from_dict(data)
-    trace = scenario_trace(scenario, Path())
-    requests = run_scenario(scenario).systems["paged"].requests.set_index("request")
-    after = trace.after
-    abandoned = requests.index[requests["abandoned_s"].notna()]
-    followed = 0
-    for index in np.flatnonzero(after >= 0).tolist():
-        parent = int(after[index])
-        if parent in abandoned and index in requests.index:
-            expected = requests.at[parent, "abandoned_s"] + trace.think_s[index]
-            assert requests.at[index, "arrival_s"] == pytest.approx(expected, abs=1e-12)
-            followed += 1
-    assert followed >= 3
-    assert len(requests) == 30  # every user's every request ran, served or given up
-
-
 @pytest.mark.parametrize("value", [0, -1.5])
 def test_a_timeout_must_be_positive(tmp_path, value):
     data = {**ONE_SEAT, "workload": {**ONE_SEAT["workload"], "queue_timeout_s": value}}
@@ -365,30 +337,33 @@ def test_a_retry_needs_a_time_out(tmp_path):
     assert "give queue_timeout_s too" in proc.stderr
 
 
-def test_a_user_waits_for_the_last_try_before_the_next_request():
-    # Closed loop with retries: a user's next request follows the final outcome of the one
-    # before (served or given up after its last try), never a try in between.
+@pytest.mark.parametrize("retry", [None, {"max_retries": 1, "backoff_s": 0.1}])
+def test_a_user_goes_on_after_the_last_try(retry):
+    # Closed loop: three users, one seat. A user sends the next request its think time
+    # after the one before ended: served, or given up (after its last try, where clients
+    # retry; never after a try in between).
     data = {"name": "users", "model": "llama-2-7b", "memory": {"kv_memory_gib": 4},
             "workload": {"arrival": {"process": "closed_loop", "users": 3,
                                      "think_time_s": 0.25},
                          "prompt_len": {"dist": "constant", "value": 100},
                          "output_len": {"dist": "constant", "value": 300},
-                         "queue_timeout_s": 0.5,
-                         "retry": {"max_retries": 1, "backoff_s": 0.1}},
+                         "queue_timeout_s": 0.5, "retry": retry},
             "systems": [{"name": "paged", "allocator": {"kind": "paged"},
                          "scheduler": {"max_num_seqs": 1}}],
             "stop": {"num_requests": 30}}
     scenario = scenario_from_dict(data)
     trace = scenario_trace(scenario, Path())
     requests = run_scenario(scenario).systems["paged"].requests.set_index("request")
-    assert (requests["attempts"] == 2).any()
+    assert len(requests) == 30  # every user's every request ran, served or given up
+    assert (requests["attempts"] == (2 if retry else 1)).any()
     after = trace.after
+    followed_abandoned = 0
     for index in np.flatnonzero(after >= 0).tolist():
         parent = int(after[index])
-        if index not in requests.index:
-            continue
         done_s = requests.at[parent, "finished_s"]
         if math.isnan(done_s):
             done_s = requests.at[parent, "abandoned_s"]
+            followed_abandoned += 1
         assert requests.at[index, "arrival_s"] == pytest.approx(
             done_s + trace.think_s[index], abs=1e-12)
+    assert followed_abandoned >= 3
