@@ -87,8 +87,8 @@ class Retry(ConfigModel):
     Python client's defaults (without its random jitter, so that runs repeat exactly)."""
 
     max_retries: PositiveInt = Field(default=2, le=100)
-    backoff_s: float = Field(default=0.5, ge=0)
-    max_backoff_s: float = Field(default=8.0, ge=0)
+    backoff_s: float = Field(default=0.5, ge=0, allow_inf_nan=False)
+    max_backoff_s: float = Field(default=8.0, ge=0, allow_inf_nan=False)
 
     def delay_s(self, retry: int) -> float:
         """Seconds between a time-out and retry number ``retry`` (1 for the first)."""
