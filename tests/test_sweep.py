@@ -275,12 +275,22 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         assert table["contiguous-max"].iloc[0] > 4 * table["contiguous-max"].iloc[-1]
         assert table["paged-16"].nunique() == table["contiguous-req"].nunique() == 1
     if name == "queue_timeout":  # the fewer seated at once, the more clients give up
-        abandoned = outcome.table.pivot_table(index="param:workload.arrival.rate",
-                                              columns="system", values="abandoned")
-        assert (abandoned["contiguous-max"] >= abandoned["contiguous-req"]).all()
-        assert (abandoned["contiguous-req"] >= abandoned["paged-16"]).all()
-        assert abandoned["contiguous-max"].iloc[-1] > abandoned["paged-16"].iloc[-1]
-        assert abandoned["contiguous-max"].is_monotonic_increasing
+        table = outcome.table.set_index(["param:workload.retry", "param:workload.arrival.rate",
+                                         "system"]).sort_index()
+        abandoned = table["abandoned"].unstack("system")
+        for retry in ("null", '{"max_retries": 2}'):
+            lost = abandoned.loc[retry]
+            assert (lost["contiguous-max"] >= lost["contiguous-req"]).all()
+            assert (lost["contiguous-req"] >= lost["paged-16"]).all()
+            assert lost["contiguous-max"].iloc[-1] > lost["paged-16"].iloc[-1]
+            assert lost["contiguous-max"].is_monotonic_increasing
+        # Trying again loses fewer requests in the end, and makes more of them wait longer.
+        retried, once = abandoned.loc['{"max_retries": 2}'], abandoned.loc["null"]
+        assert (retried <= once).all().all() and (retried < once).any().any()
+        assert (table.loc['{"max_retries": 2}', "retries"] > 0).any()
+        e2e = table["e2e_p90_s"].unstack("system")
+        assert (e2e.loc['{"max_retries": 2}', "contiguous-max"].iloc[-1]
+                > e2e.loc["null", "contiguous-max"].iloc[-1])
     if name == "gpu_choice":  # each GPU in the splits of 8 that hold Llama-3.1-70B
         splits = outcome.table.groupby("param:gpu")["param:engine.replicas"].apply(sorted)
         assert splits.to_dict() == {"a100-80g": [1, 2, 4], "h100-80g": [1, 2, 4],
