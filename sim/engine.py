@@ -31,6 +31,7 @@ import gc
 import heapq
 import json
 import math
+import random
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -919,6 +920,7 @@ class _SystemRun:
         self.slo = scenario.slo
         self.queue_timeout_s = scenario.workload.queue_timeout_s  # clients' patience
         self.retry = scenario.workload.retry  # and what they do when it runs out
+        self.seed = scenario.seed
         # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode
         # (counted in ranks: P is the prefill engines' ranks).
         split = scenario.engine.disaggregation
@@ -1219,7 +1221,9 @@ class _SystemRun:
         retry = self.retry
         if retry is None or request.attempts > retry.max_retries:
             return False
-        again_s = request.abandoned_s + retry.delay_s(request.attempts)
+        # A draw of each client's own, the same whatever else the run does.
+        draw = random.Random(f"kvsim retry {self.seed} {request.index} {request.attempts}")
+        again_s = request.abandoned_s + retry.delay_s(request.attempts, draw.random())
         if self.duration_s is not None and again_s > self.duration_s:
             return False
         again = Request(self.trace, request.index, again_s)

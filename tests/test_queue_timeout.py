@@ -277,7 +277,8 @@ def test_a_router_learns_of_clients_giving_up_as_stepping_tells_it(seed):
 # --------------------------------------------------------------- clients who try again
 def test_a_client_tries_again_after_each_time_out_with_a_longer_back_off():
     data = {**ONE_SEAT, "workload": {**ONE_SEAT["workload"],
-                                     "retry": {"max_retries": 2, "backoff_s": 0.25}}}
+                                     "retry": {"max_retries": 2, "backoff_s": 0.25,
+                                               "jitter": 0}}}
     run = run_scenario(scenario_from_dict(data)).systems["paged"]
     requests = run.requests
     gone = requests.iloc[1:]
@@ -297,7 +298,8 @@ def test_a_retry_that_is_seated_is_served_and_timed_from_the_first_try():
     # seat is free: served then, their TTFT counted from when they first arrived.
     data = {**ONE_SEAT, "workload": {**ONE_SEAT["workload"], "queue_timeout_s": 0.5,
                                      "output_len": {"dist": "constant", "value": 150},
-                                     "retry": {"max_retries": 5, "backoff_s": 1.0}}}
+                                     "retry": {"max_retries": 5, "backoff_s": 1.0,
+                                               "jitter": 0}}}
     run = run_scenario(scenario_from_dict(data)).systems["paged"]
     requests = run.requests
     assert requests["finished_s"].notna().all() and requests["abandoned_s"].isna().all()
@@ -314,11 +316,30 @@ def test_a_retry_that_is_seated_is_served_and_timed_from_the_first_try():
     assert run.summary["retries"] == int((requests["attempts"] - 1).sum())
 
 
-def test_the_back_off_doubles_up_to_its_cap():
+def test_the_back_off_doubles_up_to_its_cap_less_its_jitter():
     from workloads.spec import Retry
 
     retry = Retry(max_retries=6, backoff_s=0.5, max_backoff_s=3.0)
-    assert [retry.delay_s(k) for k in range(1, 7)] == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+    assert [retry.delay_s(k, 0.0) for k in range(1, 7)] == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+    assert retry.delay_s(4, 0.5) == 3.0 * (1 - 0.25 * 0.5)  # the OpenAI client's jitter
+    assert Retry(jitter=0).delay_s(2, 0.9) == 1.0
+
+
+def test_jitter_spreads_retries_the_same_way_every_run():
+    # Three clients give up 10 ms apart; without jitter they come back 10 ms apart, with
+    # it each waits 75 to 100 % of its back-off, drawn by its own (seeded) draw.
+    def first_retry_gaps(jitter: float) -> list[float]:
+        data = {**ONE_SEAT, "workload": {**ONE_SEAT["workload"], "retry": {
+            "max_retries": 1, "backoff_s": 2.0, "jitter": jitter}}}
+        requests = run_scenario(scenario_from_dict(data)).systems["paged"].requests.iloc[1:]
+        # Given up twice: 1.5 s, the back-off, 1.5 s again.
+        return (requests["abandoned_s"] - requests["arrival_s"] - 3.0).tolist()
+
+    assert first_retry_gaps(0.0) == pytest.approx([2.0] * 3, abs=1e-12)
+    jittered = first_retry_gaps(0.25)
+    assert all(1.5 <= gap <= 2.0 for gap in jittered)
+    assert len({round(gap, 9) for gap in jittered}) == 3
+    assert first_retry_gaps(0.25) == jittered
 
 
 def test_a_retry_needs_a_time_out(tmp_path):

@@ -83,16 +83,20 @@ QueueTimeout = Annotated[PositiveFloat | None,
 class Retry(ConfigModel):
     """What a client whose request timed out does next (``queue_timeout_s``): it sends the
     request again, up to ``max_retries`` times, waiting ``backoff_s`` before the first
-    retry and twice as long before each next one, at most ``max_backoff_s``: the OpenAI
-    Python client's defaults (without its random jitter, so that runs repeat exactly)."""
+    retry and twice as long before each next one, at most ``max_backoff_s``, each wait
+    shortened by up to a ``jitter`` share at random so that clients who gave up together
+    do not all come back together: the OpenAI Python client's defaults."""
 
     max_retries: PositiveInt = Field(default=2, le=100)
     backoff_s: float = Field(default=0.5, ge=0, allow_inf_nan=False)
     max_backoff_s: float = Field(default=8.0, ge=0, allow_inf_nan=False)
+    jitter: float = Field(default=0.25, ge=0, le=1)
 
-    def delay_s(self, retry: int) -> float:
-        """Seconds between a time-out and retry number ``retry`` (1 for the first)."""
-        return min(self.backoff_s * 2.0 ** (retry - 1), self.max_backoff_s)
+    def delay_s(self, retry: int, draw: float) -> float:
+        """Seconds between a time-out and retry number ``retry`` (1 for the first), for a
+        uniform ``draw`` in [0, 1)."""
+        return min(self.backoff_s * 2.0 ** (retry - 1), self.max_backoff_s) * (
+            1.0 - self.jitter * draw)
 
 
 def _retry_needs_a_timeout(retry: Retry | None, queue_timeout_s: float | None) -> None:
