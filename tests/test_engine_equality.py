@@ -246,6 +246,14 @@ def test_jump_equals_step(seed):
     done = jump.requests
     # Nothing left hanging.
     assert (done["finished_s"].notna() | done["rejected"] | done["abandoned_s"].notna()).all()
+    timeout_s = data["workload"].get("queue_timeout_s")
+    if timeout_s is not None:  # nobody is seated past the patience of their first try
+        first = done[(done["attempts"] == 1) & done["admitted_s"].notna()]
+        assert (first["admitted_s"] - first["arrival_s"] < timeout_s).all()
+        gone = done[done["abandoned_s"].notna()]
+        assert gone["admitted_s"].isna().all()
+        waited_s = gone["abandoned_s"] - gone["arrival_s"]  # (each try's, and back-offs)
+        assert (waited_s >= gone["attempts"] * timeout_s * (1 - 1e-9)).all()
 
 
 def test_a_rejected_arrival_releases_the_requests_behind_it_in_jump_mode_too():
