@@ -189,7 +189,9 @@ def batch_and_queue(result: ScenarioResult) -> Figure:
 def latency_cdfs(result: ScenarioResult) -> Figure:
     """CDFs of TTFT, TPOT and end-to-end latency per system (and per priority level, in
     line styles, where requests have several), with the scenario's SLO bounds where it sets
-    them."""
+    them. TTFT and E2E are of every request: one never served (rejected, or given up by its
+    client) never gets there, so the curve levels off at the share served; TPOT is of those
+    that generated more than one token."""
     fig, axes = new_figure(1, 3, width=11, height=3.2)
     data: dict[str, pd.DataFrame] = {}
     slo = result.scenario.get("slo") or {}
@@ -206,8 +208,9 @@ def latency_cdfs(result: ScenarioResult) -> Figure:
                     chosen = chosen & (run.requests["output_len"].to_numpy() > 1)
                 values = np.sort(values[chosen & np.isfinite(values)])
                 columns[line] = pd.Series(values)
+                of = len(values) if kind == "tpot" else int(chosen.sum())
                 if len(values):
-                    ax.plot(values, np.arange(1, len(values) + 1) / len(values),
+                    ax.plot(values, np.arange(1, len(values) + 1) / of,
                             color=system_color(i), label=line, linewidth=1.2,
                             linestyle=style)
         if slo.get(bound) is not None:

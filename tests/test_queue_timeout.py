@@ -388,3 +388,13 @@ def test_a_user_goes_on_after_the_last_try(retry):
         assert requests.at[index, "arrival_s"] == pytest.approx(
             done_s + trace.think_s[index], abs=1e-12)
     assert followed_abandoned >= 3
+
+
+def test_the_latency_figure_levels_off_at_the_share_served():
+    from reports.run_figures import latency_cdfs
+
+    result = run_scenario(scenario_from_dict(ONE_SEAT))  # one request of four served
+    fig = latency_cdfs(result)
+    ttft, tpot, e2e = (ax.get_lines()[0].get_ydata() for ax in fig.axes)
+    assert ttft[-1] == e2e[-1] == 0.25
+    assert tpot[-1] == 1.0  # of the requests that have a TPOT
