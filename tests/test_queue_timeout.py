@@ -1,7 +1,8 @@
 """Clients who give up (``workload.queue_timeout_s``): a request not seated that long after
 it arrived leaves the queue unserved, at exactly that moment, and counts as abandoned; a
 request seated once is never given up; a session goes on after an abandoned turn as after
-a served one."""
+a served one. Clients who try again (``workload.retry``): after a back-off, each try timed
+out as the first, only the last recorded, latencies counted from the first."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_requests_left_waiting_are_given_up_at_their_deadline(mode):
     summary = run.summary
     assert (summary["completed"], summary["abandoned"], summary["rejected"]) == (1, 3, 0)
     assert summary["slo_attainment"] == 0.25  # an abandoned request misses the SLO
-    # Nobody waits any longer once the last arrives: it is still within its patience.
+    # At the last arrival (30 ms) all three still wait: none has run out of patience yet.
     assert summary["waiting_at_last_arrival"] == 3
     # The makespan ends with the request served, not with the last one given up.
     assert summary["makespan_s"] == requests["finished_s"].iloc[0]
