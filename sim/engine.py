@@ -178,6 +178,8 @@ def load_calibration(file: str, base_dir: Path, model: ModelSpec, scenario: Scen
     as many GPUs and the same KV cache dtype."""
     path = Path(file)
     path = path if path.is_absolute() else base_dir / path
+    if not path.exists():
+        raise CalibrationError(f"{path}: calibration file not found ({field})")
     calibration = Calibration.load(path)
     if calibration.model != model.name:
         raise CalibrationError(f"{path}: model: calibrated for {calibration.model!r}, but "

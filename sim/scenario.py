@@ -17,7 +17,6 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     Field,
     NonNegativeInt,
@@ -42,6 +41,7 @@ from sim.presets import (
 )
 from sim.router import DYNAMO_TTL_S
 from sim.timing import DEFAULT_ALLREDUCE_LATENCY_S, DEFAULT_PIPELINE_NETWORK_GBPS
+from sim.yaml_file import read_yaml
 from workloads.distributions import ConfigModel
 from workloads.spec import MAX_REQUESTS, SyntheticWorkload, Workload
 
@@ -1412,20 +1412,4 @@ def load_scenario(path: str | Path) -> Scenario:
 def read_scenario_file(path: str | Path) -> Any:
     """A scenario YAML file as parsed, not yet validated (one-line errors for a missing or
     unreadable file and bad YAML)."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ScenarioError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ScenarioError(f"{path}: is a directory, expected a scenario YAML file") from None
-    except OSError as exc:
-        raise ScenarioError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ScenarioError(f"{path}:{where}: not valid YAML ({problem})") from None
-    return data
+    return read_yaml(Path(path), "a scenario YAML file", ScenarioError)

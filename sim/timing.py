@@ -45,6 +45,7 @@ from pathlib import Path
 import yaml
 
 from sim.presets import KV_CACHE_DTYPES, GpuSpec, ModelSpec
+from sim.yaml_file import read_yaml
 
 DEFAULT_STEP_OVERHEAD_S = 1.0e-3  # scheduler + kernel launches per step, typical of vLLM
 DEFAULT_PAGED_ALPHA = 2.0  # ρ(bs) = 1 + alpha/bs: +12.5% attention time at bs=16
@@ -349,12 +350,8 @@ class Calibration:
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
-        try:
-            data = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise CalibrationError(f"{path}: calibration file not found") from None
-        except yaml.YAMLError as exc:
-            raise CalibrationError(f"{path}: not valid YAML ({exc})") from None
+        data = read_yaml(path, "a calibration YAML file (kvsim calibrate writes one)",
+                         CalibrationError)
         if not isinstance(data, dict) or data.get("kvsim_calibration") != 1:
             raise CalibrationError(f"{path}: not a kvsim calibration (kvsim_calibration: 1)")
         coefficients = data.get("coefficients")

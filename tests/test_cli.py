@@ -187,6 +187,52 @@ def test_a_union_alternative_is_not_counted_as_another_error(tmp_path):
                                    "is missing")
 
 
+@pytest.mark.parametrize(("content", "expected"), [
+    (GOOD.encode().replace(b"name: tiny", b"name: t\xffny"),
+     ": line 2: not UTF-8 text (byte 0xff); expected a scenario YAML file"),
+    (GOOD.encode().replace(b"name: tiny", b"name: t\x00ny"),
+     ": line 2: not valid YAML (special characters are not allowed: #x0000)"),
+    (GOOD.encode().replace(b"stop:", b"stop: \x07"),
+     ": line 14: not valid YAML (special characters are not allowed: #x0007)"),
+])
+def test_a_file_that_is_not_yaml_text_is_one_line(tmp_path, content, expected):
+    """Bytes that are not UTF-8, or control characters YAML forbids, name the line (these
+    were a traceback and a three-line message)."""
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    proc = kvsim("validate", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr == f"kvsim: error: {path}{expected}\n"
+
+
+def test_a_byte_order_mark_before_a_scenario_is_fine(tmp_path):
+    path = tmp_path / "bom.yaml"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode())
+    proc = kvsim("validate", str(path))
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(("calibration", "expected"), [
+    ("missing.yaml", "missing.yaml: calibration file not found (timing.calibration)"),
+    ("folder", "folder: is a directory, expected a calibration YAML file (kvsim calibrate "
+               "writes one)"),
+    ("binary.yaml", "binary.yaml: line 1: not UTF-8 text (byte 0xff); expected a "
+                    "calibration YAML file (kvsim calibrate writes one)"),
+    ("open.yaml", "open.yaml: line 2: not valid YAML (expected ',' or ']', but got "
+                  "'<stream end>')"),
+])
+def test_a_bad_calibration_file_is_one_line(tmp_path, calibration, expected):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "open.yaml").write_text("coefficients: [1, 2\n")
+    path = tmp_path / "s.yaml"
+    path.write_text(GOOD + f"timing: {{calibration: {calibration}}}\n")
+    proc = kvsim("run", str(path), "--quiet", "--no-report", "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith(f"{tmp_path / expected}"), proc.stderr
+
+
 def test_missing_file_and_validate_and_schema(tmp_path):
     proc = kvsim("run", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2
