@@ -61,8 +61,19 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m gpu_validate",
     if args.from_csv:
         try:
             timings = pd.read_csv(args.from_csv)
-        except (FileNotFoundError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-            print(f"{name}: error: {args.from_csv}: {exc}", file=sys.stderr)
+        except FileNotFoundError:
+            problem = "no such file"
+        except IsADirectoryError:
+            problem = "is a directory"
+        except UnicodeDecodeError as exc:
+            problem = f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at {exc.start})"
+        except (pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+            problem = str(exc).strip().splitlines()[0]
+        else:
+            problem = ""
+        if problem:
+            print(f"{name}: error: {args.from_csv}: {problem}; expected a timings.csv "
+                  "written by gpu_validate", file=sys.stderr)
             return 2
     else:
         from gpu_validate.correctness import check_correctness

@@ -273,6 +273,26 @@ def test_a_bad_timings_csv_gets_one_line_naming_file_and_row(tmp_path, spoil, me
     assert not (tmp_path / "cal" / "calibration.yaml").exists()
 
 
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("missing.csv", None, "no such file"),
+    ("folder", "folder", "is a directory"),
+    ("binary.csv", b"\xff\xfe\x00kind", "not UTF-8 text (byte 0xff at 0)"),
+    ("empty.csv", b"", "No columns to parse from file"),
+])
+def test_a_timings_file_that_cannot_be_read_gets_one_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    proc = subprocess.run([sys.executable, "-m", "gpu_validate", "--from-csv", str(path),
+                           "--out", str(tmp_path / "cal")], capture_output=True, text=True,
+                          cwd=ROOT, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr == (f"gpu_validate: error: {path}: {message}; expected a timings.csv "
+                           "written by gpu_validate\n")
+
+
 def test_gpu_side_runs_with_only_numpy_pandas_yaml_matplotlib(tmp_path):
     """A lent GPU machine has CuPy and the scientific stack but no simpy or pydantic, and
     nothing can be installed there: ``python -m gpu_validate`` must run from the source tree
