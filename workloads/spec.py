@@ -88,8 +88,8 @@ class Retry(ConfigModel):
     do not all come back together: the OpenAI Python client's defaults."""
 
     max_retries: PositiveInt = Field(default=2, le=100)
-    backoff_s: float = Field(default=0.5, ge=0, allow_inf_nan=False)
-    max_backoff_s: float = Field(default=8.0, ge=0, allow_inf_nan=False)
+    backoff_s: float = Field(default=0.5, ge=0)
+    max_backoff_s: float = Field(default=8.0, ge=0)
     jitter: float = Field(default=0.25, ge=0, le=1)
 
     def delay_s(self, retry: int, draw: float) -> float:
