@@ -1185,7 +1185,7 @@ class _SystemRun:
             return
         if replica.role == "prefill" and served:
             replica.scheduler.release(request)  # one token: nothing to send on
-        if not served and request.abandoned_s >= 0 and self._retry(replica, request):
+        if request.abandoned_s >= 0 and self._retry(replica, request):
             return
         routed_to = int(self.replica_of[request.index])
         row: tuple[object, ...] = (
