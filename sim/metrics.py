@@ -232,11 +232,12 @@ def sweep_metrics(table: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
 
 def labelled_sweep_table(table: pd.DataFrame, metrics: Iterable[str],
                          keep: Sequence[str] = ("system",)) -> pd.DataFrame:
-    """Sweep results as people read them: the swept fields without their ``param:`` prefix,
-    the ``keep`` columns, then each metric under its summary label in its format."""
+    """Sweep results as people read them: the swept fields without their ``param:`` prefix
+    (a null as the sweep file wrote it), the ``keep`` columns, then each metric under its
+    summary label in its format."""
     import pandas as pd
 
-    shown = pd.DataFrame({c.removeprefix("param:"): table[c].to_numpy()
+    shown = pd.DataFrame({c.removeprefix("param:"): _as_written(table[c])
                           for c in table.columns if c.startswith("param:")})
     for column in keep:
         shown[column] = table[column].to_numpy()
@@ -244,3 +245,12 @@ def labelled_sweep_table(table: pd.DataFrame, metrics: Iterable[str],
         _, label, fmt = metric_row(metric)  # type: ignore[misc]
         shown[label] = [format_metric(v, fmt) for v in table[metric]]
     return shown
+
+
+def _as_written(values: pd.Series) -> list[Any]:
+    """A swept number's values as the sweep file gave them: a null, which made the column
+    float, as ``null`` (not NaN), and the whole numbers beside it without a ``.0``."""
+    if values.dtype.kind != "f" or not values.isna().any():
+        return list(values.to_numpy())
+    return ["null" if math.isnan(v) else int(v) if float(v).is_integer() else v
+            for v in values]

@@ -530,11 +530,12 @@ def test_a_pool_size_swept_alone_gets_its_figures(tmp_path):
 
 
 def test_a_field_swept_to_null_keeps_its_rows(tmp_path):
-    # Null beside numbers stays a missing number; the printed means keep its row.
+    # Null beside numbers stays a missing number; the printed means keep its row, and read
+    # as the sweep file gave them (null, 2, 1.5), not NaN and 2.0.
     from conftest import kvsim_in_process
 
-    data = dict(BASE, sweep={"grid": {"systems[paged].scheduler.max_num_seqs": [8, 64],
-                                      "memory.kv_memory_gib": [None, 2]}})
+    data = dict(BASE, sweep={"grid": {"memory.kv_memory_gib": [None, 2, 1.5],
+                                      "systems[paged].scheduler.max_num_seqs": [8, 64]}})
     data["memory"] = {"gpu_memory_utilization": 0.9}
     path = write(tmp_path, data)
     proc = kvsim_in_process("sweep", str(path), "--out", str(tmp_path / "out"), "--quiet",
@@ -542,10 +543,10 @@ def test_a_field_swept_to_null_keeps_its_rows(tmp_path):
     assert proc.returncode == 0, proc.stderr
     table = pd.read_parquet(tmp_path / "out" / "results.parquet")
     assert table["param:memory.kv_memory_gib"].isna().sum() == 4  # 2 points × 2 systems
-    rows = [line for line in proc.stdout.splitlines() if line.split()[:1] in (["NaN"],
-                                                                              ["2.0"])]
-    assert len(rows) == 8  # every point and system, the null ones included
-
+    firsts = [line.split()[0] for line in proc.stdout.splitlines()
+              if " paged " in line or " contiguous " in line]
+    # Every point and system, the null ones included.
+    assert sorted(firsts) == sorted(["null"] * 4 + ["2"] * 4 + ["1.5"] * 4)
 
 
 def test_a_field_swept_to_values_of_two_kinds_is_stored(tmp_path):
@@ -745,3 +746,4 @@ def test_divisors_are_every_divisor_smallest_first(n):
     from sim.sweep import _divisors
 
     assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+
