@@ -432,7 +432,8 @@ class _Replica:
             return Scheduler(allocator, sim.system.scheduler, sim.debug, setup.swap_slots,
                              sim.predicted_output, overflow_to_max=overflow_to_max,
                              sliding_window=sim.sliding_window, speculative=setup.speculative,
-                             waiting=waiting, queue_timeout_s=sim.queue_timeout_s)
+                             waiting=waiting, queue_timeout_s=sim.queue_timeout_s,
+                             ttft_timeout_s=sim.ttft_timeout_s)
 
         self.scheduler = scheduler()
         # Pipeline stages: a scheduler for each batch in flight, all of one allocator, one
@@ -493,7 +494,7 @@ class _Replica:
                 sim.serve_as(request, self)
             if request.rejected or not self.scheduler.add(request):
                 sim.on_done(self, request, t)
-        if sim.queue_timeout_s is not None:
+        if sim.patience_s is not None:
             for request in self.scheduler.time_out(self.clock):
                 sim.on_done(self, request, request.abandoned_s)
 
@@ -537,10 +538,10 @@ class _Replica:
                 if self.role == "decode" and heeded:
                     stop_at = min(stop_at, sim.handover_horizon())
                 stop_at = min(stop_at, sched.next_promotion_s())
-                if sim.queue_timeout_s is not None:
+                if sim.patience_s is not None:
                     # One arriving meanwhile may give up meanwhile too: the router learns of
                     # that when stepping would tell it.
-                    stop_at = min(stop_at, self.next_arrival() + sim.queue_timeout_s)
+                    stop_at = min(stop_at, self.next_arrival() + sim.patience_s)
                 timing = self.setup.timings[batch.draft_tokens]
                 quiet = sched.decode_quietly(
                     timing.decode_step_time(batch.decode_seqs, self.rho), start, stop_at, snap)
@@ -920,8 +921,13 @@ class _SystemRun:
         self.rank_groups: list[_RankGroup] = []
         self.usd_per_gpu_hour = scenario.cost.usd_per_gpu_hour if scenario.cost else None
         self.slo = scenario.slo
-        self.queue_timeout_s = scenario.workload.queue_timeout_s  # clients' patience
-        self.retry = scenario.workload.retry  # and what they do when it runs out
+        # Clients' patience: for a seat, for a first token (None: for ever); the soonest a
+        # new arrival may give up; and what clients do when their patience runs out.
+        self.queue_timeout_s = scenario.workload.queue_timeout_s
+        self.ttft_timeout_s = scenario.workload.ttft_timeout_s
+        timeouts = [t for t in (self.queue_timeout_s, self.ttft_timeout_s) if t is not None]
+        self.patience_s = min(timeouts) if timeouts else None
+        self.retry = scenario.workload.retry
         self.seed = scenario.seed
         # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode
         # (counted in ranks: P is the prefill engines' ranks).
@@ -1326,9 +1332,14 @@ class _SystemRun:
         extra["reservation_overflows"] = (
             sum(s.reservation_overflows for s in schedulers)
             if self.system.predicts_reservations else None)
-        # None (shown "—") where clients wait for ever (no workload.queue_timeout_s).
-        extra["abandoned"] = (int(requests["abandoned_s"].notna().sum())
-                              if self.queue_timeout_s is not None else None)
+        # None (shown "—") where clients wait for ever (no workload.queue_timeout_s or
+        # ttft_timeout_s); of them, those aborted while seated, their prompts' work lost
+        # (None where only a seat is waited for).
+        abandoned = requests["abandoned_s"].notna()
+        extra["abandoned"] = int(abandoned.sum()) if self.patience_s is not None else None
+        extra["abandoned_seated"] = (
+            int((abandoned & requests["admitted_s"].notna()).sum())
+            if self.ttft_timeout_s is not None else None)
         extra["retries"] = (int((requests["attempts"] - 1).sum())
                             if self.retry is not None else None)
         summary_requests = requests.fillna({"finished_s": -1.0})

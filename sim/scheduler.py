@@ -15,7 +15,9 @@ predicted output length) sends a diner who orders more back to the queue, to be 
 again at a larger table: laid for twice as many, or for all the diner may order. A diner
 with a long order is seated when the table for all of it is free (``prefill_allocation:
 whole_prompt``), or as soon as the first course fits, each later course claiming its space
-as it comes (``per_chunk``, vLLM v1), at the risk of being asked to leave halfway.
+as it comes (``per_chunk``, vLLM v1), at the risk of being asked to leave halfway. A
+diner tired of waiting walks out: of the queue (not seated in time), or, waiting for the
+first course, from the table too, which is cleared at the next course.
 
 A token's KV is written by the step that reads it, as vLLM v1 claims its slot: the prompt's
 by the prefill, each generated token's by the step after the one that sampled it, so the last
@@ -135,7 +137,7 @@ class Request:
         self.hit_tokens = 0
         self.recomputed_tokens = 0
         self.rejected = False
-        self.abandoned_s = -1.0  # when its client gave up waiting for a seat (-1: never)
+        self.abandoned_s = -1.0  # when its client gave up on it (-1: never)
         self.resumed = False  # re-admitted after a preemption that discarded computed KV
         self.computed = False  # some step has computed KV for it
         # Leading tokens of the prompt it is seated with next whose KV some step computed
@@ -204,14 +206,18 @@ class WaitingLine:
     is skipped when it surfaces.
 
     With ``timeout_s``, a client whose request has not been seated that long after it
-    arrived cancels it: :meth:`expire` takes it out of the line wherever it stands. A
+    arrived cancels it: :meth:`expire` takes it out of the line wherever it stands; a
     request seated once (a preempted one, or one whose KV another replica prefilled) has
-    been answered and never times out. Its deadline sits in a third heap, checked by ticket
-    in the same way; each request joining or leaving the line takes a new ticket.
+    been answered and never times out so. With ``ttft_timeout_s``, a client whose request
+    has no first token that long after it arrived cancels it, seated before or not (a
+    request preempted before its first token still times out). A deadline sits in a third
+    heap, checked by ticket in the same way; each request joining or leaving the line takes
+    a new ticket.
     """
 
     def __init__(self, order: str = "fcfs", max_wait_s: float | None = None,
-                 aging_tokens_per_s: float = 0.0, timeout_s: float | None = None) -> None:
+                 aging_tokens_per_s: float = 0.0, timeout_s: float | None = None,
+                 ttft_timeout_s: float | None = None) -> None:
         self.by_priority = order == "priority"
         self.by_length = order == "shortest_predicted"
         self.ordered = self.by_priority or self.by_length  # an arrival may pass the head
@@ -224,6 +230,7 @@ class WaitingLine:
         self._heap: list[tuple[float, float, int, int, Request]] = []
         self._by_arrival: list[tuple[float, int, int, Request]] = []
         self.timeout_s = timeout_s
+        self.ttft_timeout_s = ttft_timeout_s
         # (deadline, request index, ticket, request) of those that may still time out.
         self._by_deadline: list[tuple[float, int, int, Request]] = []
         self._count = 0
@@ -268,13 +275,30 @@ class WaitingLine:
         request.ticket += 1  # its entries in the heaps are stale now
         return request
 
-    def arrive(self, request: Request) -> None:
-        """A new arrival joins the back (or its place, by its key)."""
+    def deadline_s(self, request: Request) -> float:
+        """When the client of ``request`` gives up if it is still in the line then (inf:
+        never): unseated after ``timeout_s``, or without a first token after
+        ``ttft_timeout_s``, whichever comes first."""
+        deadline = math.inf
+        if self.ttft_timeout_s is not None and request.first_token_s < 0:
+            deadline = request.arrival_s + self.ttft_timeout_s
+        if self.timeout_s is not None and request.admitted_s < 0:
+            deadline = min(deadline, request.arrival_s + self.timeout_s)
+        return deadline
+
+    def _join(self, request: Request) -> None:
+        """Count ``request`` in, with a new ticket and, if its client may give up, its
+        deadline."""
         self._count += 1
         request.ticket += 1
-        if self.timeout_s is not None and request.admitted_s < 0:
-            heapq.heappush(self._by_deadline, (request.arrival_s + self.timeout_s,
-                                               request.index, request.ticket, request))
+        deadline = self.deadline_s(request)
+        if deadline < math.inf:
+            heapq.heappush(self._by_deadline, (deadline, request.index, request.ticket,
+                                               request))
+
+    def arrive(self, request: Request) -> None:
+        """A new arrival joins the back (or its place, by its key)."""
+        self._join(request)
         key: float
         if self.by_priority:
             key = float(request.priority)
@@ -297,8 +321,7 @@ class WaitingLine:
         if self.ordered:
             self.arrive(request)
         else:
-            self._count += 1
-            request.ticket += 1
+            self._join(request)
             self._line.appendleft(request)
 
     def _next_deadline(self) -> tuple[float, int, int, Request] | None:
@@ -406,6 +429,10 @@ class Scheduler:
     decoding request and keeps τ tokens of it on average (the token clock's rate); with
     ``num_speculative_tokens_per_batch_size``, K drafts by the size of the step before, as
     vLLM proposes them.
+
+    Clients may give up (``queue_timeout_s``: on a seat; ``ttft_timeout_s``: on a first
+    token): the line lets go of those waiting, and a step's end aborts those seated whose
+    first token it came too late for (:meth:`time_out` hands both over).
     """
 
     def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,
@@ -413,7 +440,8 @@ class Scheduler:
                  overflow_to_max: bool = False, sliding_window: int = 0,
                  speculative: SpeculativeConfig | None = None,
                  waiting: WaitingLine | None = None,
-                 queue_timeout_s: float | None = None) -> None:
+                 queue_timeout_s: float | None = None,
+                 ttft_timeout_s: float | None = None) -> None:
         self.allocator = allocator
         # The token clock (see the module's docstring) reads ⌊acc / den⌋: acc moves on by
         # each step's rate (τ·den, of the drafts the step verifies), so that with one K it
@@ -459,7 +487,11 @@ class Scheduler:
         # A line of its own, or one it shares with the other batches of a pipeline.
         self.waiting = waiting if waiting is not None else WaitingLine(
             config.policy, config.max_wait_s, config.aging_tokens_per_s or 0.0,
-            queue_timeout_s)
+            queue_timeout_s, ttft_timeout_s)
+        # Seated requests whose clients gave up before their first token: aborted at the
+        # step boundary after, their KV freed (vLLM aborts a request whose client went away),
+        # until time_out hands them to the engine.
+        self.gave_up: list[Request] = []
         # Under pipeline parallelism the schedulers of the batches in flight, which share
         # the allocator, the line and max_num_seqs (None: this one alone).
         self._peers: list[Scheduler] | None = None
@@ -601,12 +633,19 @@ class Scheduler:
         return min(due if due > self._noticed_s else math.inf, self.waiting.next_timeout_s())
 
     def time_out(self, now_s: float) -> list[Request]:
-        """The waiting requests whose clients gave up by ``now_s``, taken out of the line (a
-        head that could not be seated may have been one of them)."""
+        """The requests whose clients gave up by ``now_s``, in the order they did: those
+        waiting, taken out of the line (a head that could not be seated may have been one of
+        them), and those seated that steps ending by then aborted."""
         gone = self.waiting.expire(now_s)
+        schedulers = self._peers or [self]  # (a pipeline's batches share the line)
         if gone:
-            for sched in self._peers or [self]:  # (a pipeline's batches share the line)
+            for sched in schedulers:
                 sched.head_blocked = False
+        for sched in schedulers:
+            if sched.gave_up:
+                gone += sched.gave_up
+                sched.gave_up = []
+                gone.sort(key=lambda r: (r.abandoned_s, r.index))
         return gone
 
     def _snapshot_head(self) -> SeqSpec | None:
@@ -1202,7 +1241,7 @@ class Scheduler:
             request.computed = True
             if history + chunk > request.computed_tokens:
                 request.computed_tokens = history + chunk
-            if request.in_prefill:
+            if self._abort_if_given_up(request, end_s) or request.in_prefill:
                 continue
             # _prefill counted the first generated token in gen_sync already.
             if request.first_token_s < 0:
@@ -1212,8 +1251,33 @@ class Scheduler:
                 finished.append(request)
             else:
                 self._start_decoding(request)
+        if self.prefilling and self.waiting.ttft_timeout_s is not None:
+            # Prompts this step had no budget for.
+            for request in [r for r in self.running.values() if r.in_prefill]:
+                self._abort_if_given_up(request, end_s)
         finished += self._finish_due(end_s)
         return finished
+
+    def _abort_if_given_up(self, request: Request, end_s: float) -> bool:
+        """Abort seated ``request`` if its client gave up on its first token before the
+        step that ends at ``end_s`` gave it (a token given just as the client gives up
+        comes too late, as a seat does): its KV is freed, its prompt's computed blocks
+        left to the prefix cache as a preemption leaves them."""
+        if self.waiting.ttft_timeout_s is None:
+            return False
+        deadline = self.waiting.deadline_s(request)  # (seated: that of its first token)
+        if deadline > end_s:
+            return False
+        if request.in_prefill:
+            self.prefilling -= 1
+        for seq_id in request.seq_ids():
+            self.allocator.free(seq_id)
+        request.num_seqs = 0
+        request.abandoned_s = deadline
+        del self.running[request.admit_seq]
+        self.head_blocked = False
+        self.gave_up.append(request)
+        return True
 
     def _finish_due(self, end_s: float) -> list[Request]:
         """Finish the decoding requests whose last token was this step's."""

@@ -206,6 +206,14 @@ def random_scenario(seed: int) -> dict:
         if rng.random() < 0.5:  # drawn last, as the above: and who try again
             workload["retry"] = {"max_retries": rng.randint(1, 3),
                                  "backoff_s": rng.choice([0.0, 0.05, 0.5])}
+        # Drawn last, as the above: streaming clients who give up on a first token instead
+        # (seated requests are aborted then), or as well, after twice as long.
+        draw = rng.random()
+        if draw < 0.5:
+            timeout_s = workload["queue_timeout_s"]
+            workload["ttft_timeout_s"] = timeout_s if draw < 0.3 else 2 * timeout_s
+            if draw < 0.3:
+                del workload["queue_timeout_s"]
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",
@@ -246,14 +254,23 @@ def test_jump_equals_step(seed):
     done = jump.requests
     # Nothing left hanging.
     assert (done["finished_s"].notna() | done["rejected"] | done["abandoned_s"].notna()).all()
+    first = done[done["attempts"] == 1]
+    gone = done[done["abandoned_s"].notna()]
     timeout_s = data["workload"].get("queue_timeout_s")
     if timeout_s is not None:  # nobody is seated past the patience of their first try
-        first = done[(done["attempts"] == 1) & done["admitted_s"].notna()]
-        assert (first["admitted_s"] - first["arrival_s"] < timeout_s).all()
-        gone = done[done["abandoned_s"].notna()]
+        seated = first[first["admitted_s"].notna()]
+        assert (seated["admitted_s"] - seated["arrival_s"] < timeout_s).all()
+    ttft_timeout_s = data["workload"].get("ttft_timeout_s")
+    if ttft_timeout_s is not None:  # nor given a first token past it
+        answered = first[first["first_token_s"].notna()]
+        assert (answered["first_token_s"] - answered["arrival_s"] < ttft_timeout_s).all()
+        assert gone["first_token_s"].isna().all()
+    elif timeout_s is not None:
         assert gone["admitted_s"].isna().all()
+    if timeout_s is not None or ttft_timeout_s is not None:
+        patience_s = min(t for t in (timeout_s, ttft_timeout_s) if t is not None)
         waited_s = gone["abandoned_s"] - gone["arrival_s"]  # (each try's, and back-offs)
-        assert (waited_s >= gone["attempts"] * timeout_s * (1 - 1e-9)).all()
+        assert (waited_s >= gone["attempts"] * patience_s * (1 - 1e-9)).all()
 
 
 def test_a_rejected_arrival_releases_the_requests_behind_it_in_jump_mode_too():

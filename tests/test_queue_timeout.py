@@ -75,7 +75,7 @@ def test_the_summary_and_notes_say_how_many_were_given_up():
     assert any(line.startswith("requests abandoned (client time-out)") and
                line.split()[-1] == "3" for line in table.splitlines())
     notes = [n for n in run_notes({"paged": run.summary}) if n.startswith("abandoned")]
-    assert notes == ["abandoned by their clients after waiting queue_timeout_s unseated: "
+    assert notes == ["abandoned by clients who timed out: "
                      "paged 3 of 4; they count against the SLO, while throughput and latency "
                      "percentiles are of the requests served"]
 
@@ -347,8 +347,10 @@ def test_a_retry_needs_a_time_out(tmp_path):
     data = {**ONE_SEAT, "workload": {**ONE_SEAT["workload"], "queue_timeout_s": None,
                                      "retry": {"max_retries": 2}}}
     with pytest.raises(ScenarioError, match="retry: a client retries a request it gave up "
-                                            "on; give queue_timeout_s too"):
+                                            "on; give queue_timeout_s or ttft_timeout_s too"):
         scenario_from_dict(data)
+    data["workload"]["ttft_timeout_s"] = 2.0  # a deadline for the first token will do
+    assert scenario_from_dict(data).workload.retry is not None
     path = tmp_path / "s.yaml"
     path.write_text("name: s\nworkload: {arrival: {process: poisson, rate: 1}, "
                     "prompt_len: {dist: constant, value: 10}, "
@@ -356,7 +358,7 @@ def test_a_retry_needs_a_time_out(tmp_path):
                     "systems: [{name: p, allocator: {kind: paged}}]\n")
     proc = kvsim("validate", str(path))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert "give queue_timeout_s too" in proc.stderr
+    assert "give queue_timeout_s or ttft_timeout_s too" in proc.stderr
 
 
 @pytest.mark.parametrize("retry", [None, {"max_retries": 1, "backoff_s": 0.1}])

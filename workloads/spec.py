@@ -78,14 +78,22 @@ QUEUE_TIMEOUT_DESCRIPTION = (
     "every SLO; one seated once is never cancelled; absent: clients wait for ever")
 QueueTimeout = Annotated[PositiveFloat | None,
                          Field(default=None, description=QUEUE_TIMEOUT_DESCRIPTION)]
+TTFT_TIMEOUT_DESCRIPTION = (
+    "seconds a streaming client waits for its request's first token before it disconnects: "
+    "waiting, seated while its prompt is read, or preempted before its first token, the "
+    "request is aborted (its KV freed at the next step boundary, as vLLM does when a client "
+    "goes away), counted as abandoned and missing every SLO; absent: clients wait for ever")
+TtftTimeout = Annotated[PositiveFloat | None,
+                        Field(default=None, description=TTFT_TIMEOUT_DESCRIPTION)]
 
 
 class Retry(ConfigModel):
-    """What a client whose request timed out does next (``queue_timeout_s``): it sends the
-    request again, up to ``max_retries`` times, waiting ``backoff_s`` before the first
-    retry and twice as long before each next one, at most ``max_backoff_s``, each wait
-    shortened by up to a ``jitter`` share at random so that clients who gave up together
-    do not all come back together: the OpenAI Python client's defaults."""
+    """What a client whose request timed out (``queue_timeout_s``, ``ttft_timeout_s``) does
+    next: it sends the request again, up to ``max_retries`` times, waiting ``backoff_s``
+    before the first retry and twice as long before each next one, at most
+    ``max_backoff_s``, each wait shortened by up to a ``jitter`` share at random so that
+    clients who gave up together do not all come back together: the OpenAI Python client's
+    defaults."""
 
     max_retries: PositiveInt = Field(default=2, le=100)
     backoff_s: float = Field(default=0.5, ge=0)
@@ -99,10 +107,12 @@ class Retry(ConfigModel):
             1.0 - self.jitter * draw)
 
 
-def _retry_needs_a_timeout(retry: Retry | None, queue_timeout_s: float | None) -> None:
-    if retry is not None and queue_timeout_s is None:
+def _retry_needs_a_timeout(workload: SyntheticWorkload | TraceWorkload) -> None:
+    if workload.retry is not None and workload.queue_timeout_s is None and (
+            workload.ttft_timeout_s is None):
         raise ValueError("retry: a client retries a request it gave up on; give "
-                         "queue_timeout_s too (how long it waits before giving up)")
+                         "queue_timeout_s or ttft_timeout_s too (how long it waits before "
+                         "giving up)")
 
 
 class SyntheticWorkload(ConfigModel):
@@ -124,13 +134,14 @@ class SyntheticWorkload(ConfigModel):
     sampling: Sampling = Sampling()
     priorities: Priorities = None
     queue_timeout_s: QueueTimeout = None
+    ttft_timeout_s: TtftTimeout = None
     retry: Retry | None = None
 
     @model_validator(mode="after")
     def _closed_loop_without_sessions(self):  # type: ignore[no-untyped-def]
         if self.sessions is not None and self.arrival.process == "closed_loop":
             raise ValueError("sessions and a closed_loop arrival process cannot be combined")
-        _retry_needs_a_timeout(self.retry, self.queue_timeout_s)
+        _retry_needs_a_timeout(self)
         return self
 
     def length_notes(self, base_dir: Path) -> list[str]:
@@ -200,6 +211,7 @@ class TraceWorkload(ConfigModel):
     sampling: Sampling = Sampling()
     priorities: Priorities = None
     queue_timeout_s: QueueTimeout = None
+    ttft_timeout_s: TtftTimeout = None
     retry: Retry | None = None
 
     @model_validator(mode="after")
@@ -215,7 +227,7 @@ class TraceWorkload(ConfigModel):
                 self.columns.priority is not None):
             raise ValueError("give priorities or columns.priority, not both: the trace's own "
                              "priorities or drawn ones")
-        _retry_needs_a_timeout(self.retry, self.queue_timeout_s)
+        _retry_needs_a_timeout(self)
         return self
 
 
