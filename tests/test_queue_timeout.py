@@ -118,17 +118,23 @@ def test_a_timeout_must_be_positive(tmp_path, value):
     assert "greater than 0" in proc.stderr
 
 
-def test_a_pipeline_gives_up_requests_as_one_engine_does():
-    data = {"name": "pp", "model": "llama-2-13b", "gpu": "a100-80g",
+def pipelined(**timeouts: float) -> dict:
+    """Two pipeline stages, 16 seats, more load than they hold: clients with ``timeouts``
+    (workload fields) give up."""
+    return {"name": "pp", "model": "llama-2-13b", "gpu": "a100-80g",
             "parallel": {"pipeline_parallel_size": 2},
             "workload": {"arrival": {"process": "poisson", "rate": 60},
                          "prompt_len": {"dist": "lognormal", "mean": 300, "sigma": 0.8,
                                         "max": 2000},
                          "output_len": {"dist": "uniform", "low": 50, "high": 600},
-                         "queue_timeout_s": 0.5},
+                         **timeouts},
             "systems": [{"name": "paged", "allocator": {"kind": "paged"},
                          "scheduler": {"max_num_seqs": 16}}],
             "stop": {"num_requests": 300}}
+
+
+def test_a_pipeline_gives_up_requests_as_one_engine_does():
+    data = pipelined(queue_timeout_s=0.5)
     runs = {mode: run_scenario(scenario_from_dict({**data, "engine": {"mode": mode}}))
             .systems["paged"].requests for mode in ("jump", "step")}
     requests = runs["jump"]

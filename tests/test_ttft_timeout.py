@@ -109,7 +109,7 @@ def test_an_abort_frees_the_seat_and_memory_at_the_step_boundary_after():
     ends = (result.steps["time_s"] + result.steps["duration_s"]).to_numpy()
     boundary = ends[ends >= 0.1].min()
     assert second["admitted_s"] == boundary
-    # It cannot be read in time either (0.15 s of patience, 12 steps): aborted likewise.
+    # It cannot be read in time either (due at 0.15 s, 12 steps to read): aborted likewise.
     assert second["abandoned_s"] == second["arrival_s"] + 0.1
     assert result.summary["abandoned_seated"] == 2
 
@@ -117,15 +117,11 @@ def test_an_abort_frees_the_seat_and_memory_at_the_step_boundary_after():
 @pytest.mark.parametrize("mode", ["jump", "step"])
 def test_a_request_never_seated_is_given_up_at_its_deadline(mode):
     # Four requests 10 ms apart, one seat held for tens of seconds by the first.
-    data = {"name": "one-seat", "model": "llama-2-7b", "memory": {"kv_memory_gib": 4},
-            "workload": {"arrival": {"process": "constant", "rate": 100},
-                         "prompt_len": {"dist": "constant", "value": 100},
-                         "output_len": {"dist": "constant", "value": 2000},
-                         "ttft_timeout_s": 1.5},
-            "systems": [{"name": "s", "allocator": {"kind": "paged"},
-                         "scheduler": {"max_num_seqs": 1}}],
-            "stop": {"num_requests": 4}, "engine": {"mode": mode}}
-    requests = run(data).requests
+    from test_queue_timeout import ONE_SEAT
+
+    workload = {**ONE_SEAT["workload"], "queue_timeout_s": None, "ttft_timeout_s": 1.5}
+    data = {**ONE_SEAT, "workload": workload, "engine": {"mode": mode}}
+    requests = run_scenario(scenario_from_dict(data)).systems["paged"].requests
     assert requests["finished_s"].notna().tolist() == [True, False, False, False]
     gone = requests.iloc[1:]
     assert (gone["abandoned_s"] == gone["arrival_s"] + 1.5).all()
@@ -212,17 +208,12 @@ def test_replicas_behind_a_router_abort_alike_in_both_modes(seed):
 
 
 def test_a_pipeline_aborts_as_one_engine_does():
-    data = {"name": "pp", "model": "llama-2-13b", "gpu": "a100-80g",
-            "parallel": {"pipeline_parallel_size": 2},
-            "workload": {"arrival": {"process": "poisson", "rate": 60},
-                         "prompt_len": {"dist": "lognormal", "mean": 300, "sigma": 0.8,
-                                        "max": 2000},
-                         "output_len": {"dist": "uniform", "low": 50, "high": 600},
-                         "ttft_timeout_s": 0.5},
-            "systems": [{"name": "s", "allocator": {"kind": "paged"},
-                         "scheduler": {"max_num_seqs": 16, "chunked_prefill": True,
-                                       "max_num_batched_tokens": 256}}],
-            "stop": {"num_requests": 300}}
+    from test_queue_timeout import pipelined
+
+    data = pipelined(ttft_timeout_s=0.5)  # prompts read 256 tokens a step
+    data["systems"] = [{"name": "s", "allocator": {"kind": "paged"},
+                        "scheduler": {"max_num_seqs": 16, "chunked_prefill": True,
+                                      "max_num_batched_tokens": 256}}]
     runs = {mode: run({**data, "engine": {"mode": mode, "debug_invariants": True}}).requests
             for mode in ("jump", "step")}
     requests = runs["jump"]
