@@ -641,11 +641,11 @@ class Scheduler:
         if gone:
             for sched in schedulers:
                 sched.head_blocked = False
-        for sched in schedulers:
-            if sched.gave_up:
-                gone += sched.gave_up
+        aborted = [request for sched in schedulers for request in sched.gave_up]
+        if aborted:
+            for sched in schedulers:
                 sched.gave_up = []
-                gone.sort(key=lambda r: (r.abandoned_s, r.index))
+            gone = sorted(gone + aborted, key=lambda r: (r.abandoned_s, r.index))
         return gone
 
     def _snapshot_head(self) -> SeqSpec | None:
