@@ -473,7 +473,8 @@ class _Replica:
 
     def pull_arrivals(self) -> None:
         """Queue every request that has arrived by the replica's clock, in time order; then
-        let go those whose clients gave up waiting by then (recorded at the time they did)."""
+        let go those whose clients gave up by then, waiting or seated (recorded at the time
+        they did)."""
         sim = self.sim
         sim.route_until(self.clock)
         while True:
@@ -1179,7 +1180,7 @@ class _SystemRun:
     def on_done(self, replica: _Replica, request: Request, now_s: float,
                 step_start_s: float | None = None) -> None:
         """A request finished (in the step from ``step_start_s``), was rejected, or was
-        given up by its client while it waited: record it, release whoever waits on it."""
+        given up by its client: record it, release whoever waits on it."""
         if self.least_loaded_decode and replica.role == "decode":
             heapq.heappush(self.decode_done, (now_s, replica.index - self.prefill_replicas))
         if self.router is not None and not request.rejected and replica.role != "decode":

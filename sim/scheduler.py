@@ -188,7 +188,8 @@ class Request:
 
 class WaitingLine:
     """The queue of requests waiting for a seat: first come, first served, by priority, or
-    shortest predicted job first; and, with a ``timeout_s``, the clients who give up.
+    shortest predicted job first; and, with a ``timeout_s`` or ``ttft_timeout_s``, the
+    clients who give up.
 
     First come, first served is a deque; a preempted request goes back to its front. The
     others are heaps, lower first, ordered by (priority, arrival, request index) — vLLM
@@ -1270,12 +1271,10 @@ class Scheduler:
             return False
         if request.in_prefill:
             self.prefilling -= 1
-        for seq_id in request.seq_ids():
-            self.allocator.free(seq_id)
+        self.release(request)
         request.num_seqs = 0
         request.abandoned_s = deadline
         del self.running[request.admit_seq]
-        self.head_blocked = False
         self.gave_up.append(request)
         return True
 

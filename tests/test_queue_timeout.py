@@ -150,20 +150,24 @@ ORDERS = ["fcfs", "priority", "shortest_predicted"]
 
 
 @given(order=st.sampled_from(ORDERS),
-       operations=st.lists(st.tuples(st.sampled_from(["arrive", "pop", "readmit", "wait"]),
+       timeouts=st.sampled_from([(1.0, None), (None, 1.0), (1.0, 1.5), (1.5, 1.0)]),
+       operations=st.lists(st.tuples(st.sampled_from(["arrive", "pop", "token", "readmit",
+                                                      "wait"]),
                                      st.integers(0, 3)), max_size=80))
 @settings(max_examples=300, deadline=None, derandomize=True)
-def test_the_line_lets_go_exactly_those_unseated_past_their_deadline(order, operations):
-    """Whatever arrives, is seated, returns after a preemption or waits: ``expire`` takes out
-    exactly the requests never seated whose deadline has come, wherever they stand; the
-    others keep their order, and the head is the one the order says."""
-    timeout_s = 1.0
+def test_the_line_lets_go_exactly_those_past_their_deadline(order, timeouts, operations):
+    """Whatever arrives, is seated, gets its first token or not, returns after a preemption
+    or waits: ``expire`` takes out exactly the requests whose deadline has come — never
+    seated past the seat's time-out (``queue_timeout_s``), or without a first token past
+    the first token's (``ttft_timeout_s``) — wherever they stand, each given up at its
+    deadline; the others keep their order, and the head is the one the order says."""
+    queue_s, ttft_s = timeouts
     count = sum(1 for op, _ in operations if op == "arrive") or 1
     trace = Trace.from_columns(arrival_s=np.zeros(count), prompt_len=np.full(count, 20),
                                output_len=np.full(count, 50),
                                priority=np.array([v for op, v in operations
                                                   if op == "arrive"] or [0]))
-    line = WaitingLine(order, timeout_s=timeout_s)
+    line = WaitingLine(order, timeout_s=queue_s, ttft_timeout_s=ttft_s)
     model: list[Request] = []  # FCFS: the deque as a list; else the set waiting
     seated: list[Request] = []
     now = 0.0
@@ -173,6 +177,12 @@ def test_the_line_lets_go_exactly_those_unseated_past_their_deadline(order, oper
         if order == "priority":
             return (r.priority, r.arrival_s, r.index)
         return (max(r.predicted_output - r.gen_sync, 1), r.arrival_s, r.index)
+
+    def deadline(r: Request) -> float:
+        due = [r.arrival_s + ttft_s] if ttft_s is not None and r.first_token_s < 0 else []
+        if queue_s is not None and r.admitted_s < 0:
+            due.append(r.arrival_s + queue_s)
+        return min(due, default=math.inf)
 
     for operation, value in operations:
         if operation == "arrive":
@@ -187,24 +197,25 @@ def test_the_line_lets_go_exactly_those_unseated_past_their_deadline(order, oper
             model.remove(expected)
             expected.admitted_s = now  # the scheduler marks it seated
             seated.append(expected)
+        elif operation == "token" and seated:
+            seated[value % len(seated)].first_token_s = now
         elif operation == "readmit" and seated:
             again = seated.pop(value % len(seated))
             line.readmit(again)
             model.insert(0, again)
         elif operation == "wait":
             now += 0.25 * value
-            due = [r for r in model if r.admitted_s < 0 and r.arrival_s + timeout_s <= now]
+            due = [r for r in model if deadline(r) <= now]
             gone = line.expire(now)
             assert sorted(r.index for r in gone) == sorted(r.index for r in due)
-            assert all(r.abandoned_s == r.arrival_s + timeout_s for r in gone)
+            assert all(r.abandoned_s == deadline(r) for r in gone)
             model = [r for r in model if r not in due]
         assert len(line) == len(model)
         if order == "fcfs":
             assert line.requests() == model
         else:
             assert sorted(r.index for r in line.requests()) == sorted(r.index for r in model)
-        upcoming = [r.arrival_s + timeout_s for r in model if r.admitted_s < 0]
-        assert line.next_timeout_s() == min(upcoming, default=math.inf)
+        assert line.next_timeout_s() == min(map(deadline, model), default=math.inf)
 
 
 @pytest.mark.parametrize("order", ["priority", "shortest_predicted"])

@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pandas as pd
 import pytest
 from conftest import kvsim_in_process as kvsim
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from sim.engine import run_scenario
 from sim.metrics import format_summary
 from sim.results import run_notes
 from sim.scenario import scenario_from_dict
-from sim.scheduler import Request, WaitingLine
-from workloads.trace import Trace
 
 # One 3,000-token prompt, read in one step of about 0.145 s on Llama-2-7B (A100).
 LONG_PROMPT = {
@@ -252,63 +247,7 @@ def test_a_ttft_timeout_must_be_a_positive_number(tmp_path, value):
     assert proc.stderr.count("\n") == 1 and "ttft_timeout_s" in proc.stderr
 
 
-# --------------------------------------------------------------- the line itself
-@given(order=st.sampled_from(["fcfs", "priority", "shortest_predicted"]),
-       timeouts=st.sampled_from([(None, 1.0), (1.0, 1.5), (1.5, 1.0)]),
-       operations=st.lists(st.tuples(st.sampled_from(["arrive", "pop", "token", "readmit",
-                                                      "wait"]),
-                                     st.integers(0, 3)), max_size=80))
-@settings(max_examples=300, deadline=None, derandomize=True)
-def test_the_line_lets_go_exactly_those_past_their_deadline(order, timeouts, operations):
-    """Requests arrive, are seated, get their first token or not, come back after a
-    preemption, wait: ``expire`` takes out exactly those whose deadline has come — never
-    seated past the seat's time-out, or without a first token past the first token's —
-    each given up at its deadline."""
-    queue_s, ttft_s = timeouts
-    count = sum(1 for op, _ in operations if op == "arrive") or 1
-    trace = Trace.from_columns(arrival_s=np.zeros(count), prompt_len=np.full(count, 20),
-                               output_len=np.full(count, 50),
-                               priority=np.array([v for op, v in operations
-                                                  if op == "arrive"] or [0]))
-    line = WaitingLine(order, timeout_s=queue_s, ttft_timeout_s=ttft_s)
-
-    def deadline(r: Request) -> float:
-        due = [r.arrival_s + ttft_s] if r.first_token_s < 0 else []
-        if queue_s is not None and r.admitted_s < 0:
-            due.append(r.arrival_s + queue_s)
-        return min(due, default=math.inf)
-
-    waiting: list[Request] = []
-    seated: list[Request] = []
-    now, arrived = 0.0, 0
-    for operation, value in operations:
-        if operation == "arrive":
-            request = Request(trace, arrived, now)
-            request.predicted_output = 10 * value + 1
-            arrived += 1
-            line.arrive(request)
-            waiting.append(request)
-        elif operation == "pop" and waiting:
-            request = line.pop()
-            waiting.remove(request)
-            request.admitted_s = now  # the scheduler marks it seated
-            seated.append(request)
-        elif operation == "token" and seated:
-            seated[value % len(seated)].first_token_s = now
-        elif operation == "readmit" and seated:
-            again = seated.pop(value % len(seated))
-            line.readmit(again)
-            waiting.append(again)
-        elif operation == "wait":
-            now += 0.25 * value
-            due = [r for r in waiting if deadline(r) <= now]
-            gone = line.expire(now)
-            assert sorted(r.index for r in gone) == sorted(r.index for r in due)
-            assert all(r.abandoned_s == deadline(r) for r in gone)
-            waiting = [r for r in waiting if r not in due]
-        assert len(line) == len(waiting)
-        assert sorted(r.index for r in line.requests()) == sorted(r.index for r in waiting)
-        assert line.next_timeout_s() == min(map(deadline, waiting), default=math.inf)
+# (The line's own deadlines: test_queue_timeout's property test covers both.)
 
 
 def test_a_prompt_the_budget_leaves_out_of_steps_is_aborted_all_the_same(tmp_path):
