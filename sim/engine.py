@@ -375,9 +375,10 @@ class _Recorder:
                finished: int, pool_scale: float = 1.0,
                peers: list[Scheduler] | None = None) -> None:
         """One step, or a run of ``quiet`` decode steps, that began holding ``snap`` and
-        ended with ``finished`` requests done; its slots count ``pool_scale`` times in the
-        averages (a pool's slots in those of the pool the summary is of). Under pipeline
-        parallelism ``peers`` are the schedulers of every batch, whose requests count."""
+        ended with ``finished`` requests done (or aborted); its slots count ``pool_scale``
+        times in the averages (a pool's slots in those of the pool the summary is of). Under
+        pipeline parallelism ``peers`` are the schedulers of every batch, whose requests
+        count."""
         running, waiting = len(sched.running), len(sched.waiting)
         if peers is not None:
             running = sum(len(peer.running) for peer in peers)
@@ -433,7 +434,8 @@ class _Replica:
                              sim.predicted_output, overflow_to_max=overflow_to_max,
                              sliding_window=sim.sliding_window, speculative=setup.speculative,
                              waiting=waiting, queue_timeout_s=sim.queue_timeout_s,
-                             ttft_timeout_s=sim.ttft_timeout_s)
+                             ttft_timeout_s=sim.ttft_timeout_s,
+                             e2e_timeout_s=sim.e2e_timeout_s)
 
         self.scheduler = scheduler()
         # Pipeline stages: a scheduler for each batch in flight, all of one allocator, one
@@ -699,7 +701,8 @@ class _Replica:
         that began holding ``snap``, and be done with the requests it ``finished``."""
         sim = self.sim
         sim.recorder.record(self.index, start_s, clock_s - start_s, steps, batch,
-                            self.scheduler, snap, quiet, len(finished), self.pool_scale,
+                            self.scheduler, snap, quiet,
+                            len(finished) + (quiet.aborted if quiet else 0), self.pool_scale,
                             self.schedulers if len(self.schedulers) > 1 else None)
         self.clock = clock_s
         for request in finished:
@@ -922,12 +925,17 @@ class _SystemRun:
         self.rank_groups: list[_RankGroup] = []
         self.usd_per_gpu_hour = scenario.cost.usd_per_gpu_hour if scenario.cost else None
         self.slo = scenario.slo
-        # Clients' patience: for a seat, for a first token (None: for ever); the soonest a
-        # new arrival may give up; and what clients do when their patience runs out.
+        # Clients' patience: for a seat, for a first token, for the whole answer (None: for
+        # ever); the soonest a new arrival may give up; and what clients do when their
+        # patience runs out.
         self.queue_timeout_s = scenario.workload.queue_timeout_s
         self.ttft_timeout_s = scenario.workload.ttft_timeout_s
-        timeouts = [t for t in (self.queue_timeout_s, self.ttft_timeout_s) if t is not None]
+        self.e2e_timeout_s = scenario.workload.e2e_timeout_s
+        timeouts = [t for t in (self.queue_timeout_s, self.ttft_timeout_s, self.e2e_timeout_s)
+                    if t is not None]
         self.patience_s = min(timeouts) if timeouts else None
+        # Output tokens generated for tries whose clients gave up (every try's).
+        self.abandoned_output_tokens = 0
         self.retry = scenario.workload.retry
         self.seed = scenario.seed
         # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode
@@ -937,6 +945,9 @@ class _SystemRun:
         self.handovers = split is not None  # replicas receive requests from one another
         self.decode_replicas = scenario.ranks - self.prefill_replicas if split else 0
         self.least_loaded_decode = split is not None and split.decode_router == "least_loaded"
+        # Decode replicas send prefill replicas retries of answers their clients gave up on.
+        self.retries_from_decode = split is not None and self.retry is not None and (
+            self.e2e_timeout_s is not None)
         # For the least-loaded choice: requests handed to each decode replica and not yet
         # done, and a heap of (when done, decode replica) for those yet to be counted out.
         self.decode_in_flight = [0] * self.decode_replicas
@@ -1091,16 +1102,16 @@ class _SystemRun:
 
     def handover_horizon(self) -> float:
         """The earliest a prefill replica can still hand a request over: its next step
-        starts no earlier than its clock (or, idle, its next arrival; with session turns,
-        which decode replicas release, now), lasts at least the step's fixed cost, and the
-        transfer its fixed latency. A decode replica's jump stops there, so it sees every
-        handover when stepping would."""
+        starts no earlier than its clock (or, idle, its next arrival; with session turns or
+        retries of answers given up, which decode replicas release, now), lasts at least the
+        step's fixed cost, and the transfer its fixed latency. A decode replica's jump stops
+        there, so it sees every handover when stepping would."""
         earliest = math.inf
         for replica in self.replicas[:self.prefill_replicas]:
             sched = replica.scheduler
             if sched.running or sched.waiting:
                 start = replica.clock
-            elif self.dependents:
+            elif self.dependents or self.retries_from_decode:
                 start = self.env.now
             else:
                 start = max(replica.clock, replica.next_arrival())
@@ -1192,8 +1203,10 @@ class _SystemRun:
             return
         if replica.role == "prefill" and served:
             replica.scheduler.release(request)  # one token: nothing to send on
-        if request.abandoned_s >= 0 and self._retry(replica, request):
-            return
+        if request.abandoned_s >= 0:
+            self.abandoned_output_tokens += request.gen_sync * request.n
+            if self._retry(replica, request):
+                return
         routed_to = int(self.replica_of[request.index])
         row: tuple[object, ...] = (
             request.index, request.first_arrival_s, request.admitted_s, request.first_token_s,
@@ -1224,9 +1237,10 @@ class _SystemRun:
                     self.router.expect(index, home.index, release, turn.prompt_segments)
 
     def _retry(self, replica: _Replica, request: Request) -> bool:
-        """Whether the client of ``request``, given up, sends it again (to the same
-        replica, after its back-off; not past the stop's duration): if so, it is on its
-        way, and nothing is recorded yet."""
+        """Whether the client of ``request``, given up, sends it again (to the replica its
+        first try was routed to — a prefill replica, if a decode replica was answering —
+        after its back-off; not past the stop's duration): if so, it is on its way, and
+        nothing is recorded yet."""
         retry = self.retry
         if retry is None or request.attempts > retry.max_retries:
             return False
@@ -1238,9 +1252,10 @@ class _SystemRun:
         again = Request(self.trace, request.index, again_s)
         again.first_arrival_s = request.first_arrival_s
         again.attempts = request.attempts + 1
-        self.release(replica, again_s, request.index, again)
+        home = self.replicas[int(self.replica_of[request.index])]
+        self.release(home, again_s, request.index, again)
         if self.router is not None:
-            self.router.expect(self.router_key(again), replica.index, again_s,
+            self.router.expect(self.router_key(again), home.index, again_s,
                                again.prompt_segments)
         return True
 
@@ -1333,14 +1348,17 @@ class _SystemRun:
         extra["reservation_overflows"] = (
             sum(s.reservation_overflows for s in schedulers)
             if self.system.predicts_reservations else None)
-        # None (shown "—") where clients wait for ever (no workload.queue_timeout_s or
-        # ttft_timeout_s); of them, those aborted while seated, their prompts' work lost
-        # (None where only a seat is waited for).
+        # None (shown "—") where clients wait for ever (no workload.queue_timeout_s,
+        # ttft_timeout_s or e2e_timeout_s); of them, those aborted while seated, their
+        # prompts' work lost (None where only a seat is waited for); and the output tokens
+        # generated in vain (None but where clients wait for whole answers).
         abandoned = requests["abandoned_s"].notna()
         extra["abandoned"] = int(abandoned.sum()) if self.patience_s is not None else None
         extra["abandoned_seated"] = (
             int((abandoned & requests["admitted_s"].notna()).sum())
-            if self.ttft_timeout_s is not None else None)
+            if self.ttft_timeout_s is not None or self.e2e_timeout_s is not None else None)
+        extra["abandoned_output_tokens"] = (self.abandoned_output_tokens
+                                            if self.e2e_timeout_s is not None else None)
         extra["retries"] = (int((requests["attempts"] - 1).sum())
                             if self.retry is not None else None)
         summary_requests = requests.fillna({"finished_s": -1.0})

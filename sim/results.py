@@ -210,19 +210,23 @@ def rejection_note(summaries: dict[str, dict[str, Any]]) -> str | None:
 
 
 def abandonment_note(summaries: dict[str, dict[str, Any]]) -> str | None:
-    """A warning when clients gave up on requests that waited too long for a seat or a
-    first token (``workload.queue_timeout_s``, ``ttft_timeout_s``): the latencies are of
-    the requests served, and the work done for those aborted while seated was lost."""
+    """A warning when clients gave up on requests that waited too long for a seat, a first
+    token or the whole answer (``workload.queue_timeout_s``, ``ttft_timeout_s``,
+    ``e2e_timeout_s``): the latencies are of the requests served, and the work done for
+    those aborted while seated was lost."""
     counts = _unserved(summaries, "abandoned")
     if counts is None:
         return None
     retried = any(s.get("retries") is not None for s in summaries.values())
     seated = ", ".join(f"{name} {s['abandoned_seated']:,}" for name, s in summaries.items()
                        if s.get("abandoned_seated"))
+    tokens = ", ".join(f"{name} {s['abandoned_output_tokens']:,}"
+                       for name, s in summaries.items() if s.get("abandoned_output_tokens"))
     return ("abandoned by clients who timed out" + (" (at their last try)" if retried else "")
             + f": {counts}"
             + (f", of them aborted while seated, their prompts read in vain: {seated}"
                if seated else "")
+            + (f", output tokens generated in vain: {tokens}" if tokens else "")
             + "; they count against the SLO, while throughput and latency percentiles are "
             "of the requests served")
 

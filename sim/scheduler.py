@@ -211,14 +211,17 @@ class WaitingLine:
     request seated once (a preempted one, or one whose KV another replica prefilled) has
     been answered and never times out so. With ``ttft_timeout_s``, a client whose request
     has no first token that long after it arrived cancels it, seated before or not (a
-    request preempted before its first token still times out). A deadline sits in a third
-    heap, checked by ticket in the same way; each request joining or leaving the line takes
-    a new ticket.
+    request preempted before its first token still times out). With ``e2e_timeout_s``, a
+    client whose request is not answered whole that long after it arrived cancels it,
+    whatever it has had (a preempted request times out in the line). A deadline sits in a
+    third heap, checked by ticket in the same way; each request joining or leaving the line
+    takes a new ticket.
     """
 
     def __init__(self, order: str = "fcfs", max_wait_s: float | None = None,
                  aging_tokens_per_s: float = 0.0, timeout_s: float | None = None,
-                 ttft_timeout_s: float | None = None) -> None:
+                 ttft_timeout_s: float | None = None,
+                 e2e_timeout_s: float | None = None) -> None:
         self.by_priority = order == "priority"
         self.by_length = order == "shortest_predicted"
         self.ordered = self.by_priority or self.by_length  # an arrival may pass the head
@@ -232,6 +235,9 @@ class WaitingLine:
         self._by_arrival: list[tuple[float, int, int, Request]] = []
         self.timeout_s = timeout_s
         self.ttft_timeout_s = ttft_timeout_s
+        self.e2e_timeout_s = e2e_timeout_s
+        # Whether a seated request may still time out (on its first token or whole answer).
+        self.seated_may_time_out = ttft_timeout_s is not None or e2e_timeout_s is not None
         # (deadline, request index, ticket, request) of those that may still time out.
         self._by_deadline: list[tuple[float, int, int, Request]] = []
         self._count = 0
@@ -277,12 +283,14 @@ class WaitingLine:
         return request
 
     def deadline_s(self, request: Request) -> float:
-        """When the client of ``request`` gives up if it is still in the line then (inf:
-        never): unseated after ``timeout_s``, or without a first token after
-        ``ttft_timeout_s``, whichever comes first."""
+        """When the client of ``request`` gives up if it is still in the line (or seated)
+        then (inf: never): unseated after ``timeout_s``, without a first token after
+        ``ttft_timeout_s``, or unanswered after ``e2e_timeout_s``, whichever comes first."""
         deadline = math.inf
+        if self.e2e_timeout_s is not None:
+            deadline = request.arrival_s + self.e2e_timeout_s
         if self.ttft_timeout_s is not None and request.first_token_s < 0:
-            deadline = request.arrival_s + self.ttft_timeout_s
+            deadline = min(deadline, request.arrival_s + self.ttft_timeout_s)
         if self.timeout_s is not None and request.admitted_s < 0:
             deadline = min(deadline, request.arrival_s + self.timeout_s)
         return deadline
@@ -379,11 +387,13 @@ _TOKEN, _RESERVED = MemorySnapshot._fields.index("token"), MemorySnapshot._field
 @dataclass
 class QuietDecode:
     """A run of pure-decode steps advanced at once (:meth:`Scheduler.decode_quietly`): how
-    many, when the last ended, who finished then, and the memory the steps held."""
+    many, when the last ended, who finished then (and how many were aborted then, their
+    clients gone), and the memory the steps held."""
 
     steps: int = 0
     clock_s: float = 0.0
     finished: list[Request] = field(default_factory=list)
+    aborted: int = 0
     # Per MemorySnapshot field: slots × seconds, summed over the steps (each step's memory
     # for as long as it ran, as stepping records it).
     slot_seconds: list[float] = field(default_factory=list)
@@ -432,8 +442,9 @@ class Scheduler:
     vLLM proposes them.
 
     Clients may give up (``queue_timeout_s``: on a seat; ``ttft_timeout_s``: on a first
-    token): the line lets go of those waiting, and a step's end aborts those seated whose
-    first token it came too late for (:meth:`time_out` hands both over).
+    token; ``e2e_timeout_s``: on the whole answer): the line lets go of those waiting, and a
+    step's end aborts those seated whose first token, or last, it came too late for
+    (:meth:`time_out` hands both over).
     """
 
     def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,
@@ -442,7 +453,8 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None,
                  waiting: WaitingLine | None = None,
                  queue_timeout_s: float | None = None,
-                 ttft_timeout_s: float | None = None) -> None:
+                 ttft_timeout_s: float | None = None,
+                 e2e_timeout_s: float | None = None) -> None:
         self.allocator = allocator
         # The token clock (see the module's docstring) reads ⌊acc / den⌋: acc moves on by
         # each step's rate (τ·den, of the drafts the step verifies), so that with one K it
@@ -488,11 +500,16 @@ class Scheduler:
         # A line of its own, or one it shares with the other batches of a pipeline.
         self.waiting = waiting if waiting is not None else WaitingLine(
             config.policy, config.max_wait_s, config.aging_tokens_per_s or 0.0,
-            queue_timeout_s, ttft_timeout_s)
-        # Seated requests whose clients gave up before their first token: aborted at the
-        # step boundary after, their KV freed (vLLM aborts a request whose client went away),
-        # until time_out hands them to the engine.
+            queue_timeout_s, ttft_timeout_s, e2e_timeout_s)
+        # Seated requests whose clients gave up (before their first token, or their last):
+        # aborted at the step boundary after, their KV freed (vLLM aborts a request whose
+        # client went away), until time_out hands them to the engine.
         self.gave_up: list[Request] = []
+        # (deadline, admit_seq, request) of each seated request that may time out, earliest
+        # first. The deadline is as of its seating: a first token since may have put it off
+        # (it is looked up again when it surfaces); an entry whose admit_seq is no longer
+        # in ``running`` (the request finished, was preempted or aborted) is stale.
+        self._seated_deadlines: list[tuple[float, int, Request]] = []
         # Under pipeline parallelism the schedulers of the batches in flight, which share
         # the allocator, the line and max_num_seqs (None: this one alone).
         self._peers: list[Scheduler] | None = None
@@ -642,6 +659,10 @@ class Scheduler:
         if gone:
             for sched in schedulers:
                 sched.head_blocked = False
+            for request in gone:  # one preempted mid-answer may have parked its KV
+                if request.swap_slots:  # (never under pipeline stages: one scheduler's)
+                    self.swap_used -= request.swap_slots
+                    request.swapped = request.swap_slots = 0
         aborted = [request for sched in schedulers for request in sched.gave_up]
         if aborted:
             for sched in schedulers:
@@ -1148,6 +1169,11 @@ class Scheduler:
             request.prefill_target = spec.prompt_len
             request.admit_seq = self._admit_counter
             self._admit_counter += 1
+            if self.waiting.seated_may_time_out:
+                deadline = self.waiting.deadline_s(request)
+                if deadline < math.inf:
+                    heapq.heappush(self._seated_deadlines,
+                                   (deadline, request.admit_seq, request))
             if request.admitted_s < 0:
                 request.admitted_s = now_s
             if request.swapped:
@@ -1238,11 +1264,15 @@ class Scheduler:
             self._pool.clock_s = end_s
         self._advance(batch.decode_seqs + len(batch.prefill) if batch else self.decode_seqs)
         finished = []
+        # Clients who gave up by the step's end, before their first token or last: a token
+        # given just as the client gives up comes too late, as a seat does.
+        if self._seated_deadlines and self._seated_deadlines[0][0] <= end_s:
+            self._abort_overdue(end_s)
         for request, chunk, history in batch.prefill if batch else ():
             request.computed = True
             if history + chunk > request.computed_tokens:
                 request.computed_tokens = history + chunk
-            if self._abort_if_given_up(request, end_s) or request.in_prefill:
+            if request.abandoned_s >= 0 or request.in_prefill:
                 continue
             # _prefill counted the first generated token in gen_sync already.
             if request.first_token_s < 0:
@@ -1252,31 +1282,36 @@ class Scheduler:
                 finished.append(request)
             else:
                 self._start_decoding(request)
-        if self.prefilling and self.waiting.ttft_timeout_s is not None:
-            # Prompts this step had no budget for.
-            for request in [r for r in self.running.values() if r.in_prefill]:
-                self._abort_if_given_up(request, end_s)
         finished += self._finish_due(end_s)
         return finished
 
-    def _abort_if_given_up(self, request: Request, end_s: float) -> bool:
-        """Abort seated ``request`` if its client gave up on its first token before the
-        step that ends at ``end_s`` gave it (a token given just as the client gives up
-        comes too late, as a seat does): its KV is freed, its prompt's computed blocks
-        left to the prefix cache as a preemption leaves them."""
-        if self.waiting.ttft_timeout_s is None:
-            return False
-        deadline = self.waiting.deadline_s(request)  # (seated: that of its first token)
-        if deadline > end_s:
-            return False
-        if request.in_prefill:
-            self.prefilling -= 1
-        self.release(request)
-        request.num_seqs = 0
-        request.abandoned_s = deadline
-        del self.running[request.admit_seq]
-        self.gave_up.append(request)
-        return True
+    def _abort_overdue(self, end_s: float) -> int:
+        """Abort every seated request whose client gave up by ``end_s``, the end of a step
+        (reading a prompt, decoding, or given no budget): its KV is freed, the blocks it
+        computed left to the prefix cache as a preemption leaves them. How many were."""
+        deadlines = self._seated_deadlines
+        aborted = 0
+        while deadlines and deadlines[0][0] <= end_s:
+            _, admit_seq, request = heapq.heappop(deadlines)
+            if self.running.get(admit_seq) is not request:
+                continue  # finished, preempted or aborted since
+            deadline = self.waiting.deadline_s(request)  # a first token may have put it off
+            if deadline > end_s:
+                if deadline < math.inf:
+                    heapq.heappush(deadlines, (deadline, admit_seq, request))
+                continue
+            if request.decoding:
+                self._sync(request, include_current=False)  # cache what it computed
+                self._stop_decoding(request)
+            elif request.in_prefill:
+                self.prefilling -= 1
+            self.release(request)
+            request.num_seqs = 0
+            request.abandoned_s = deadline
+            del self.running[admit_seq]
+            self.gave_up.append(request)
+            aborted += 1
+        return aborted
 
     def _finish_due(self, end_s: float) -> list[Request]:
         """Finish the decoding requests whose last token was this step's."""
@@ -1336,8 +1371,9 @@ class Scheduler:
         # ramp_s weighs.
         segment_s = ramp_s = 0.0
         clock = segment_clock = self._clock_now
-        steps = 0
+        steps = aborted = 0
         finished: list[Request] = []
+        seated_deadlines = self._seated_deadlines  # (deadline, ...) earliest first
         while True:
             step_s = step_time(context, base + past * clock)
             clock_s += step_s
@@ -1354,11 +1390,14 @@ class Scheduler:
             if windows and self._due_now(windows):
                 self._windows_due()
                 past, base = self._past_window, self._skip_base
+            # A client giving up changes the batch: the engine decides anew.
+            aborted = self._abort_overdue(clock_s) if (
+                seated_deadlines and seated_deadlines[0][0] <= clock_s) else 0
             if self.debug or self._due_now(finishes):
                 finished = self._finish_due(clock_s)
                 if finished:
                     break
-            if clock_s >= stop_at_s or changed:
+            if clock_s >= stop_at_s or changed or aborted:
                 break
             if self._due_now(grows):
                 if not self.fast_step():
@@ -1372,6 +1411,7 @@ class Scheduler:
         run.steps = steps
         run.clock_s = clock_s
         run.finished = finished
+        run.aborted = aborted
         run.last_step_s = step_s
         return run
 

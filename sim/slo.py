@@ -47,10 +47,12 @@ def latencies(requests: pd.DataFrame) -> dict[str, np.ndarray]:
 
 
 def in_time(requests: pd.DataFrame, slo: SloConfig) -> dict[str, np.ndarray]:
-    """For each bound the scenario gives, whether each request met it (NaN compares False,
-    so unfinished and rejected requests miss), and ``"all"``: whether it met every one."""
+    """For each bound the scenario gives, whether each request met it, and ``"all"``:
+    whether it met every one. A request never answered whole (rejected, or given up by its
+    client, even after a first token in time) misses every bound."""
     measured = latencies(requests)
-    met = {name: measured[name] <= bound
+    answered = np.isfinite(measured["e2e"])
+    met = {name: (measured[name] <= bound) & answered
            for name, bound in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s), ("e2e", slo.e2e_s))
            if bound is not None}
     met["all"] = np.logical_and.reduce(list(met.values()))

@@ -214,6 +214,14 @@ def random_scenario(seed: int) -> dict:
             workload["ttft_timeout_s"] = timeout_s if draw < 0.3 else 2 * timeout_s
             if draw < 0.3:
                 del workload["queue_timeout_s"]
+    # Drawn last, as the above: clients who wait for the whole answer and give up on it
+    # (decoding requests are aborted then: a deadline may fall inside a run of decode
+    # steps), alone or beside the others, some of them trying again.
+    if rng.random() < 0.25:
+        workload["e2e_timeout_s"] = rng.choice([0.05, 0.3, 1.0, 3.0])
+        if "retry" not in workload and rng.random() < 0.5:
+            workload["retry"] = {"max_retries": rng.randint(1, 3),
+                                 "backoff_s": rng.choice([0.0, 0.05, 0.5])}
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",
@@ -261,14 +269,19 @@ def test_jump_equals_step(seed):
         seated = first[first["admitted_s"].notna()]
         assert (seated["admitted_s"] - seated["arrival_s"] < timeout_s).all()
     ttft_timeout_s = data["workload"].get("ttft_timeout_s")
+    e2e_timeout_s = data["workload"].get("e2e_timeout_s")
     if ttft_timeout_s is not None:  # nor given a first token past it
         answered = first[first["first_token_s"].notna()]
         assert (answered["first_token_s"] - answered["arrival_s"] < ttft_timeout_s).all()
-        assert gone["first_token_s"].isna().all()
-    elif timeout_s is not None:
+        assert e2e_timeout_s is not None or gone["first_token_s"].isna().all()
+    elif timeout_s is not None and e2e_timeout_s is None:
         assert gone["admitted_s"].isna().all()
-    if timeout_s is not None or ttft_timeout_s is not None:
-        patience_s = min(t for t in (timeout_s, ttft_timeout_s) if t is not None)
+    if e2e_timeout_s is not None:  # nor answered whole past it
+        answered = first[first["finished_s"].notna()]
+        assert (answered["finished_s"] - answered["arrival_s"] < e2e_timeout_s).all()
+    timeouts = [t for t in (timeout_s, ttft_timeout_s, e2e_timeout_s) if t is not None]
+    if timeouts:
+        patience_s = min(timeouts)
         waited_s = gone["abandoned_s"] - gone["arrival_s"]  # (each try's, and back-offs)
         assert (waited_s >= gone["attempts"] * patience_s * (1 - 1e-9)).all()
 

@@ -150,7 +150,9 @@ ORDERS = ["fcfs", "priority", "shortest_predicted"]
 
 
 @given(order=st.sampled_from(ORDERS),
-       timeouts=st.sampled_from([(1.0, None), (None, 1.0), (1.0, 1.5), (1.5, 1.0)]),
+       timeouts=st.sampled_from([(1.0, None, None), (None, 1.0, None), (1.0, 1.5, None),
+                                 (1.5, 1.0, None), (None, None, 1.0), (1.0, None, 1.5),
+                                 (None, 0.5, 1.25), (1.5, 1.0, 0.75)]),
        operations=st.lists(st.tuples(st.sampled_from(["arrive", "pop", "token", "readmit",
                                                       "wait"]),
                                      st.integers(0, 3)), max_size=80))
@@ -158,16 +160,17 @@ ORDERS = ["fcfs", "priority", "shortest_predicted"]
 def test_the_line_lets_go_exactly_those_past_their_deadline(order, timeouts, operations):
     """Whatever arrives, is seated, gets its first token or not, returns after a preemption
     or waits: ``expire`` takes out exactly the requests whose deadline has come — never
-    seated past the seat's time-out (``queue_timeout_s``), or without a first token past
-    the first token's (``ttft_timeout_s``) — wherever they stand, each given up at its
-    deadline; the others keep their order, and the head is the one the order says."""
-    queue_s, ttft_s = timeouts
+    seated past the seat's time-out (``queue_timeout_s``), without a first token past the
+    first token's (``ttft_timeout_s``), or past the whole answer's (``e2e_timeout_s``),
+    whatever they had — wherever they stand, each given up at its deadline; the others
+    keep their order, and the head is the one the order says."""
+    queue_s, ttft_s, e2e_s = timeouts
     count = sum(1 for op, _ in operations if op == "arrive") or 1
     trace = Trace.from_columns(arrival_s=np.zeros(count), prompt_len=np.full(count, 20),
                                output_len=np.full(count, 50),
                                priority=np.array([v for op, v in operations
                                                   if op == "arrive"] or [0]))
-    line = WaitingLine(order, timeout_s=queue_s, ttft_timeout_s=ttft_s)
+    line = WaitingLine(order, timeout_s=queue_s, ttft_timeout_s=ttft_s, e2e_timeout_s=e2e_s)
     model: list[Request] = []  # FCFS: the deque as a list; else the set waiting
     seated: list[Request] = []
     now = 0.0
@@ -182,6 +185,8 @@ def test_the_line_lets_go_exactly_those_past_their_deadline(order, timeouts, ope
         due = [r.arrival_s + ttft_s] if ttft_s is not None and r.first_token_s < 0 else []
         if queue_s is not None and r.admitted_s < 0:
             due.append(r.arrival_s + queue_s)
+        if e2e_s is not None:
+            due.append(r.arrival_s + e2e_s)
         return min(due, default=math.inf)
 
     for operation, value in operations:
@@ -364,10 +369,13 @@ def test_a_retry_needs_a_time_out(tmp_path):
     data = {**ONE_SEAT, "workload": {**ONE_SEAT["workload"], "queue_timeout_s": None,
                                      "retry": {"max_retries": 2}}}
     with pytest.raises(ScenarioError, match="retry: a client retries a request it gave up "
-                                            "on; give queue_timeout_s or ttft_timeout_s too"):
+                                            "on; give queue_timeout_s, ttft_timeout_s or "
+                                            "e2e_timeout_s too"):
         scenario_from_dict(data)
-    data["workload"]["ttft_timeout_s"] = 2.0  # a deadline for the first token will do
-    assert scenario_from_dict(data).workload.retry is not None
+    # A deadline for the first token will do, or one for the whole answer.
+    for field in ("ttft_timeout_s", "e2e_timeout_s"):
+        timed = {**data, "workload": {**data["workload"], field: 2.0}}
+        assert scenario_from_dict(timed).workload.retry is not None
     path = tmp_path / "s.yaml"
     path.write_text("name: s\nworkload: {arrival: {process: poisson, rate: 1}, "
                     "prompt_len: {dist: constant, value: 10}, "
@@ -375,7 +383,7 @@ def test_a_retry_needs_a_time_out(tmp_path):
                     "systems: [{name: p, allocator: {kind: paged}}]\n")
     proc = kvsim("validate", str(path))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert "give queue_timeout_s or ttft_timeout_s too" in proc.stderr
+    assert "give queue_timeout_s, ttft_timeout_s or e2e_timeout_s too" in proc.stderr
 
 
 @pytest.mark.parametrize("retry", [None, {"max_retries": 1, "backoff_s": 0.1}])

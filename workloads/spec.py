@@ -85,10 +85,19 @@ TTFT_TIMEOUT_DESCRIPTION = (
     "goes away), counted as abandoned and missing every SLO; absent: clients wait for ever")
 TtftTimeout = Annotated[PositiveFloat | None,
                         Field(default=None, description=TTFT_TIMEOUT_DESCRIPTION)]
+E2E_TIMEOUT_DESCRIPTION = (
+    "seconds a client that waits for the whole answer (no streaming) gives its request "
+    "before it gives up: waiting, seated while its prompt is read or while its answer is "
+    "generated, or preempted, the request is aborted (its KV freed at the next step "
+    "boundary), counted as abandoned and missing every SLO, the tokens generated for it "
+    "wasted; absent: clients wait for ever")
+E2eTimeout = Annotated[PositiveFloat | None,
+                       Field(default=None, description=E2E_TIMEOUT_DESCRIPTION)]
 
 
 class Retry(ConfigModel):
-    """What a client whose request timed out (``queue_timeout_s``, ``ttft_timeout_s``) does
+    """What a client whose request timed out (``queue_timeout_s``, ``ttft_timeout_s``,
+    ``e2e_timeout_s``) does
     next: it sends the request again, up to ``max_retries`` times, waiting ``backoff_s``
     before the first retry and twice as long before each next one, at most
     ``max_backoff_s``, each wait shortened by up to a ``jitter`` share at random so that
@@ -109,10 +118,10 @@ class Retry(ConfigModel):
 
 def _retry_needs_a_timeout(workload: SyntheticWorkload | TraceWorkload) -> None:
     if workload.retry is not None and workload.queue_timeout_s is None and (
-            workload.ttft_timeout_s is None):
+            workload.ttft_timeout_s is None and workload.e2e_timeout_s is None):
         raise ValueError("retry: a client retries a request it gave up on; give "
-                         "queue_timeout_s or ttft_timeout_s too (how long it waits before "
-                         "giving up)")
+                         "queue_timeout_s, ttft_timeout_s or e2e_timeout_s too (how long it "
+                         "waits before giving up)")
 
 
 class SyntheticWorkload(ConfigModel):
@@ -135,6 +144,7 @@ class SyntheticWorkload(ConfigModel):
     priorities: Priorities = None
     queue_timeout_s: QueueTimeout = None
     ttft_timeout_s: TtftTimeout = None
+    e2e_timeout_s: E2eTimeout = None
     retry: Retry | None = None
 
     @model_validator(mode="after")
@@ -212,6 +222,7 @@ class TraceWorkload(ConfigModel):
     priorities: Priorities = None
     queue_timeout_s: QueueTimeout = None
     ttft_timeout_s: TtftTimeout = None
+    e2e_timeout_s: E2eTimeout = None
     retry: Retry | None = None
 
     @model_validator(mode="after")
