@@ -97,10 +97,9 @@ E2eTimeout = Annotated[PositiveFloat | None,
 
 class Retry(ConfigModel):
     """What a client whose request timed out (``queue_timeout_s``, ``ttft_timeout_s``,
-    ``e2e_timeout_s``) does
-    next: it sends the request again, up to ``max_retries`` times, waiting ``backoff_s``
-    before the first retry and twice as long before each next one, at most
-    ``max_backoff_s``, each wait shortened by up to a ``jitter`` share at random so that
+    ``e2e_timeout_s``) does next: it sends the request again, up to ``max_retries`` times,
+    waiting ``backoff_s`` before the first retry and twice as long before each next one, at
+    most ``max_backoff_s``, each wait shortened by up to a ``jitter`` share at random so that
     clients who gave up together do not all come back together: the OpenAI Python client's
     defaults."""
 
