@@ -157,7 +157,9 @@ def metric_vs_field(table: pd.DataFrame, field: str, metric: str, *,
     data = table.groupby([by, *others, x], sort=False, dropna=False)[metric].agg(
         ["mean", "min", "max"]).reset_index()
     scale = metric_scale(metric)  # (the series keeps the metric's own unit)
-    lines = _series(data, by, others)
+    # A line with no value anywhere (a metric of a feature its runs leave off: requests
+    # abandoned where clients wait for ever) would be a legend entry with nothing drawn.
+    lines = [line for line in _series(data, by, others) if line[2]["mean"].notna().any()]
     fig, (ax,) = new_figure(1, 1, height=3.6 if len(lines) <= 5 else 4.6)
     for label, style, part in lines:
         part = part.sort_values(x)

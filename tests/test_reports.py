@@ -234,3 +234,19 @@ def test_a_sweep_figure_draws_a_metric_in_its_labels_unit():
     fig = metric_vs_field(table, "workload.arrival.rate", "throughput_tok_s")
     drawn = sorted({tuple(line.get_ydata()) for line in fig.axes[0].get_lines()})
     assert drawn == [(90.0, 150.0), (100.0, 200.0)]
+
+
+def test_a_sweep_figure_leaves_out_lines_with_no_value():
+    # Requests abandoned are null where clients wait for ever: those lines draw nothing
+    # and must not stand in the legend as if they did.
+    from reports.sweep_report import metric_vs_field
+
+    table = pd.DataFrame({"param:workload.arrival.rate": [1, 2] * 4,
+                          "param:workload.e2e_timeout_s": [None] * 4 + [30.0] * 4,
+                          "system": ["a", "a", "b", "b"] * 2, "seed": [0] * 8,
+                          "abandoned": [None] * 4 + [0.0, 5.0, 0.0, 9.0]})
+    fig = metric_vs_field(table, "workload.arrival.rate", "abandoned")
+    (ax,) = fig.axes
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert labels == ["a, e2e_timeout_s=30.0", "b, e2e_timeout_s=30.0"]
+    close(fig)

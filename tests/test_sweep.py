@@ -261,7 +261,8 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
                                   "priority_classes", "length_prediction",
                                   "virtual_memory", "shortest_first", "attention_kinds",
                                   "sliding_window", "prefill_allocation", "max_model_len",
-                                  "gpu_choice", "weight_precision", "queue_timeout"])
+                                  "gpu_choice", "weight_precision", "queue_timeout",
+                                  "e2e_timeout"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -291,6 +292,12 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         e2e = table["e2e_p90_s"].unstack("system")
         assert (e2e.loc['{"max_retries": 2}', "contiguous-max"].iloc[-1]
                 > e2e.loc["null", "contiguous-max"].iloc[-1])
+    if name == "e2e_timeout":  # contiguous reservation, saturated first, loses most
+        table = outcome.table.set_index(["param:workload.arrival.rate", "system"])
+        timed = table[table["param:workload.e2e_timeout_s"].notna()]
+        lost = timed["abandoned"].unstack("system")
+        assert (lost["contiguous-req"] >= lost["paged-16"]).all()
+        assert lost.iloc[0].sum() == 0 and lost["contiguous-req"].iloc[-1] > 0
     if name == "gpu_choice":  # each GPU in the splits of 8 that hold Llama-3.1-70B
         splits = outcome.table.groupby("param:gpu")["param:engine.replicas"].apply(sorted)
         assert splits.to_dict() == {"a100-80g": [1, 2, 4], "h100-80g": [1, 2, 4],
@@ -453,6 +460,30 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         series = figures["eviction_pressure"].kvsim_data["series"]
         assert set(series["param:systems[paged].allocator.eviction"]) == {
             "lru", "lfu", "fifo", "sharing_aware"}
+
+
+def test_the_e2e_timeout_sweep_says_what_the_readme_says(tmp_path):
+    # The whole sweep (seed 0), as the README quotes it: clients who give up on a whole
+    # answer after 30 s cost first come, first served its throughput past capacity, the
+    # tokens generated for them in vain; shortest predicted first keeps it.
+    outcome = run_sweep(ROOT / "scenarios" / "sweeps" / "e2e_timeout.yaml",
+                        out_dir=tmp_path / "e2e", jobs=2)
+    assert outcome.failed == 0
+    table = outcome.table.assign(timed=outcome.table["param:workload.e2e_timeout_s"].notna())
+    table = table.set_index(["timed", "param:workload.arrival.rate", "system"]).sort_index()
+    served = table["throughput_tok_s"].unstack("system")
+    wasted = table.loc[True, "abandoned_output_tokens"].unstack("system")
+    assert (table.loc[(True, 2), "abandoned"] == 0).all()  # below every capacity
+    # Past capacity the time-out costs contiguous reservation most of its throughput.
+    assert (served.loc[True, "contiguous-req"].iloc[1:]
+            < 0.75 * served.loc[False, "contiguous-req"].iloc[1:]).all()
+    # Paged-16, first come, first served: waste grows with the load, throughput falls.
+    top = served.index.get_level_values(1).max()
+    assert wasted["paged-16"].loc[10:].is_monotonic_increasing
+    assert served.loc[(True, top), "paged-16"] < 0.9 * served.loc[(False, top), "paged-16"]
+    # Shortest predicted first wastes a fraction of that and serves more.
+    assert wasted.loc[top, "paged-16-shortest"] < wasted.loc[top, "paged-16"] / 3
+    assert served.loc[(True, top), "paged-16-shortest"] > served.loc[(True, top), "paged-16"]
 
 
 def test_knee_definition():
