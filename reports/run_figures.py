@@ -295,6 +295,8 @@ def replica_balance(result: ScenarioResult) -> Figure | None:
     for name, run in systems.items():
         requests = run.requests
         served = requests[~requests["rejected"]]
+        if "shed" in served:  # (a run folder written before lines were bounded)
+            served = served[~served["shed"]]
         if "abandoned_s" in served:  # (a run folder written before clients could give up)
             served = served[served["abandoned_s"].isna()]
         ttft = served["first_token_s"] - served["arrival_s"]

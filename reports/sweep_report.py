@@ -559,7 +559,7 @@ def layout_figure(table: pd.DataFrame, fields: list[str], metrics: list[str]) ->
 
 
 TABLE_METRICS = ["throughput_tok_s", "e2e_p90_s", "slo_attainment", "slo_tightest_attainment",
-                 "goodput_req_s", "abandoned", "abandoned_seated",
+                 "goodput_req_s", "shed", "abandoned", "abandoned_seated",
                  "abandoned_output_tokens", "waste_frac",
                  "internal_frac_of_allocated", "prefix_hit_rate", "preemptions",
                  "swap_preemptions", "reservation_overflows"]

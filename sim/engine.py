@@ -462,6 +462,9 @@ class _Replica:
         # sent, request index, request) heap, released at the first step boundary after.
         self.held: list[tuple[float, int, Request]] = []
         self.scheduler.keep_finished = role == "prefill"
+        # A line that turns new arrivals away when full (scheduler.max_queued_requests).
+        self.bounded = (role != "decode"
+                        and sim.system.scheduler.max_queued_requests is not None)
 
     # -------------------------------------------------------------- arrivals
     def next_arrival(self) -> float:
@@ -495,7 +498,9 @@ class _Replica:
             request = prepared or Request(sim.trace, index, t)
             if self.role == "prefill":
                 sim.serve_as(request, self)
-            if request.rejected or not self.scheduler.add(request):
+            # (A decode replica's line takes every request handed over: none is shed.)
+            if request.rejected or not self.scheduler.add(request,
+                                                          bounded=self.role != "decode"):
                 sim.on_done(self, request, t)
         if sim.patience_s is not None:
             for request in self.scheduler.time_out(self.clock):
@@ -535,8 +540,9 @@ class _Replica:
                 sched.fill_decode(batch)
                 snap = sched.snapshot()
                 # An arrival matters only to an empty queue (behind a blocked head it
-                # waits), unless its priority or its length may put it ahead of that head.
-                heeded = not sched.waiting or sched.waiting.ordered
+                # waits), unless its priority or its length may put it ahead of that head,
+                # or a bounded line may turn it away.
+                heeded = not sched.waiting or sched.waiting.ordered or self.bounded
                 stop_at = self.next_arrival() if heeded else math.inf
                 if self.role == "decode" and heeded:
                     stop_at = min(stop_at, sim.handover_horizon())
@@ -978,9 +984,9 @@ class _SystemRun:
         self.request_rows = _RowBuffer([
             "request", "arrival_s", "admitted_s", "first_token_s", "finished_s", "prompt_len",
             "output_len", "n", "priority", "preemptions", "prefix_hit_tokens",
-            "recomputed_tokens", "rejected", "abandoned_s", "attempts", "replica",
+            "recomputed_tokens", "rejected", "shed", "abandoned_s", "attempts", "replica",
             "allocated_at_finish",
-            *(["decode_replica"] if self.handovers else [])], {"rejected": bool})
+            *(["decode_replica"] if self.handovers else [])], {"rejected": bool, "shed": bool})
         self.allocated_at_finish = np.zeros(len(trace), dtype=np.int64)
         self.recorder = _Recorder(scenario.engine.sample_interval_s)
         self.progress = progress
@@ -1190,13 +1196,14 @@ class _SystemRun:
 
     def on_done(self, replica: _Replica, request: Request, now_s: float,
                 step_start_s: float | None = None) -> None:
-        """A request finished (in the step from ``step_start_s``), was rejected, or was
-        given up by its client: record it, release whoever waits on it."""
+        """A request finished (in the step from ``step_start_s``), was rejected or shed, or
+        was given up by its client: record it (unless its client tries again), release
+        whoever waits on it."""
         if self.least_loaded_decode and replica.role == "decode":
             heapq.heappush(self.decode_done, (now_s, replica.index - self.prefill_replicas))
         if self.router is not None and not request.rejected and replica.role != "decode":
             self.router.finished(self.router_key(request), replica.index, now_s)
-        served = not request.rejected and request.abandoned_s < 0
+        served = not (request.rejected or request.shed) and request.abandoned_s < 0
         if replica.role == "prefill" and served and self.output_lens[request.index] > 1:
             self._hand_over(replica, request, now_s,
                             now_s if step_start_s is None else step_start_s)
@@ -1205,14 +1212,15 @@ class _SystemRun:
             replica.scheduler.release(request)  # one token: nothing to send on
         if request.abandoned_s >= 0:
             self.abandoned_output_tokens += request.gen_sync * request.n
-            if self._retry(replica, request):
-                return
+        if (request.abandoned_s >= 0 or request.shed) and self._retry(request, now_s):
+            return
         routed_to = int(self.replica_of[request.index])
         row: tuple[object, ...] = (
             request.index, request.first_arrival_s, request.admitted_s, request.first_token_s,
             request.finished_s, request.prompt_len, self.output_lens[request.index],
             request.n, request.priority, request.preemptions, request.hit_tokens,
-            request.recomputed_tokens, request.rejected, request.abandoned_s, request.attempts,
+            request.recomputed_tokens, request.rejected, request.shed, request.abandoned_s,
+            request.attempts,
             routed_to, int(self.allocated_at_finish[request.index]))
         if self.handovers:
             row += (replica.index if replica.role == "decode" else -1,)
@@ -1236,17 +1244,18 @@ class _SystemRun:
                 if self.accepts(home, turn):
                     self.router.expect(index, home.index, release, turn.prompt_segments)
 
-    def _retry(self, replica: _Replica, request: Request) -> bool:
-        """Whether the client of ``request``, given up, sends it again (to the replica its
-        first try was routed to — a prefill replica, if a decode replica was answering —
-        after its back-off; not past the stop's duration): if so, it is on its way, and
-        nothing is recorded yet."""
+    def _retry(self, request: Request, now_s: float) -> bool:
+        """Whether the client of ``request``, given up or turned away (at ``now_s``), sends
+        it again (to the replica its first try was routed to — a prefill replica, if a
+        decode replica was answering — after its back-off; not past the stop's duration):
+        if so, it is on its way, and nothing is recorded yet."""
         retry = self.retry
         if retry is None or request.attempts > retry.max_retries:
             return False
         # A draw of each client's own, the same whatever else the run does.
         draw = random.Random(f"kvsim retry {self.seed} {request.index} {request.attempts}")
-        again_s = request.abandoned_s + retry.delay_s(request.attempts, draw.random())
+        failed_s = request.abandoned_s if request.abandoned_s >= 0 else now_s
+        again_s = failed_s + retry.delay_s(request.attempts, draw.random())
         if self.duration_s is not None and again_s > self.duration_s:
             return False
         again = Request(self.trace, request.index, again_s)
@@ -1361,6 +1370,9 @@ class _SystemRun:
                                             if self.e2e_timeout_s is not None else None)
         extra["retries"] = (int((requests["attempts"] - 1).sum())
                             if self.retry is not None else None)
+        # None (shown "—") where the line is unbounded (no scheduler.max_queued_requests).
+        extra["shed"] = (int(requests["shed"].sum())
+                         if self.system.scheduler.max_queued_requests is not None else None)
         summary_requests = requests.fillna({"finished_s": -1.0})
         summary = summarize(summary_requests, steps,
                             self.recorder.averages(), capacity, extra,

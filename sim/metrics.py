@@ -18,10 +18,11 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     # (summary key, label, format)
     ("completed", "requests completed", "{:,.0f}"),
     ("rejected", "requests rejected", "{:,.0f}"),
+    ("shed", "requests turned away (line full)", "{:,.0f}"),
     ("abandoned", "requests abandoned (client time-out)", "{:,.0f}"),
     ("abandoned_seated", "of them aborted while seated", "{:,.0f}"),
     ("abandoned_output_tokens", "output tokens generated in vain", "{:,.0f}"),
-    ("retries", "retries after a time-out", "{:,.0f}"),
+    ("retries", "retries (after a time-out or shed)", "{:,.0f}"),
     ("throughput_tok_s", "output throughput (tok/s)", "{:,.1f}"),
     ("throughput_tok_s_per_gpu", "output throughput per GPU (tok/s)", "{:,.1f}"),
     ("throughput_req_s", "request throughput (req/s)", "{:,.2f}"),
@@ -113,7 +114,7 @@ def format_metric(value: Any, fmt: str) -> str:
 # worth showing once above 1.
 ONLY_WHEN_ABOVE_ONE = {"throughput_tok_s_per_gpu": "gpus", "replica_imbalance": "replicas"}
 # Rows of a feature most runs do not use: shown only where some system has a value.
-ONLY_WHEN_SET = {"abandoned", "abandoned_seated", "abandoned_output_tokens", "retries",
+ONLY_WHEN_SET = {"shed", "abandoned", "abandoned_seated", "abandoned_output_tokens", "retries",
                  "host_hit_rate", "slo_attainment", "slo_tightest_attainment", "goodput_req_s",
                  "capacity_req_s", "capacity_req_s_per_gpu", "swap_preemptions",
                  "swapped_out_slots", "reservation_overflows", "usd_per_million_tokens",

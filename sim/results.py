@@ -68,11 +68,13 @@ def _percentiles(values: np.ndarray, name: str) -> dict[str, float]:
 
 def _waiting_at(requests: pd.DataFrame, time_s: float) -> int:
     """Requests arrived by ``time_s`` and not yet seated (every replica's; not those turned
-    away on arrival, nor those their clients had given up by then): how far arrivals had
+    away on arrival, rejected or shed, nor those their clients had given up by then): how
+    far arrivals had
     outrun the server when they stopped. (From the requests' own times, so a run of decode
     steps advanced at once counts the arrivals within it as stepping does.)"""
     return int(((requests["arrival_s"] <= time_s) & ~(requests["admitted_s"] <= time_s)
-                & ~requests["rejected"] & ~(requests["abandoned_s"] <= time_s)).sum())
+                & ~requests["rejected"] & ~requests["shed"]
+                & ~(requests["abandoned_s"] <= time_s)).sum())
 
 
 def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, float],
@@ -194,7 +196,7 @@ def saturation_note(summaries: dict[str, dict[str, Any]]) -> str | None:
 
 def _unserved(summaries: dict[str, dict[str, Any]], key: str) -> str | None:
     """``"NAME COUNT of REQUESTS, ..."`` for each system with requests unserved by ``key``
-    (``rejected``, ``abandoned``), or None where none has any."""
+    (``rejected``, ``shed``, ``abandoned``), or None where none has any."""
     counts = [f"{name} {s[key]:,} of {s['requests']:,}" for name, s in summaries.items()
               if s.get(key)]
     return ", ".join(counts) if counts else None
@@ -207,6 +209,18 @@ def rejection_note(summaries: dict[str, dict[str, Any]]) -> str | None:
     return None if counts is None else (
         f"rejected as larger than the whole KV pool: {counts}; throughput and latency "
         "count only the requests that were served")
+
+
+def shedding_note(summaries: dict[str, dict[str, Any]]) -> str | None:
+    """A warning when a bounded waiting line (``scheduler.max_queued_requests``) turned
+    requests away on arrival."""
+    counts = _unserved(summaries, "shed")
+    if counts is None:
+        return None
+    retried = any(s.get("retries") is not None for s in summaries.values())
+    return ("turned away by a full waiting line" + (" (at their last try)" if retried else "")
+            + f": {counts}; they count against the SLO, while throughput and latency "
+            "percentiles are of the requests served")
 
 
 def abandonment_note(summaries: dict[str, dict[str, Any]]) -> str | None:
@@ -232,9 +246,9 @@ def abandonment_note(summaries: dict[str, dict[str, Any]]) -> str | None:
 
 
 def run_notes(summaries: dict[str, dict[str, Any]]) -> list[str]:
-    """The warnings a reader of a run's summary needs: saturation, rejections and
-    abandonments; and the drafts by batch size that an auto schedule chose."""
-    notes = (saturation_note(summaries), rejection_note(summaries),
+    """The warnings a reader of a run's summary needs: saturation, rejections, requests
+    shed and abandonments; and the drafts by batch size that an auto schedule chose."""
+    notes = (saturation_note(summaries), rejection_note(summaries), shedding_note(summaries),
              abandonment_note(summaries), *schedule_notes(summaries))
     return [note for note in notes if note]
 

@@ -43,7 +43,7 @@ from sim.router import DYNAMO_TTL_S
 from sim.timing import DEFAULT_ALLREDUCE_LATENCY_S, DEFAULT_PIPELINE_NETWORK_GBPS
 from sim.yaml_file import read_yaml
 from workloads.distributions import ConfigModel
-from workloads.spec import MAX_REQUESTS, SyntheticWorkload, Workload
+from workloads.spec import MAX_REQUESTS, SyntheticWorkload, Workload, clients_time_out
 
 
 class ScenarioError(ValueError):
@@ -378,6 +378,12 @@ class SchedulerConfig(ConfigModel):
         "victim that does not fit there, or has several samples, is still recomputed)")
     swap_space_gib: float = Field(default=4.0, gt=0, description="host memory per GPU for "
                                   "swapped KV, as vLLM's --swap-space")
+    max_queued_requests: PositiveInt | None = Field(
+        default=None, description="a bounded waiting line, as SGLang's --max-queued-requests "
+        "(Ray Serve's max_queued_requests, TGI's --max-concurrent-requests less the batch): a "
+        "request that arrives when this many wait for a seat is turned away at once (503 or "
+        "429, which a client's retry follows), counted as shed and missing every SLO; "
+        "absent: the line is unbounded")
 
     @model_validator(mode="after")
     def _victim_under_priority(self):  # type: ignore[no-untyped-def]
@@ -969,6 +975,17 @@ class Scenario(ConfigModel):
             if problem:
                 raise ValueError(problem)
         return self
+
+    @model_validator(mode="after")
+    def _retry_follows_a_failure(self):  # type: ignore[no-untyped-def]
+        workload = self.workload
+        if workload.retry is None or clients_time_out(workload) or any(
+                s.scheduler.max_queued_requests is not None for s in self.systems):
+            return self
+        raise ValueError("workload.retry: a client retries a request it gave up on or that was "
+                         "turned away; give workload.queue_timeout_s, ttft_timeout_s or "
+                         "e2e_timeout_s (how long it waits before giving up), or a system's "
+                         "scheduler.max_queued_requests (a full line turns requests away)")
 
     @model_validator(mode="after")
     def _disaggregation_has_one_sample(self):  # type: ignore[no-untyped-def]

@@ -96,6 +96,7 @@ class Request:
         "recomputed_tokens",
         "rejected",
         "resumed",
+        "shed",
         "spec_cache",
         "swap_slots",
         "swapped",
@@ -137,6 +138,7 @@ class Request:
         self.hit_tokens = 0
         self.recomputed_tokens = 0
         self.rejected = False
+        self.shed = False  # turned away on arrival by a full waiting line
         self.abandoned_s = -1.0  # when its client gave up on it (-1: never)
         self.resumed = False  # re-admitted after a preemption that discarded computed KV
         self.computed = False  # some step has computed KV for it
@@ -598,8 +600,10 @@ class Scheduler:
             fits = need <= self.allocator.capacity_slots
         return fits
 
-    def add(self, request: Request) -> bool:
-        """Queue a new arrival; a request that could never fit is rejected (False)."""
+    def add(self, request: Request, bounded: bool = True) -> bool:
+        """Queue a new arrival; a request that could never fit is rejected, and, where the
+        line is ``bounded``, one that finds ``max_queued_requests`` waiting is shed
+        (False)."""
         if self.predicted_output is not None and not request.predicted_output:
             # What the engine's predictor expects it to generate (its reservation and its
             # place in a line by length follow from it).
@@ -608,6 +612,10 @@ class Scheduler:
             request.spec_cache = None
         if not self.fits_ever(request):
             request.rejected = True
+            return False
+        limit = self.config.max_queued_requests
+        if bounded and limit is not None and len(self.waiting) >= limit:
+            request.shed = True  # the server answers 503 (or 429) at once
             return False
         self.waiting.arrive(request)
         if self.waiting.head() is request:

@@ -222,6 +222,13 @@ def random_scenario(seed: int) -> dict:
         if "retry" not in workload and rng.random() < 0.5:
             workload["retry"] = {"max_retries": rng.randint(1, 3),
                                  "backoff_s": rng.choice([0.0, 0.05, 0.5])}
+    # Drawn last, as the above: a bounded line that turns arrivals away when full (an
+    # arrival during a run of decode steps may be shed), and clients who then try again.
+    if rng.random() < 0.25:
+        scheduler["max_queued_requests"] = rng.choice([1, 3, 16])
+        if "retry" not in workload and rng.random() < 0.5:
+            workload["retry"] = {"max_retries": rng.randint(1, 3),
+                                 "backoff_s": rng.choice([0.0, 0.05, 0.5])}
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",
@@ -261,7 +268,8 @@ def test_jump_equals_step(seed):
     assert len(jump.steps) <= len(step.steps)
     done = jump.requests
     # Nothing left hanging.
-    assert (done["finished_s"].notna() | done["rejected"] | done["abandoned_s"].notna()).all()
+    assert (done["finished_s"].notna() | done["rejected"] | done["shed"]
+            | done["abandoned_s"].notna()).all()
     first = done[done["attempts"] == 1]
     gone = done[done["abandoned_s"].notna()]
     timeout_s = data["workload"].get("queue_timeout_s")
@@ -279,8 +287,11 @@ def test_jump_equals_step(seed):
     if e2e_timeout_s is not None:  # nor answered whole past it
         answered = first[first["finished_s"].notna()]
         assert (answered["finished_s"] - answered["arrival_s"] < e2e_timeout_s).all()
+    bounded = data["systems"][0]["scheduler"].get("max_queued_requests") is not None
+    assert bounded or not done["shed"].any()
+    assert done.loc[done["shed"], "admitted_s"].isna().all()  # turned away on arrival
     timeouts = [t for t in (timeout_s, ttft_timeout_s, e2e_timeout_s) if t is not None]
-    if timeouts:
+    if timeouts and not bounded:  # (a try shed waited for nothing)
         patience_s = min(timeouts)
         waited_s = gone["abandoned_s"] - gone["arrival_s"]  # (each try's, and back-offs)
         assert (waited_s >= gone["attempts"] * patience_s * (1 - 1e-9)).all()

@@ -312,7 +312,7 @@ def test_a_client_tries_again_after_each_time_out_with_a_longer_back_off():
     assert gone[["admitted_s", "first_token_s"]].isna().all().all()
     assert requests["attempts"].iloc[0] == 1
     assert (run.summary["abandoned"], run.summary["retries"]) == (3, 6)
-    assert "retries after a time-out" in format_summary({"paged": run.summary})
+    assert "retries (after a time-out or shed)" in format_summary({"paged": run.summary})
 
 
 def test_a_retry_that_is_seated_is_served_and_timed_from_the_first_try():
@@ -365,25 +365,30 @@ def test_jitter_spreads_retries_the_same_way_every_run():
     assert first_retry_gaps(0.25) == jittered
 
 
-def test_a_retry_needs_a_time_out(tmp_path):
+def test_a_retry_needs_a_time_out_or_a_bounded_line(tmp_path):
     data = {**ONE_SEAT, "workload": {**ONE_SEAT["workload"], "queue_timeout_s": None,
                                      "retry": {"max_retries": 2}}}
-    with pytest.raises(ScenarioError, match="retry: a client retries a request it gave up "
-                                            "on; give queue_timeout_s, ttft_timeout_s or "
-                                            "e2e_timeout_s too"):
+    with pytest.raises(ScenarioError, match=r"workload\.retry: a client retries a request "
+                                            r"it gave up on or that was turned away; give "
+                                            r"workload\.queue_timeout_s, ttft_timeout_s or "
+                                            r"e2e_timeout_s"):
         scenario_from_dict(data)
     # A deadline for the first token will do, or one for the whole answer.
     for field in ("ttft_timeout_s", "e2e_timeout_s"):
         timed = {**data, "workload": {**data["workload"], field: 2.0}}
         assert scenario_from_dict(timed).workload.retry is not None
+    # Or a system whose full line turns requests away.
+    bounded = {**data, "systems": [{**data["systems"][0],
+                                    "scheduler": {"max_queued_requests": 8}}]}
+    assert scenario_from_dict(bounded).workload.retry is not None
     path = tmp_path / "s.yaml"
     path.write_text("name: s\nworkload: {arrival: {process: poisson, rate: 1}, "
                     "prompt_len: {dist: constant, value: 10}, "
                     "output_len: {dist: constant, value: 10}, retry: {max_retries: 2}}\n"
-                    "systems: [{name: p, allocator: {kind: paged}}]\n")
+                    "systems: [{name: p, allocator: {kind: paged}}]\nstop: {num_requests: 2}\n")
     proc = kvsim("validate", str(path))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert "give queue_timeout_s, ttft_timeout_s or e2e_timeout_s too" in proc.stderr
+    assert "or a system's scheduler.max_queued_requests" in proc.stderr
 
 
 @pytest.mark.parametrize("retry", [None, {"max_retries": 1, "backoff_s": 0.1}])

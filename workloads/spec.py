@@ -95,6 +95,12 @@ E2eTimeout = Annotated[PositiveFloat | None,
                        Field(default=None, description=E2E_TIMEOUT_DESCRIPTION)]
 
 
+def clients_time_out(workload: SyntheticWorkload | TraceWorkload) -> bool:
+    """Whether the workload's clients give up on requests (any of its time-outs is set)."""
+    return any(timeout is not None for timeout in (
+        workload.queue_timeout_s, workload.ttft_timeout_s, workload.e2e_timeout_s))
+
+
 class Retry(ConfigModel):
     """What a client whose request timed out (``queue_timeout_s``, ``ttft_timeout_s``,
     ``e2e_timeout_s``) does next: it sends the request again, up to ``max_retries`` times,
@@ -113,14 +119,6 @@ class Retry(ConfigModel):
         uniform ``draw`` in [0, 1)."""
         return min(self.backoff_s * 2.0 ** (retry - 1), self.max_backoff_s) * (
             1.0 - self.jitter * draw)
-
-
-def _retry_needs_a_timeout(workload: SyntheticWorkload | TraceWorkload) -> None:
-    if workload.retry is not None and workload.queue_timeout_s is None and (
-            workload.ttft_timeout_s is None and workload.e2e_timeout_s is None):
-        raise ValueError("retry: a client retries a request it gave up on; give "
-                         "queue_timeout_s, ttft_timeout_s or e2e_timeout_s too (how long it "
-                         "waits before giving up)")
 
 
 class SyntheticWorkload(ConfigModel):
@@ -150,7 +148,6 @@ class SyntheticWorkload(ConfigModel):
     def _closed_loop_without_sessions(self):  # type: ignore[no-untyped-def]
         if self.sessions is not None and self.arrival.process == "closed_loop":
             raise ValueError("sessions and a closed_loop arrival process cannot be combined")
-        _retry_needs_a_timeout(self)
         return self
 
     def length_notes(self, base_dir: Path) -> list[str]:
@@ -237,7 +234,6 @@ class TraceWorkload(ConfigModel):
                 self.columns.priority is not None):
             raise ValueError("give priorities or columns.priority, not both: the trace's own "
                              "priorities or drawn ones")
-        _retry_needs_a_timeout(self)
         return self
 
 
