@@ -103,11 +103,12 @@ def clients_time_out(workload: SyntheticWorkload | TraceWorkload) -> bool:
 
 class Retry(ConfigModel):
     """What a client whose request timed out (``queue_timeout_s``, ``ttft_timeout_s``,
-    ``e2e_timeout_s``) does next: it sends the request again, up to ``max_retries`` times,
-    waiting ``backoff_s`` before the first retry and twice as long before each next one, at
-    most ``max_backoff_s``, each wait shortened by up to a ``jitter`` share at random so that
-    clients who gave up together do not all come back together: the OpenAI Python client's
-    defaults."""
+    ``e2e_timeout_s``) or was turned away by a full line (a system's
+    ``scheduler.max_queued_requests``) does next: it sends the request again, up to
+    ``max_retries`` times, waiting ``backoff_s`` before the first retry and twice as long
+    before each next one, at most ``max_backoff_s``, each wait shortened by up to a
+    ``jitter`` share at random so that clients who gave up together do not all come back
+    together: the OpenAI Python client's defaults."""
 
     max_retries: PositiveInt = Field(default=2, le=100)
     backoff_s: float = Field(default=0.5, ge=0)
@@ -115,7 +116,7 @@ class Retry(ConfigModel):
     jitter: float = Field(default=0.25, ge=0, le=1)
 
     def delay_s(self, retry: int, draw: float) -> float:
-        """Seconds between a time-out and retry number ``retry`` (1 for the first), for a
+        """Seconds between a time-out (or a refusal) and retry number ``retry`` (1 for the first), for a
         uniform ``draw`` in [0, 1)."""
         return min(self.backoff_s * 2.0 ** (retry - 1), self.max_backoff_s) * (
             1.0 - self.jitter * draw)
