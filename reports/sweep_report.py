@@ -104,8 +104,13 @@ def _follows(table: pd.DataFrame, column: str, leader: str) -> bool:
 
 
 def _named(column: str, value: Any) -> list[str]:
-    """``field=value`` for a legend or a tick, or nothing for a setting left out."""
-    return [] if pd.isna(value) else [f"{_short(column)}={value}"]
+    """``field=value`` for a legend or a tick, or nothing for a setting left out. (A whole
+    number reads as one: a column with nulls holds its integers as floats.)"""
+    if pd.isna(value):
+        return []
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return [f"{_short(column)}={value}"]
 
 
 def _short(column: str) -> str:

@@ -69,8 +69,9 @@ def _percentiles(values: np.ndarray, name: str) -> dict[str, float]:
 def _waiting_at(requests: pd.DataFrame, time_s: float) -> int:
     """Requests arrived by ``time_s`` and not yet seated (every replica's; not those turned
     away on arrival, rejected or shed, nor those their clients had given up by then): how
-    far arrivals had outrun the server when they stopped. (From the requests' own times, so a run of decode
-    steps advanced at once counts the arrivals within it as stepping does.)"""
+    far arrivals had outrun the server when they stopped. (From the requests' own times, so
+    a run of decode steps advanced at once counts the arrivals within it as stepping
+    does.)"""
     return int(((requests["arrival_s"] <= time_s) & ~(requests["admitted_s"] <= time_s)
                 & ~requests["rejected"] & ~requests["shed"]
                 & ~(requests["abandoned_s"] <= time_s)).sum())

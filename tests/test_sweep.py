@@ -262,7 +262,7 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
                                   "virtual_memory", "shortest_first", "attention_kinds",
                                   "sliding_window", "prefill_allocation", "max_model_len",
                                   "gpu_choice", "weight_precision", "queue_timeout",
-                                  "e2e_timeout"])
+                                  "e2e_timeout", "load_shedding"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     outcome = run_sweep(ROOT / "scenarios" / "sweeps" / f"{name}.yaml",
                         out_dir=tmp_path / name, jobs=2, quick=True)
@@ -298,6 +298,17 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         lost = timed["abandoned"].unstack("system")
         assert (lost["contiguous-req"] >= lost["paged-16"]).all()
         assert lost.iloc[0].sum() == 0 and lost["contiguous-req"].iloc[-1] > 0
+    if name == "load_shedding":  # past capacity any bound keeps more goodput than none
+        line = outcome.table["param:systems[*].scheduler.max_queued_requests"].fillna(0)
+        table = outcome.table.assign(line=line.astype(int)).set_index(
+            ["param:workload.arrival.rate", "system", "line"]).sort_index()
+        goodput = table["goodput_req_s"].unstack("line")
+        assert (goodput.loc[2].nunique(axis=1) == 1).all()  # below capacity: all alike
+        top = goodput.loc[goodput.index.get_level_values(0).max()]
+        assert (top[[16, 64, 256]].min(axis=1) > top[0]).all()
+        shed = table["shed"]  # (null where the line is unbounded: nothing can be shed)
+        assert (shed.isna() == (shed.index.get_level_values("line") == 0)).all()
+        assert (shed.loc[2].fillna(0) == 0).all()
     if name == "gpu_choice":  # each GPU in the splits of 8 that hold Llama-3.1-70B
         splits = outcome.table.groupby("param:gpu")["param:engine.replicas"].apply(sorted)
         assert splits.to_dict() == {"a100-80g": [1, 2, 4], "h100-80g": [1, 2, 4],
@@ -418,12 +429,12 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         knees = figures["rate_sweep"].kvsim_data["knees"]
         assert len(knees) == 10
         assert [label for label in knees.index if "kv_aware" in label] == [
-            "paged-16, policy=kv_aware", "paged-16, overlap_score_weight=4.0, policy=kv_aware",
+            "paged-16, policy=kv_aware", "paged-16, overlap_score_weight=4, policy=kv_aware",
             "paged-16, policy=kv_aware, track_prefill_tokens=False",
-            "paged-16, overlap_score_weight=4.0, policy=kv_aware, track_prefill_tokens=False",
+            "paged-16, overlap_score_weight=4, policy=kv_aware, track_prefill_tokens=False",
             "paged-16, policy=kv_aware, temperature=0.1",
             "paged-16, kv_events=True, policy=kv_aware",
-            "paged-16, kv_events=True, overlap_score_weight=4.0, policy=kv_aware, "
+            "paged-16, kv_events=True, overlap_score_weight=4, policy=kv_aware, "
             "track_prefill_tokens=False"]
         # At the highest rate, Dynamo's queue term spreads prompts away from their cache:
         # without it, at weight 4, kv_aware follows the cache as SGLang's router does.
@@ -439,10 +450,10 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         series = bars["by_engine_router_policy"].kvsim_data["series"]
         assert list(series["value"]) == [
             "round_robin", "least_loaded", "cache_aware", "kv_aware",
-            "kv_aware\noverlap_score_weight=4.0", "kv_aware\ntrack_prefill_tokens=False",
-            "kv_aware\noverlap_score_weight=4.0\ntrack_prefill_tokens=False",
+            "kv_aware\noverlap_score_weight=4", "kv_aware\ntrack_prefill_tokens=False",
+            "kv_aware\noverlap_score_weight=4\ntrack_prefill_tokens=False",
             "kv_aware\ntemperature=0.1", "kv_aware\nkv_events=True",
-            "kv_aware\noverlap_score_weight=4.0\ntrack_prefill_tokens=False\nkv_events=True"]
+            "kv_aware\noverlap_score_weight=4\ntrack_prefill_tokens=False\nkv_events=True"]
     if name == "disaggregation_chat":  # decode placement is part of the swept section
         assert outcome.table["param:engine.disaggregation"].str.contains(
             '"decode_router": "least_loaded"').sum() == 2
@@ -484,6 +495,38 @@ def test_the_e2e_timeout_sweep_says_what_the_readme_says(tmp_path):
     # Shortest predicted first wastes a fraction of that and serves more.
     assert wasted.loc[top, "paged-16-shortest"] < wasted.loc[top, "paged-16"] / 3
     assert served.loc[(True, top), "paged-16-shortest"] > served.loc[(True, top), "paged-16"]
+
+
+def test_the_load_shedding_sweep_says_what_the_readme_says(tmp_path):
+    # The whole sweep (seed 0), as the README quotes it: unbounded, goodput collapses past
+    # capacity; a line the server seats within the deadline keeps it; a longer one does not.
+    outcome = run_sweep(ROOT / "scenarios" / "sweeps" / "load_shedding.yaml",
+                        out_dir=tmp_path / "shed", jobs=2)
+    assert outcome.failed == 0
+    line = outcome.table["param:systems[*].scheduler.max_queued_requests"].fillna(0)
+    table = outcome.table.assign(line=line.astype(int)).set_index(
+        ["system", "param:workload.arrival.rate", "line"]).sort_index()
+    goodput = table["goodput_req_s"].unstack("line")
+    paged, contiguous = goodput.loc["paged-16"], goodput.loc["contiguous-req"]
+    top = paged.index.max()
+    # Unbounded, past capacity: paged-16's goodput falls to under half its best.
+    assert paged[0].loc[top] < 0.5 * paged[0].max()
+    assert table.loc[("paged-16", top, 0), "abandoned_output_tokens"] > 1_000_000
+    # Any bound keeps paged-16 at more than twice that, the longest line best.
+    assert (paged.loc[top, [16, 64, 256]] > 2 * paged.loc[top, 0]).all()
+    assert paged.loc[top, 16] < paged.loc[top, 64] < paged.loc[top, 256]
+    # Contiguous request_max seats 256 too slowly for a 30 s deadline: from 4 requests/s
+    # on it loses over a thousand requests seated and answers fewer in time than with 64.
+    saturated = contiguous.loc[4:]
+    assert (saturated[256] < 0.7 * saturated[64]).all()
+    assert (saturated[64] > 2 * saturated[0]).all()
+    lost = table.loc["contiguous-req", "abandoned_seated"].unstack("line").loc[4:]
+    assert (lost[256] > 1000).all() and (lost[64] < 100).all() and (lost[16] == 0).all()
+    # Too short a line sheds bursts below capacity.
+    assert table.loc[("paged-16", 8, 16), "shed"] > 0
+    assert table.loc[("paged-16", 8, 64), "shed"] == 0
+    # Shedding makes no capacity: at the top rate no line answers half the clients in time.
+    assert table.loc[("paged-16", top), "slo_attainment"].max() < 0.5
 
 
 def test_knee_definition():

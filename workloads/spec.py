@@ -116,8 +116,8 @@ class Retry(ConfigModel):
     jitter: float = Field(default=0.25, ge=0, le=1)
 
     def delay_s(self, retry: int, draw: float) -> float:
-        """Seconds between a time-out (or a refusal) and retry number ``retry`` (1 for the first), for a
-        uniform ``draw`` in [0, 1)."""
+        """Seconds between a time-out (or a refusal) and retry number ``retry`` (1 for the
+        first), for a uniform ``draw`` in [0, 1)."""
         return min(self.backoff_s * 2.0 ** (retry - 1), self.max_backoff_s) * (
             1.0 - self.jitter * draw)
 
