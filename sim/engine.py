@@ -528,7 +528,7 @@ class _Replica:
             self.pull_arrivals()
             if not sched.running and not sched.waiting:
                 t = self.next_arrival()
-                if t == math.inf and not sim.handovers:
+                if t == math.inf and not sim.waits_forever:
                     return
                 self.clock = max(self.clock, (yield from self.idle_until(t)))
                 continue
@@ -551,6 +551,8 @@ class _Replica:
                     # One arriving meanwhile may give up meanwhile too: the router learns of
                     # that when stepping would tell it.
                     stop_at = min(stop_at, self.next_arrival() + sim.patience_s)
+                if sim.reroutes:
+                    stop_at = min(stop_at, sim.retry_horizon(self))
                 timing = self.setup.timings[batch.draft_tokens]
                 quiet = sched.decode_quietly(
                     timing.decode_step_time(batch.decode_seqs, self.rho), start, stop_at, snap)
@@ -619,7 +621,7 @@ class _Replica:
                 if self.scheduler.waiting or any(s.running for s in schedulers):
                     raise self.stuck()
                 t = self.next_arrival()
-                if t == math.inf:
+                if t == math.inf and not self.sim.waits_forever:
                     return
                 self.clock = max(self.clock, (yield from self.idle_until(t)))
                 continue
@@ -758,7 +760,7 @@ class _RankGroup:
         has work left (or, when replicas hand requests over, forever: SimPy stops when no
         event is left)."""
         env = self.env
-        handovers = self.ranks[0].sim.handovers
+        waits_forever = self.ranks[0].sim.waits_forever
         while True:
             busy = []
             for rank in self.ranks:
@@ -769,7 +771,7 @@ class _RankGroup:
                     busy.append(rank)
             if not busy:
                 t = self.next_arrival()
-                if t == math.inf and not handovers:
+                if t == math.inf and not waits_forever:
                     return
                 self.clock = max(self.clock, (yield from self.idle_until(t)))
                 continue
@@ -1001,6 +1003,16 @@ class _SystemRun:
         # dependents follow the request they wait on.
         replicas = scenario.ranks  # (engines, or their data-parallel ranks)
         routed = self.prefill_replicas or replicas  # the replicas new requests go to
+        self.routed_replicas = routed
+        # A client's retry goes through the balancer again: to the next replica in turn, or
+        # where the router sends it (with one replica to send to, back to it).
+        self.reroutes = self.retry is not None and routed > 1
+        # Whether an idle replica may still be sent work by another one (a handover, a
+        # retry): it then waits for ever rather than end (SimPy stops when nothing is left).
+        self.waits_forever = self.handovers or self.reroutes
+        # Retries the router has yet to place: (when it places them, request, try, the
+        # request), placed in that order among the open arrivals.
+        self.retry_stream: list[tuple[float, int, int, Request]] = []
         routing = scenario.engine.router
         policy = routing.policy
         self.replica_of = np.zeros(len(trace), dtype=np.int64)
@@ -1052,28 +1064,41 @@ class _SystemRun:
                            caching[0].block_size)
 
     def next_unrouted_s(self) -> float:
-        """Arrival time of the next open arrival the router has yet to place (inf if none)."""
+        """When the router next places a request: an open arrival, or a retry (inf if it
+        has none to place)."""
+        t = self.retry_stream[0][0] if self.retry_stream else math.inf
         if self.unrouted_pos < len(self.unrouted):
-            return self.arrival_s[self.unrouted[self.unrouted_pos]]
-        return math.inf
+            return min(t, self.arrival_s[self.unrouted[self.unrouted_pos]])
+        return t
 
     def route_until(self, clock_s: float) -> None:
-        """Place every open arrival up to ``clock_s`` (whichever replica gets there first):
-        the router sees the same past whichever it is, so routing is the same in both modes."""
+        """Place every open arrival and retry up to ``clock_s`` (whichever replica gets
+        there first), in time order: the router sees the same past whichever it is, so
+        routing is the same in both modes."""
         router = self.router
         while router is not None and self.next_unrouted_s() <= clock_s:
-            index = self.unrouted[self.unrouted_pos]
-            self.unrouted_pos += 1
-            arrival_s = self.arrival_s[index]
-            request = Request(self.trace, index, arrival_s)
-            target = self.replicas[router.route(arrival_s, request.prompt_segments,
+            stream = self.retry_stream
+            first_s = (self.arrival_s[self.unrouted[self.unrouted_pos]]
+                       if self.unrouted_pos < len(self.unrouted) else math.inf)
+            if stream and stream[0][0] < first_s:  # (a first try first, at the same time)
+                route_s, index, _, request = heapq.heappop(stream)
+            else:
+                index = self.unrouted[self.unrouted_pos]
+                self.unrouted_pos += 1
+                route_s = first_s
+                request = Request(self.trace, index, route_s)
+            target = self.replicas[router.route(route_s, request.prompt_segments,
                                                 request.prompt_len)]
             self.replica_of[index] = target.index
-            target.open.append(index)
             self.serve_as(request, target)
+            if request.attempts > 1:
+                self.release(target, route_s, index, request)
+            else:
+                target.open.append(index)
             # Requests the pool will refuse never load a replica: the router knows at once.
             if self.accepts(target, request):
-                router.assign(target.index, request.prompt_segments, index)
+                router.assign(target.index, request.prompt_segments,
+                              self.router_key(request))
 
     def new_request(self, index: int, arrival_s: float, replica: _Replica) -> Request:
         """Request ``index`` as ``replica`` serves it (see :meth:`serve_as`)."""
@@ -1123,6 +1148,17 @@ class _SystemRun:
                 start = max(replica.clock, replica.next_arrival())
             earliest = min(earliest, start)
         return earliest + self.prefill_setup.timing.min_fixed_s + self.transfer_latency_s
+
+    def retry_horizon(self, receiver: _Replica) -> float:
+        """The earliest a retry can reach ``receiver`` that it does not know of yet: another
+        replica sees a client fail no earlier than it next looks (at the end of its step, or,
+        idle, at its next arrival), and the retry joins no earlier than that. A jump stops
+        there, so it sees every retry when stepping would."""
+        earliest = math.inf
+        for other in self.replicas[:self.routed_replicas]:
+            if other is not receiver:
+                earliest = min(earliest, other.next_arrival() if other.idle else other.clock)
+        return earliest
 
     def _least_loaded_decode(self) -> int:
         """The decode replica (counted from the first) with the fewest requests in flight
@@ -1212,7 +1248,7 @@ class _SystemRun:
             replica.scheduler.release(request)  # one token: nothing to send on
         if request.abandoned_s >= 0:
             self.abandoned_output_tokens += request.gen_sync * request.n
-        if (request.abandoned_s >= 0 or request.shed) and self._retry(request, now_s):
+        if (request.abandoned_s >= 0 or request.shed) and self._retry(replica, request, now_s):
             return
         routed_to = int(self.replica_of[request.index])
         row: tuple[object, ...] = (
@@ -1238,17 +1274,19 @@ class _SystemRun:
             if self.duration_s is not None and release > self.duration_s:
                 continue
             self.release(home, release, index)
+            self.replica_of[index] = home.index  # (where a retry of the last turn went)
             if self.router is not None:
-                self.replica_of[index] = home.index
                 turn = self.new_request(index, release, home)
                 if self.accepts(home, turn):
                     self.router.expect(index, home.index, release, turn.prompt_segments)
 
-    def _retry(self, request: Request, now_s: float) -> bool:
-        """Whether the client of ``request``, given up or turned away (at ``now_s``), sends
-        it again (to the replica its first try was routed to — a prefill replica, if a
-        decode replica was answering — after its back-off; not past the stop's duration):
-        if so, it is on its way, and nothing is recorded yet."""
+    def _retry(self, replica: _Replica, request: Request, now_s: float) -> bool:
+        """Whether the client of ``request``, given up or turned away (at ``now_s``, seen by
+        ``replica`` at its clock), sends it again after its back-off (not past the stop's
+        duration): if so, it is on its way, and nothing is recorded yet. The retry goes
+        through the balancer as a new request: to the next replica in turn after the one
+        that had it, or where the router places it (a prefill replica, under
+        disaggregation, if a decode replica was answering)."""
         retry = self.retry
         if retry is None or request.attempts > retry.max_retries:
             return False
@@ -1258,13 +1296,29 @@ class _SystemRun:
         again_s = failed_s + retry.delay_s(request.attempts, draw.random())
         if self.duration_s is not None and again_s > self.duration_s:
             return False
-        again = Request(self.trace, request.index, again_s)
+        index = request.index
+        again = Request(self.trace, index, again_s)
         again.first_arrival_s = request.first_arrival_s
         again.attempts = request.attempts + 1
-        home = self.replicas[int(self.replica_of[request.index])]
-        self.release(home, again_s, request.index, again)
+        last = int(self.replica_of[index])
+        # Another replica takes the retry in when it is sent or, if the engine learns of
+        # the failure only later (at the step boundary after a time-out), then: never
+        # before what that replica has taken in already (its back-off counts from the
+        # failure all the same).
+        join_s = max(again_s, now_s, replica.clock) if self.reroutes else again_s
+        if self.router is not None and self.reroutes:
+            # Placed among the open arrivals in time order (never among those the router
+            # has placed already).
+            heapq.heappush(self.retry_stream, (join_s, index, again.attempts, again))
+            for other in self.replicas[:self.routed_replicas]:  # (one may place it in time)
+                if other.idle and not other.wake.triggered:
+                    other.wake.succeed()
+            return True
+        target = self.replicas[(last + 1) % self.routed_replicas]  # (itself, if alone)
+        self.replica_of[index] = target.index
+        self.release(target, join_s, index, again)
         if self.router is not None:
-            self.router.expect(self.router_key(again), home.index, again_s,
+            self.router.expect(self.router_key(again), target.index, again_s,
                                again.prompt_segments)
         return True
 

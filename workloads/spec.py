@@ -108,7 +108,8 @@ class Retry(ConfigModel):
     ``max_retries`` times, waiting ``backoff_s`` before the first retry and twice as long
     before each next one, at most ``max_backoff_s``, each wait shortened by up to a
     ``jitter`` share at random so that clients who gave up together do not all come back
-    together: the OpenAI Python client's defaults."""
+    together: the OpenAI Python client's defaults. Each retry passes the balancer again, a
+    new request to it (the engine routes it)."""
 
     max_retries: PositiveInt = Field(default=2, le=100)
     backoff_s: float = Field(default=0.5, ge=0)
