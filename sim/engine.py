@@ -499,8 +499,7 @@ class _Replica:
             if self.role == "prefill":
                 sim.serve_as(request, self)
             # (A decode replica's line takes every request handed over: none is shed.)
-            if request.rejected or not self.scheduler.add(request,
-                                                          bounded=self.role != "decode"):
+            if request.rejected or not self.scheduler.add(request, bounded=self.bounded):
                 sim.on_done(self, request, t)
         if sim.patience_s is not None:
             for request in self.scheduler.time_out(self.clock):
@@ -513,8 +512,12 @@ class _Replica:
             t = self.sim.arrival_s[index]
             if t > self.env.now:
                 yield self.env.timeout(t - self.env.now)
-            if self.idle and not self.wake.triggered:
-                self.wake.succeed()
+            self.wake_if_idle()
+
+    def wake_if_idle(self) -> None:
+        """Wake the replica if it idles (it looks at its line anew)."""
+        if self.idle and not self.wake.triggered:
+            self.wake.succeed()
 
     def run(self):  # type: ignore[no-untyped-def]
         """SimPy process: schedule → step → advance, until no work is left."""
@@ -1010,9 +1013,10 @@ class _SystemRun:
         # Whether an idle replica may still be sent work by another one (a handover, a
         # retry): it then waits for ever rather than end (SimPy stops when nothing is left).
         self.waits_forever = self.handovers or self.reroutes
-        # Retries the router has yet to place: (when it places them, request, try, the
-        # request), placed in that order among the open arrivals.
-        self.retry_stream: list[tuple[float, int, int, Request]] = []
+        # Retries the router has yet to place: (when it places them, request index, the
+        # request), placed in that order among the open arrivals (a request has one try on
+        # its way at a time, so the index settles ties).
+        self.retry_stream: list[tuple[float, int, Request]] = []
         routing = scenario.engine.router
         policy = routing.policy
         self.replica_of = np.zeros(len(trace), dtype=np.int64)
@@ -1081,7 +1085,7 @@ class _SystemRun:
             first_s = (self.arrival_s[self.unrouted[self.unrouted_pos]]
                        if self.unrouted_pos < len(self.unrouted) else math.inf)
             if stream and stream[0][0] < first_s:  # (a first try first, at the same time)
-                route_s, index, _, request = heapq.heappop(stream)
+                route_s, index, request = heapq.heappop(stream)
             else:
                 index = self.unrouted[self.unrouted_pos]
                 self.unrouted_pos += 1
@@ -1128,8 +1132,7 @@ class _SystemRun:
                 request: Request | None = None) -> None:
         """Queue ``index`` to join ``replica`` at ``release_s`` (waking it if idle)."""
         heapq.heappush(replica.released, (release_s, index, request))
-        if replica.idle and not replica.wake.triggered:
-            replica.wake.succeed()
+        replica.wake_if_idle()
 
     def handover_horizon(self) -> float:
         """The earliest a prefill replica can still hand a request over: its next step
@@ -1300,7 +1303,6 @@ class _SystemRun:
         again = Request(self.trace, index, again_s)
         again.first_arrival_s = request.first_arrival_s
         again.attempts = request.attempts + 1
-        last = int(self.replica_of[index])
         # Another replica takes the retry in when it is sent or, if the engine learns of
         # the failure only later (at the step boundary after a time-out), then: never
         # before what that replica has taken in already (its back-off counts from the
@@ -1309,12 +1311,12 @@ class _SystemRun:
         if self.router is not None and self.reroutes:
             # Placed among the open arrivals in time order (never among those the router
             # has placed already).
-            heapq.heappush(self.retry_stream, (join_s, index, again.attempts, again))
+            heapq.heappush(self.retry_stream, (join_s, index, again))
             for other in self.replicas[:self.routed_replicas]:  # (one may place it in time)
-                if other.idle and not other.wake.triggered:
-                    other.wake.succeed()
+                other.wake_if_idle()
             return True
-        target = self.replicas[(last + 1) % self.routed_replicas]  # (itself, if alone)
+        # (Itself, if alone.)
+        target = self.replicas[(int(self.replica_of[index]) + 1) % self.routed_replicas]
         self.replica_of[index] = target.index
         self.release(target, join_s, index, again)
         if self.router is not None:
