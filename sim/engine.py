@@ -1038,6 +1038,7 @@ class _SystemRun:
                                  track_prefill_tokens=routing.tracks_prefill,
                                  temperature=routing.sampling_temperature,
                                  ttl_s=routing.prefix_ttl_s,
+                                 stats_interval_s=routing.report_interval_s,
                                  seed=scenario.seed)
             self.unrouted = roots.tolist()
         self.env = simpy.Environment()

@@ -16,6 +16,13 @@ stored or removed, as vLLM publishes them to Dynamo. They learn each fact at the
 time it happens (events applied up to, and excluding, the arrival being routed), never from
 a replica's state as it is when the router looks, so the same trace gives the same routing
 whether the engine steps or jumps.
+
+What a router sends it knows at once; what the replicas report (seatings, first tokens,
+finishes, KV events) may reach it late. With a report interval the host hears from the
+kitchen only when a runner comes by, every ``stats_interval_s``: a fact reaches the router
+at the first multiple of the interval after it happened, as vLLM's DP coordinator publishes
+its ranks' counts to the front end every 100 ms, the front end adding each request it sends
+meanwhile to its copy.
 """
 
 from __future__ import annotations
@@ -38,6 +45,10 @@ _ARRIVE, _TOUCH, _ADMITTED, _PREFILLED, _FINISH = 0, 1, 2, 3, 4
 
 # vLLM's DP load balancer scores a rank 4 × its waiting requests + its running ones.
 VLLM_DP_WAITING_WEIGHT = 4
+
+# vLLM's DP coordinator publishes its ranks' waiting and running counts to the front end at
+# most every 100 ms (min_stats_update_interval_ms).
+VLLM_DP_STATS_INTERVAL_S = 0.1
 
 # How long Dynamo's router without KV events believes a block it sent stays cached
 # (--router-ttl-secs).
@@ -164,15 +175,18 @@ class Router:
     a prefix ``ttl_s`` after it was last sent, as Dynamo's, unless it reads the replicas' KV
     events (:meth:`watch_caches`) and so knows what they cache. ``kv_aware`` draws with
     ``temperature`` from a generator seeded by ``seed``, one draw per route, so a run
-    repeats exactly."""
+    repeats exactly. With ``stats_interval_s`` what the replicas report (seatings, first
+    tokens, finishes, KV events) reaches the router only at the next multiple of that
+    interval; what it sends (and a session's turns it expects) it knows at once."""
 
     def __init__(self, policy: RouterPolicy, replicas: int, cache_slots: int, *,
                  cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
                  balance_rel_threshold: float = 1.0001,
                  overlap_score_weight: float = 1.0, track_prefill_tokens: bool = True,
                  temperature: float = 0.0, ttl_s: float = DYNAMO_TTL_S,
-                 seed: int = 0) -> None:
+                 stats_interval_s: float = 0.0, seed: int = 0) -> None:
         self.policy = policy
+        self.stats_interval_s = stats_interval_s
         self.replicas = replicas
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
@@ -200,8 +214,11 @@ class Router:
         # there, until its first token is out.
         self.prefill_tokens = [0] * replicas
         self._prefilling: dict[int, tuple[int, int]] = {}  # request -> (replica, tokens)
-        # (time, kind, request, replica, chain): applied in time order before each route.
+        # (time, kind, request, replica, chain): applied in time order before each route,
+        # what the router sent (arrivals, their prefixes) up to the route, what the replicas
+        # reported (seatings, first tokens, finishes) up to the last report before it.
         self._events: list[tuple[float, int, int, int, list[tuple[int, int]]]] = []
+        self._reports: list[tuple[float, int, int, int, list[tuple[int, int]]]] = []
         # kv_aware with KV events: what each replica caches, from its pool's log, in place
         # of what the trees believe (see watch_caches).
         self.caches: CacheEvents | None = None
@@ -294,16 +311,16 @@ class Router:
         """``request`` was first seated on ``replica`` (its prefill scheduled) at
         ``admitted_s``: it runs there rather than waits (only ``vllm_dp`` counts that)."""
         if self.policy == "vllm_dp":
-            heapq.heappush(self._events, (admitted_s, _ADMITTED, request, replica, []))
+            heapq.heappush(self._reports, (admitted_s, _ADMITTED, request, replica, []))
 
     def prefilled(self, request: int, replica: int, first_token_s: float) -> None:
         """``request`` gave its first token on ``replica`` at ``first_token_s``: its prompt
         no longer waits there (only ``kv_aware`` counts that)."""
         if self.policy == "kv_aware":
-            heapq.heappush(self._events, (first_token_s, _PREFILLED, request, replica, []))
+            heapq.heappush(self._reports, (first_token_s, _PREFILLED, request, replica, []))
 
     def finished(self, request: int, replica: int, finished_s: float) -> None:
-        heapq.heappush(self._events, (finished_s, _FINISH, request, replica, []))
+        heapq.heappush(self._reports, (finished_s, _FINISH, request, replica, []))
 
     def _end_prefill(self, request: int) -> None:
         # A first token after a preemption, or a finish after the first token: nothing left.
@@ -312,13 +329,29 @@ class Router:
             replica, tokens = started
             self.prefill_tokens[replica] -= tokens
 
+    def _reported_until(self, now_s: float) -> float:
+        """The time of the last report the router has had by ``now_s``: ``now_s`` itself
+        without a report interval, else the last multiple of the interval up to it (one
+        that ``now_s`` misses by float rounding alone counts, but never past ``now_s``)."""
+        interval_s = self.stats_interval_s
+        if not interval_s:
+            return now_s
+        return min(math.floor(now_s / interval_s + 1e-9) * interval_s, now_s)
+
     def _catch_up(self, now_s: float) -> None:
-        events = self._events
+        events, reports = self._events, self._reports
         caches = self.caches
-        while events and events[0][0] < now_s:
-            event_s, kind, request, replica, chain = heapq.heappop(events)
+        reported_s = self._reported_until(now_s)
+        while True:
+            sent = events[0] if events and events[0][0] < now_s else None
+            if reports and reports[0][0] < reported_s and (sent is None or reports[0] < sent):
+                event_s, kind, request, replica, chain = heapq.heappop(reports)
+            elif sent is not None:
+                event_s, kind, request, replica, chain = heapq.heappop(events)
+            else:
+                break
             if caches is not None:
-                caches.catch_up(event_s)
+                caches.catch_up(min(event_s, reported_s))
             if kind == _ARRIVE:
                 self._arrive(request, replica)
             elif kind == _ADMITTED:
@@ -338,7 +371,7 @@ class Router:
                     self._start(request, replica, chain, self._cached(replica, chain, hashes))
                 self.trees[replica].insert(chain, event_s)
         if caches is not None:
-            caches.catch_up(now_s)
+            caches.catch_up(reported_s)
         for tree in self.trees:
             tree.expire(now_s)
         self._now_s = now_s
@@ -414,5 +447,5 @@ class Router:
         return len(weights) - 1  # rounding left the point at the very end
 
 
-__all__ = ["DYNAMO_TTL_S", "VLLM_DP_WAITING_WEIGHT", "ApproximateTree", "CacheEvents", "Router",
-           "RouterPolicy", "prefix_chain"]
+__all__ = ["DYNAMO_TTL_S", "VLLM_DP_STATS_INTERVAL_S", "VLLM_DP_WAITING_WEIGHT",
+           "ApproximateTree", "CacheEvents", "Router", "RouterPolicy", "prefix_chain"]

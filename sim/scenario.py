@@ -39,7 +39,7 @@ from sim.presets import (
     GpuSpec,
     ModelSpec,
 )
-from sim.router import DYNAMO_TTL_S
+from sim.router import DYNAMO_TTL_S, VLLM_DP_STATS_INTERVAL_S
 from sim.timing import DEFAULT_ALLREDUCE_LATENCY_S, DEFAULT_PIPELINE_NETWORK_GBPS
 from sim.yaml_file import read_yaml
 from workloads.distributions import ConfigModel
@@ -713,7 +713,9 @@ class RouterConfig(ConfigModel):
     ``overlap_score_weight`` × the prompt tokens it would compute (its queue's and this
     prompt's, less what its cache holds) + the prompt tokens it would then hold in flight,
     or one drawn by ``temperature``; it believes a replica caches what it sent there within
-    the last ``ttl_s``, or, with ``kv_events``, knows what it caches."""
+    the last ``ttl_s``, or, with ``kv_events``, knows what it caches. Every router but round
+    robin learns what the replicas report every ``stats_interval_s`` (round robin heeds
+    none of it, so that a sweep may set it for every policy)."""
 
     policy: Literal["round_robin", "least_loaded", "vllm_dp", "cache_aware",
                     "kv_aware"] = "round_robin"
@@ -744,6 +746,12 @@ class RouterConfig(ConfigModel):
         "replica's GPU cache holds, from the KV events its engine publishes (blocks stored "
         "and removed, as vLLM sends them to Dynamo's router, Dynamo's default mode), instead "
         "of believing what it sent for ttl_s; false when omitted")
+    stats_interval_s: float | None = Field(
+        default=None, ge=0, description="how often what the replicas report (seatings, first "
+        "tokens, finishes, KV events) reaches the router: each fact at the next multiple of "
+        "this interval, while what it sends it counts at once; when omitted 0.1 for vllm_dp "
+        "(vLLM's DP coordinator publishes its ranks' counts every 100 ms), else 0 (a router "
+        "in the request path sees each answer end as it happens)")
 
     @model_validator(mode="after")
     def _settings_for_kv_aware(self):  # type: ignore[no-untyped-def]
@@ -777,6 +785,14 @@ class RouterConfig(ConfigModel):
         """How long ``kv_aware`` believes a prefix it sent stays cached: Dynamo's 120 s if
         omitted."""
         return DYNAMO_TTL_S if self.ttl_s is None else self.ttl_s
+
+    @property
+    def report_interval_s(self) -> float:
+        """How often the replicas' reports reach the router: ``stats_interval_s``, or if
+        omitted vLLM's 100 ms for ``vllm_dp`` and at once (0) for the others."""
+        if self.stats_interval_s is not None:
+            return self.stats_interval_s
+        return VLLM_DP_STATS_INTERVAL_S if self.policy == "vllm_dp" else 0.0
 
 
 class SloConfig(ConfigModel):
@@ -1211,6 +1227,9 @@ class Scenario(ConfigModel):
         if router != "round_robin" and routed == 1:
             notes.append(f"engine.router.policy {router} changes nothing here: one replica "
                          f"takes every new request")
+        elif router == "round_robin" and self.engine.router.stats_interval_s:
+            notes.append("engine.router.stats_interval_s changes nothing here: round_robin "
+                         "heeds nothing the replicas report")
         for system in self.systems:
             scheduler = system.scheduler
             if scheduler.prefill_allocation != "per_chunk":

@@ -8,7 +8,8 @@ outgrow its extent), with virtual memory mapped a page at a time, with a mixture
 experts, whose step cost depends on the tokens a step carries, with prompts claimed
 chunk by chunk (an eviction may then let a blocked head in), and with speculative decoding,
 its drafts by batch size too (a step's K then follows the batch before it), under the
-hybrid manager of sliding-window layers too."""
+hybrid manager of sliding-window layers too, and with routers that hear from the replicas
+only every so often."""
 
 from __future__ import annotations
 
@@ -229,6 +230,10 @@ def random_scenario(seed: int) -> dict:
         if "retry" not in workload and rng.random() < 0.5:
             workload["retry"] = {"max_retries": rng.randint(1, 3),
                                  "backoff_s": rng.choice([0.0, 0.05, 0.5])}
+    # Drawn last, as the above: a router that hears from the replicas only every so often
+    # (vllm_dp does every 100 ms unless told otherwise).
+    if router.get("policy", "round_robin") != "round_robin" and rng.random() < 0.3:
+        router["stats_interval_s"] = rng.choice([0.0, 0.05, 0.5])
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",

@@ -115,8 +115,9 @@ def test_kv_events_tell_kv_aware_what_each_replica_caches_and_when():
     logs = ([(0.5, first, True), (0.5, second, True), (1.0, second, False)],
             [(0.8, first, True), (0.8, second, True)])
 
-    def route_at(now_s: float, events: bool) -> int:
-        router = Router("kv_aware", 2, cache_slots=1000, track_prefill_tokens=False)
+    def route_at(now_s: float, events: bool, interval_s: float = 0.0) -> int:
+        router = Router("kv_aware", 2, cache_slots=1000, track_prefill_tokens=False,
+                        stats_interval_s=interval_s)
         if events:
             caches = CacheEvents([deque(log) for log in logs], 4)
             router.watch_caches(caches)
@@ -130,6 +131,10 @@ def test_kv_events_tell_kv_aware_what_each_replica_caches_and_when():
     # With them: both hold 8 tokens at 0.9 (a tie: the first); an event at the very time
     # of the arrival is not yet known; after it, replica 1 holds more.
     assert [route_at(t, events=True) for t in (0.9, 1.0, 2.0)] == [0, 0, 1]
+    # Reported every second, the removal at 1.0 (just after the report at 1.0) is known at
+    # 2.0, not at 1.9, when fresh events have told of it long before.
+    assert route_at(1.9, events=True) == 1
+    assert [route_at(t, events=True, interval_s=1.0) for t in (1.9, 2.0)] == [0, 1]
     caches.held[1] = {second}  # a prompt's cached run starts at its first block
     assert caches.cached_tokens(1, [first, second]) == 0
 
@@ -221,6 +226,39 @@ def test_vllm_dp_weighs_a_waiting_request_four_times_a_running_one():
     weighed.assign(0, chain, request=12)
     weighed.admitted(12, 0, 2.0)
     assert weighed.route(3.0, chain, 100) == 1  # 5, 4, 6
+
+
+def test_a_router_hears_from_the_replicas_only_when_they_report():
+    # vLLM's coordinator publishes its ranks' counts every 100 ms: a seating or a finish
+    # reaches the front end at the first publication after it, while each request the
+    # front end sends it counts at once, as waiting.
+    chain = [(1, 100)]
+    for interval_s, replica in ((0.0, 0), (0.1, 1)):
+        router = Router("vllm_dp", 2, cache_slots=10_000, stats_interval_s=interval_s)
+        assert router.route(0.0, chain, 100) == 0
+        router.assign(0, chain, request=0)
+        router.admitted(0, 0, 0.0)
+        router.finished(0, 0, 0.01)
+        # Fresh, replica 0 is empty again; 100 ms apart, request 0 still waits there.
+        assert router.route(0.05, chain, 100) == replica
+        router.assign(replica, chain, request=1)
+        router.admitted(1, replica, 0.25)
+        router.route(0.29, chain, 100)
+        assert router.waiting == [0, replica]  # (stale: the seating is not published yet)
+        router.route(0.3, chain, 100)  # (0.3 falls short of 3 × 0.1 in float arithmetic)
+        assert router.load == [1 - replica, replica] and router.waiting == [0, 0]
+    # A stale router counts each send: between publications it deals arrivals out by the
+    # old counts plus what it sent since, never all to the replica that looked emptiest.
+    stale = Router("least_loaded", 3, cache_slots=10_000, stats_interval_s=1.0)
+    for request in range(3):
+        stale.assign(0, chain, request)
+        stale.finished(request, 0, 0.1)
+    picks = []
+    for request in range(3, 9):
+        picks.append(stale.route(0.5, chain, 100))
+        stale.assign(picks[-1], chain, request)
+    assert picks == [1, 2, 1, 2, 1, 2]  # replica 0 still counts 3 until the next report
+    assert stale.route(1.0, chain, 100) == 0  # then 0 against 3 and 3
 
 
 def test_kv_aware_router_prices_prefill_and_tokens_in_flight():
@@ -458,6 +496,13 @@ def test_settings_that_change_nothing_are_noted(tmp_path):
     assert scenario_from_dict(data).idle_settings() == []
     data["engine"]["disaggregation"] = {"prefill_replicas": 1}
     assert len(scenario_from_dict(data).idle_settings()) == 1
+    # Round robin heeds no report (a sweep over policies may give every point one interval).
+    data["engine"]["router"] = {"policy": "round_robin", "stats_interval_s": 0.5}
+    assert scenario_from_dict(data).idle_settings() == [
+        "engine.router.stats_interval_s changes nothing here: round_robin heeds nothing the "
+        "replicas report"]
+    data["engine"]["router"]["stats_interval_s"] = 0
+    assert scenario_from_dict(data).idle_settings() == []
     path = tmp_path / "one.yaml"
     path.write_text(yaml.safe_dump(routed(1, "cache_aware")))
     proc = kvsim_in_process("validate", str(path))
@@ -467,35 +512,37 @@ def test_settings_that_change_nothing_are_noted(tmp_path):
 
 
 def test_router_settings_are_checked():
-    with pytest.raises(ScenarioError, match=r"engine.router.policy: Input should be "
-                       r"'round_robin', 'least_loaded', 'vllm_dp', 'cache_aware' or 'kv_aware'"):
-        scenario_from_dict(routed(2, "sticky"))
-    with pytest.raises(ScenarioError, match=r"engine.router: overlap_score_weight is for "
-                       r"policy kv_aware, not cache_aware"):
-        scenario_from_dict(routed(2, "cache_aware", overlap_score_weight=2))
-    with pytest.raises(ScenarioError, match=r"engine.router.overlap_score_weight: Input "
-                       r"should be greater than or equal to 0"):
-        scenario_from_dict(routed(2, "kv_aware", overlap_score_weight=-1))
-    with pytest.raises(ScenarioError, match=r"engine.router.cache_threshold: Input should be "
-                       r"less than or equal to 1"):
-        scenario_from_dict(routed(2, "cache_aware", cache_threshold=1.5))
-    for name, value in (("temperature", 0.5), ("track_prefill_tokens", False),
-                        ("ttl_s", 60), ("kv_events", True)):
-        with pytest.raises(ScenarioError, match=rf"engine.router: {name} is for policy "
-                           r"kv_aware, not least_loaded"):
-            scenario_from_dict(routed(2, "least_loaded", **{name: value}))
-    with pytest.raises(ScenarioError, match=r"engine.router.temperature: Input should be "
-                       r"greater than or equal to 0"):
-        scenario_from_dict(routed(2, "kv_aware", temperature=-0.5))
-    with pytest.raises(ScenarioError, match=r"engine.router.ttl_s: Input should be "
-                       r"greater than 0"):
-        scenario_from_dict(routed(2, "kv_aware", ttl_s=0))
-    with pytest.raises(ScenarioError, match=r"engine.router: ttl_s is how long a router "
-                       r"without kv_events believes"):
-        scenario_from_dict(routed(2, "kv_aware", ttl_s=60, kv_events=True))
-    with pytest.raises(ScenarioError, match=r"engine.router.kv_events: Input should be a "
-                       r"valid boolean"):
-        scenario_from_dict(routed(2, "kv_aware", kv_events="often"))
+    refused = [
+        ("sticky", {}, r"engine.router.policy: Input should be 'round_robin', 'least_loaded', "
+                       r"'vllm_dp', 'cache_aware' or 'kv_aware'"),
+        ("cache_aware", {"overlap_score_weight": 2},
+         r"engine.router: overlap_score_weight is for policy kv_aware, not cache_aware"),
+        ("kv_aware", {"overlap_score_weight": -1},
+         r"engine.router.overlap_score_weight: Input should be greater than or equal to 0"),
+        ("cache_aware", {"cache_threshold": 1.5},
+         r"engine.router.cache_threshold: Input should be less than or equal to 1"),
+        *(("least_loaded", {name: value},
+           rf"engine.router: {name} is for policy kv_aware, not least_loaded")
+          for name, value in (("temperature", 0.5), ("track_prefill_tokens", False),
+                              ("ttl_s", 60), ("kv_events", True))),
+        ("kv_aware", {"temperature": -0.5},
+         r"engine.router.temperature: Input should be greater than or equal to 0"),
+        ("kv_aware", {"ttl_s": 0}, r"engine.router.ttl_s: Input should be greater than 0"),
+        ("kv_aware", {"ttl_s": 60, "kv_events": True},
+         r"engine.router: ttl_s is how long a router without kv_events believes"),
+        ("kv_aware", {"kv_events": "often"},
+         r"engine.router.kv_events: Input should be a valid boolean"),
+        ("vllm_dp", {"stats_interval_s": -0.1},
+         r"engine.router.stats_interval_s: Input should be greater than or equal to 0"),
+    ]
+    for policy, settings, message in refused:
+        with pytest.raises(ScenarioError, match=message):
+            scenario_from_dict(routed(2, policy, **settings))
+    assert [scenario_from_dict(routed(2, policy)).engine.router.report_interval_s
+            for policy in ("vllm_dp", "least_loaded", "cache_aware", "kv_aware")] == [
+        0.1, 0.0, 0.0, 0.0]  # vLLM's coordinator; the others see each answer pass
+    assert scenario_from_dict(routed(2, "vllm_dp", stats_interval_s=0)).engine.router \
+        .report_interval_s == 0.0
     hybrid = routed(2, "kv_aware", kv_events=True)
     hybrid["model"] = "mistral-7b-v0.1"
     with pytest.raises(ScenarioError, match=r"engine.router.kv_events is not modelled with "
@@ -537,27 +584,35 @@ def test_the_report_shows_each_replica_only_when_there_are_several(tmp_path):
                                                                   requests=50)))) is None
 
 
-def test_vllm_dp_routes_each_request_by_the_queues_it_could_know(tmp_path):
+@pytest.mark.parametrize("stats_interval_s", [0.0, None])
+def test_vllm_dp_routes_each_request_by_the_queues_it_could_know(stats_interval_s):
     # Replayed from the results: at each arrival, every replica's requests routed before it
     # and not finished, those not yet seated counted four times; the lowest score wins,
-    # ties to the first. A small pool and few seats keep queues waiting.
+    # ties to the first. A small pool and few seats keep queues waiting. By default the
+    # router knows a seating or a finish only from the coordinator's last publication, at
+    # a multiple of 100 ms; what it routed it counts at once (vLLM's local increment).
     data = routed(3, "vllm_dp", requests=300, rate=60)
     data["systems"][0]["scheduler"] = {"max_num_seqs": 8}
     data["engine"]["mode"] = "step"
+    if stats_interval_s is not None:
+        data["engine"]["router"]["stats_interval_s"] = stats_interval_s
     run = run_scenario(scenario_from_dict(data)).systems["paged"]
     requests = run.requests.sort_values(["arrival_s", "request"], kind="stable")
     assert not requests["rejected"].any()
     seen: list[tuple[int, float, float]] = []  # (replica, admitted, finished) routed so far
-    waited = 0
+    waited = stale = 0
     for row in requests.itertuples():
         t = row.arrival_s
+        known_s = t if stats_interval_s == 0.0 else math.floor(t / 0.1) * 0.1
         scores = [0] * 3
         for replica, admitted, finished in seen:
-            if finished >= t:
-                scores[replica] += 4 if admitted >= t else 1
-                waited += admitted >= t
+            if finished >= known_s:
+                scores[replica] += 4 if admitted >= known_s else 1
+                waited += admitted >= known_s
+                stale += finished < t
         assert row.replica == scores.index(min(scores)), row.request
         seen.append((row.replica, row.admitted_s, row.finished_s))
+    assert (stale > 50) == (stats_interval_s is None)  # finishes not yet heard of counted
     assert waited > 100  # queues did wait: the weight was put to the test
     counted = run_scenario(scenario_from_dict(
         dict(data, engine={**data["engine"], "router": {"policy": "least_loaded"}})))
