@@ -429,13 +429,18 @@ class _Replica:
         self.pool_scale = 1.0  # its slots in those of the pool the summary is of (see run)
         overflow_to_max = getattr(sim.system.allocator, "on_overflow", None) == "request_max"
 
+        # vLLM's balancer counts who waits: it hears of every seating and preemption here.
+        tells_seatings = (sim.router is not None and sim.router.policy == "vllm_dp"
+                          and role != "decode")
+
         def scheduler(waiting: WaitingLine | None = None) -> Scheduler:
             return Scheduler(allocator, sim.system.scheduler, sim.debug, setup.swap_slots,
                              sim.predicted_output, overflow_to_max=overflow_to_max,
                              sliding_window=sim.sliding_window, speculative=setup.speculative,
                              waiting=waiting, queue_timeout_s=sim.queue_timeout_s,
                              ttft_timeout_s=sim.ttft_timeout_s,
-                             e2e_timeout_s=sim.e2e_timeout_s)
+                             e2e_timeout_s=sim.e2e_timeout_s,
+                             tells_seatings=tells_seatings)
 
         self.scheduler = scheduler()
         # Pipeline stages: a scheduler for each batch in flight, all of one allocator, one
@@ -1216,15 +1221,20 @@ class _SystemRun:
 
     def tell_router(self, replica: _Replica, batch: Batch, start_s: float,
                     now_s: float) -> None:
-        """Tell the router which requests ``replica`` seated for the first time in the step
-        from ``start_s`` and which prompts it finished reading by ``now_s`` (their first
-        token is out), as it learns of finishes."""
+        """Tell the router which requests ``replica`` seated or preempted in the step from
+        ``start_s`` (each one's last move in it) and which prompts it finished reading by
+        ``now_s`` (their first token is out), as it learns of finishes."""
         router = self.router
         if router is None:
             return
+        if batch.seatings:
+            moves = {request.index: (request, seated) for request, seated in batch.seatings}
+            for request, seated in moves.values():
+                if seated:
+                    router.admitted(self.router_key(request), replica.index, start_s)
+                else:
+                    router.preempted(self.router_key(request), replica.index, start_s)
         for request, _, _ in batch.prefill:
-            if request.admitted_s == start_s:
-                router.admitted(self.router_key(request), replica.index, start_s)
             if not request.in_prefill:
                 router.prefilled(self.router_key(request), replica.index, now_s)
 

@@ -10,7 +10,8 @@ dishes its kitchen has yet to cook, the party's included, plus the plates alread
 picks the cheapest (or, with a temperature, draws a table, the cheaper the likelier).
 
 Routers know only what a real router knows: what they sent where, which requests have been
-seated, which have given their first token, and which have finished; ``kv_aware`` with KV
+seated (or preempted, back in line), which have given their first token, and which have
+finished; ``kv_aware`` with KV
 events also what each replica's prefix cache holds, from the blocks its pool logged as
 stored or removed, as vLLM publishes them to Dynamo. They learn each fact at the simulated
 time it happens (events applied up to, and excluding, the arrival being routed), never from
@@ -41,7 +42,7 @@ Segments = Sequence[tuple[int, int]]
 RouterPolicy = Literal["least_loaded", "vllm_dp", "cache_aware", "kv_aware"]
 
 # Order of simultaneous events: fixed, not by insertion.
-_ARRIVE, _TOUCH, _ADMITTED, _PREFILLED, _FINISH = 0, 1, 2, 3, 4
+_ARRIVE, _TOUCH, _PREEMPTED, _ADMITTED, _PREFILLED, _FINISH = 0, 1, 2, 3, 4, 5
 
 # vLLM's DP load balancer scores a rank 4 × its waiting requests + its running ones.
 VLLM_DP_WAITING_WEIGHT = 4
@@ -167,8 +168,9 @@ class Router:
     """Routes open arrivals by load and cache (``least_loaded``, ``vllm_dp``,
     ``cache_aware``, ``kv_aware``); ``round_robin`` needs no state and the engine assigns it
     up front. The engine tells the router of every request that will run on a replica
-    (:meth:`assign` as it routes, :meth:`expect` for a session's later turns), of every first
-    seating (:meth:`admitted`, which only ``vllm_dp`` heeds), of every first token
+    (:meth:`assign` as it routes, :meth:`expect` for a session's later turns), of every
+    seating and preemption (:meth:`admitted`, :meth:`preempted`, which only ``vllm_dp``
+    heeds), of every first token
     (:meth:`prefilled`, which only ``kv_aware`` heeds) and of every finish (:meth:`finished`),
     each at its simulated time. ``cache_slots`` is what one replica can cache (its GPU pool
     and host tier), which bounds ``cache_aware``'s memory of prefixes; ``kv_aware``'s forgets
@@ -301,6 +303,12 @@ class Router:
             self._unseated[request] = replica
             self.waiting[replica] += 1
 
+    def _unseat(self, request: int, replica: int) -> None:
+        # Preempted: waiting again (unless already unseated: one count a request).
+        if request not in self._unseated:
+            self._unseated[request] = replica
+            self.waiting[replica] += 1
+
     def _seat(self, request: int) -> None:
         # Seated, or finished unseated (a request its replica turned away never counts).
         replica = self._unseated.pop(request, None)
@@ -308,10 +316,18 @@ class Router:
             self.waiting[replica] -= 1
 
     def admitted(self, request: int, replica: int, admitted_s: float) -> None:
-        """``request`` was first seated on ``replica`` (its prefill scheduled) at
-        ``admitted_s``: it runs there rather than waits (only ``vllm_dp`` counts that)."""
+        """``request`` was seated on ``replica`` (its prefill scheduled) at ``admitted_s``,
+        first or again after a preemption: it runs there rather than waits (only ``vllm_dp``
+        counts that)."""
         if self.policy == "vllm_dp":
             heapq.heappush(self._reports, (admitted_s, _ADMITTED, request, replica, []))
+
+    def preempted(self, request: int, replica: int, preempted_s: float) -> None:
+        """``request`` was preempted on ``replica`` at ``preempted_s``: it waits there again,
+        as vLLM's scheduler puts it back in its waiting queue (only ``vllm_dp`` counts
+        that)."""
+        if self.policy == "vllm_dp":
+            heapq.heappush(self._reports, (preempted_s, _PREEMPTED, request, replica, []))
 
     def prefilled(self, request: int, replica: int, first_token_s: float) -> None:
         """``request`` gave its first token on ``replica`` at ``first_token_s``: its prompt
@@ -354,6 +370,8 @@ class Router:
                 caches.catch_up(min(event_s, reported_s))
             if kind == _ARRIVE:
                 self._arrive(request, replica)
+            elif kind == _PREEMPTED:
+                self._unseat(request, replica)
             elif kind == _ADMITTED:
                 self._seat(request)
             elif kind == _PREFILLED:

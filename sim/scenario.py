@@ -705,8 +705,8 @@ class CostConfig(ConfigModel):
 class RouterConfig(ConfigModel):
     """Which replica serves each new request (a session's later turns stay with its first).
     ``vllm_dp`` is vLLM's balancer of its data-parallel ranks: the replica of the lowest
-    4 × waiting (sent, not yet seated) + running requests. ``cache_aware`` is SGLang's
-    router: the replica holding the longest prefix of the prompt when that is over
+    4 × waiting (sent, not yet seated, or preempted) + running requests. ``cache_aware`` is
+    SGLang's router: the replica holding the longest prefix of the prompt when that is over
     ``cache_threshold`` of it, else the one caching least; the least loaded whenever loads
     differ by more than ``balance_abs_threshold`` requests and ``balance_rel_threshold``
     times. ``kv_aware`` is NVIDIA Dynamo's KV router: the replica with the lowest cost,

@@ -423,6 +423,9 @@ class Batch:
     skipped_context: int = 0  # context tokens past a sliding window (its layers skip them)
     skipped_pairs: int = 0  # prefill token pairs past a sliding window
     preempted: int = 0
+    # Requests seated (True) or preempted (False) by the step, in the order it did so, for
+    # a router that counts waiting requests (vLLM's): None where none listens.
+    seatings: list[tuple[Request, bool]] | None = None
     loaded_tokens: int = 0  # prefix-hit tokens read from host memory at admission
     swapped_slots: int = 0  # KV slots copied to host memory (swap out) or back (swap in)
 
@@ -456,8 +459,10 @@ class Scheduler:
                  waiting: WaitingLine | None = None,
                  queue_timeout_s: float | None = None,
                  ttft_timeout_s: float | None = None,
-                 e2e_timeout_s: float | None = None) -> None:
+                 e2e_timeout_s: float | None = None, tells_seatings: bool = False) -> None:
         self.allocator = allocator
+        # Whether each step lists the requests it seated and preempted (Batch.seatings).
+        self.tells_seatings = tells_seatings
         # The token clock (see the module's docstring) reads ⌊acc / den⌋: acc moves on by
         # each step's rate (τ·den, of the drafts the step verifies), so that with one K it
         # reads ⌊steps·τ⌋. Readings before this step, now and after it: events are keyed by
@@ -956,6 +961,8 @@ class Scheduler:
 
     def _preempt(self, request: Request, batch: Batch) -> None:
         batch.preempted += 1
+        if batch.seatings is not None:
+            batch.seatings.append((request, False))
         decoding = request.decoding
         if decoding:
             self._sync(request, include_current=False)  # cache what it computed
@@ -1120,6 +1127,8 @@ class Scheduler:
         """Choose this step's work (starting at ``now_s``) and claim its memory."""
         self.notice_time(now_s)
         batch = Batch()
+        if self.tells_seatings:
+            batch.seatings = []
         budget = self.config.max_num_batched_tokens
         if self.sliding_window:
             self._windows_due()
@@ -1172,6 +1181,8 @@ class Scheduler:
                 self.head_blocked = True
                 break
             self.waiting.pop()
+            if batch.seatings is not None:
+                batch.seatings.append((request, True))
             request.num_seqs = 1
             request.prefilled = hits
             request.prefill_target = spec.prompt_len

@@ -226,6 +226,17 @@ def test_vllm_dp_weighs_a_waiting_request_four_times_a_running_one():
     weighed.assign(0, chain, request=12)
     weighed.admitted(12, 0, 2.0)
     assert weighed.route(3.0, chain, 100) == 1  # 5, 4, 6
+    # A preempted request waits again, as vLLM puts it back in its waiting queue, until it
+    # is seated again.
+    again = Router("vllm_dp", 2, cache_slots=10_000)
+    for request, replica in ((0, 0), (1, 1), (2, 1)):
+        again.assign(replica, chain, request)
+        again.admitted(request, replica, 0.0)
+    assert again.route(0.5, chain, 100) == 0  # 1 running against 2
+    again.preempted(0, 0, 1.0)
+    assert again.route(1.5, chain, 100) == 1 and again.waiting == [1, 0]  # 4 against 2
+    again.admitted(0, 0, 2.0)
+    assert again.route(2.5, chain, 100) == 0 and again.waiting == [0, 0]
 
 
 def test_a_router_hears_from_the_replicas_only_when_they_report():
@@ -584,35 +595,71 @@ def test_the_report_shows_each_replica_only_when_there_are_several(tmp_path):
                                                                   requests=50)))) is None
 
 
+class RecordingRouter(Router):
+    """The real router, keeping a log of the seatings and preemptions the engine reports
+    to it (the last one built is ``RecordingRouter.last``)."""
+
+    last: RecordingRouter | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.moves: list[tuple[float, int, bool]] = []  # (time, request, seated)
+        RecordingRouter.last = self
+
+    def admitted(self, request: int, replica: int, admitted_s: float) -> None:
+        self.moves.append((admitted_s, request, True))
+        super().admitted(request, replica, admitted_s)
+
+    def preempted(self, request: int, replica: int, preempted_s: float) -> None:
+        self.moves.append((preempted_s, request, False))
+        super().preempted(request, replica, preempted_s)
+
+
 @pytest.mark.parametrize("stats_interval_s", [0.0, None])
-def test_vllm_dp_routes_each_request_by_the_queues_it_could_know(stats_interval_s):
+def test_vllm_dp_routes_each_request_by_the_queues_it_could_know(stats_interval_s,
+                                                                  monkeypatch):
     # Replayed from the results: at each arrival, every replica's requests routed before it
-    # and not finished, those not yet seated counted four times; the lowest score wins,
-    # ties to the first. A small pool and few seats keep queues waiting. By default the
-    # router knows a seating or a finish only from the coordinator's last publication, at
-    # a multiple of 100 ms; what it routed it counts at once (vLLM's local increment).
+    # and not finished, those waiting (not yet seated, or preempted and not seated again)
+    # counted four times; the lowest score wins, ties to the first. A small pool and few
+    # seats keep queues waiting and preempt. By default the router knows a seating, a
+    # preemption or a finish only from the coordinator's last publication, at a multiple
+    # of 100 ms; what it routed it counts at once (vLLM's local increment).
+    monkeypatch.setattr("sim.engine.Router", RecordingRouter)
     data = routed(3, "vllm_dp", requests=300, rate=60)
     data["systems"][0]["scheduler"] = {"max_num_seqs": 8}
     data["engine"]["mode"] = "step"
     if stats_interval_s is not None:
         data["engine"]["router"]["stats_interval_s"] = stats_interval_s
     run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    moves: dict[int, list[tuple[float, bool]]] = {}
+    for move_s, request, seated in RecordingRouter.last.moves:
+        moves.setdefault(request, []).append((move_s, seated))
     requests = run.requests.sort_values(["arrival_s", "request"], kind="stable")
     assert not requests["rejected"].any()
-    seen: list[tuple[int, float, float]] = []  # (replica, admitted, finished) routed so far
-    waited = stale = 0
+    # The engine told the router of every seating and preemption the results show.
+    assert requests["preemptions"].sum() > 20
+    for row in requests.itertuples():
+        told = moves[row.request]
+        assert told[0] == (row.admitted_s, True)
+        assert sum(not seated for _, seated in told) == row.preemptions
+    seen: list[tuple[int, int, float]] = []  # (request, replica, finished) routed so far
+    waited = stale = requeued = 0
     for row in requests.itertuples():
         t = row.arrival_s
         known_s = t if stats_interval_s == 0.0 else math.floor(t / 0.1) * 0.1
         scores = [0] * 3
-        for replica, admitted, finished in seen:
+        for request, replica, finished in seen:
             if finished >= known_s:
-                scores[replica] += 4 if admitted >= known_s else 1
-                waited += admitted >= known_s
+                heard = [seated for move_s, seated in moves[request] if move_s < known_s]
+                waits = not heard or not heard[-1]
+                scores[replica] += 4 if waits else 1
+                waited += waits
+                requeued += waits and bool(heard)
                 stale += finished < t
         assert row.replica == scores.index(min(scores)), row.request
-        seen.append((row.replica, row.admitted_s, row.finished_s))
+        seen.append((row.request, row.replica, row.finished_s))
     assert (stale > 50) == (stats_interval_s is None)  # finishes not yet heard of counted
+    assert requeued > 20  # preempted requests counted as waiting again
     assert waited > 100  # queues did wait: the weight was put to the test
     counted = run_scenario(scenario_from_dict(
         dict(data, engine={**data["engine"], "router": {"policy": "least_loaded"}})))
