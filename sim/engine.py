@@ -430,7 +430,7 @@ class _Replica:
         overflow_to_max = getattr(sim.system.allocator, "on_overflow", None) == "request_max"
 
         # vLLM's balancer counts who waits: it hears of every seating and preemption here.
-        tells_seatings = (sim.router is not None and sim.router.policy == "vllm_dp"
+        tells_seatings = (sim.router is not None and sim.router.counts_waiting
                           and role != "decode")
 
         def scheduler(waiting: WaitingLine | None = None) -> Scheduler:

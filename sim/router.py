@@ -232,6 +232,12 @@ class Router:
         self.caches = caches
 
     @property
+    def counts_waiting(self) -> bool:
+        """Whether the router tells waiting requests from running ones (``vllm_dp``): it
+        then heeds every seating and preemption."""
+        return self.policy == "vllm_dp"
+
+    @property
     def _tracks_cache(self) -> bool:
         return self.policy not in ("least_loaded", "vllm_dp")
 
@@ -299,12 +305,11 @@ class Router:
 
     def _arrive(self, request: int, replica: int) -> None:
         self.load[replica] += 1
-        if self.policy == "vllm_dp":
-            self._unseated[request] = replica
-            self.waiting[replica] += 1
+        if self.counts_waiting:
+            self._unseat(request, replica)
 
     def _unseat(self, request: int, replica: int) -> None:
-        # Preempted: waiting again (unless already unseated: one count a request).
+        # Arrived, or preempted: waiting (again), unless already unseated (one count each).
         if request not in self._unseated:
             self._unseated[request] = replica
             self.waiting[replica] += 1
@@ -319,14 +324,14 @@ class Router:
         """``request`` was seated on ``replica`` (its prefill scheduled) at ``admitted_s``,
         first or again after a preemption: it runs there rather than waits (only ``vllm_dp``
         counts that)."""
-        if self.policy == "vllm_dp":
+        if self.counts_waiting:
             heapq.heappush(self._reports, (admitted_s, _ADMITTED, request, replica, []))
 
     def preempted(self, request: int, replica: int, preempted_s: float) -> None:
         """``request`` was preempted on ``replica`` at ``preempted_s``: it waits there again,
         as vLLM's scheduler puts it back in its waiting queue (only ``vllm_dp`` counts
         that)."""
-        if self.policy == "vllm_dp":
+        if self.counts_waiting:
             heapq.heappush(self._reports, (preempted_s, _PREEMPTED, request, replica, []))
 
     def prefilled(self, request: int, replica: int, first_token_s: float) -> None:
