@@ -187,28 +187,32 @@ def batch_and_queue(result: ScenarioResult) -> Figure:
 
 
 def latency_cdfs(result: ScenarioResult) -> Figure:
-    """CDFs of TTFT, TPOT and end-to-end latency per system (and per priority level, in
-    line styles, where requests have several), with the scenario's SLO bounds where it sets
-    them. TTFT and E2E are of every request: one never served (rejected, or given up by its
-    client) never gets there, so the curve levels off at the share served; TPOT is of those
-    that generated more than one token."""
-    fig, axes = new_figure(1, 3, width=11, height=3.2)
+    """CDFs of TTFT, TPOT, end-to-end latency and each request's longest wait between two
+    tokens per system (and per priority level, in line styles, where requests have
+    several), with the scenario's SLO bounds where it sets them. TTFT and E2E are of every
+    request: one never served (rejected, or given up by its client) never gets there, so the
+    curve levels off at the share served; TPOT and the longest gap are of those served that
+    generated more than one token."""
+    fig, axes = new_figure(1, 4, width=14, height=3.2)
     data: dict[str, pd.DataFrame] = {}
     slo = result.scenario.get("slo") or {}
-    # (label, latency, unit scale, SLO key); TPOT only where there is a gap between tokens.
+    # (label, latency, unit scale, SLO key); TPOT and the longest gap only where there is a
+    # gap between tokens.
     metrics = [("TTFT (s)", "ttft", 1, "ttft_s"), ("TPOT (ms)", "tpot", 1000, "tpot_s"),
-               ("E2E latency (s)", "e2e", 1, "e2e_s")]
+               ("E2E latency (s)", "e2e", 1, "e2e_s"),
+               ("longest token gap (s)", "max_itl", 1, "max_itl_s")]
+    between = ("tpot", "max_itl")
     measured = {name: latencies(run.requests) for name, run in result.systems.items()}
     for ax, (label, kind, scale, bound) in zip(axes, metrics, strict=True):
         columns = {}
         for i, (name, run) in enumerate(result.systems.items()):
             for line, style, chosen in _priority_lines(name, run.requests):
                 values = measured[name][kind] * scale
-                if kind == "tpot":
+                if kind in between:
                     chosen = chosen & (run.requests["output_len"].to_numpy() > 1)
                 values = np.sort(values[chosen & np.isfinite(values)])
                 columns[line] = pd.Series(values)
-                of = len(values) if kind == "tpot" else int(chosen.sum())
+                of = len(values) if kind in between else int(chosen.sum())
                 if len(values):
                     ax.plot(values, np.arange(1, len(values) + 1) / of,
                             color=system_color(i), label=line, linewidth=1.2,

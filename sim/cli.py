@@ -218,7 +218,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     path = Path(args.scenario)
     scenario, _ = load(path, args.seed, dict(args.overrides or []))
     bounds = {"ttft_s": args.ttft_s, "tpot_s": args.tpot_s, "e2e_s": args.e2e_s,
-              "attainment": args.attainment, "judge": args.judge}
+              "max_itl_s": args.max_itl_s, "attainment": args.attainment, "judge": args.judge}
     given = {k: v for k, v in bounds.items() if v is not None}
     if (given or args.seed is not None or args.seeds) and args.sweep:
         raise BadInput("--sweep searches the file's own slo section and seeds; put the bounds "
@@ -1036,6 +1036,9 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("--ttft-s", type=_positive_float, help="TTFT bound in seconds")
     capacity.add_argument("--tpot-s", type=_positive_float, help="TPOT bound in seconds")
     capacity.add_argument("--e2e-s", type=_positive_float, help="end-to-end bound in seconds")
+    capacity.add_argument("--max-itl-s", type=_positive_float,
+                          help="bound in seconds on each request's longest wait between two "
+                               "tokens")
     capacity.add_argument("--attainment", type=_positive_float,
                           help="share of requests that must be within the SLO (default 0.9)")
     capacity.add_argument("--judge", choices=["requests", "percentiles"],

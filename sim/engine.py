@@ -995,7 +995,7 @@ class _SystemRun:
             "request", "arrival_s", "admitted_s", "first_token_s", "finished_s", "prompt_len",
             "output_len", "n", "priority", "preemptions", "prefix_hit_tokens",
             "recomputed_tokens", "rejected", "shed", "abandoned_s", "attempts", "replica",
-            "allocated_at_finish",
+            "allocated_at_finish", "max_itl_s",
             *(["decode_replica"] if self.handovers else [])], {"rejected": bool, "shed": bool})
         self.allocated_at_finish = np.zeros(len(trace), dtype=np.int64)
         self.recorder = _Recorder(scenario.engine.sample_interval_s)
@@ -1204,8 +1204,8 @@ class _SystemRun:
         # all of whose KV but the token's own arrives ready.
         rest.gen_sync = 1
         rest.transferred = request.prompt_len
-        for carried in ("admitted_s", "first_token_s", "preemptions", "hit_tokens",
-                        "recomputed_tokens", "first_arrival_s", "attempts"):
+        for carried in ("admitted_s", "first_token_s", "last_token_s", "preemptions",
+                        "hit_tokens", "recomputed_tokens", "first_arrival_s", "attempts"):
             setattr(rest, carried, getattr(request, carried))
         transfer_s = self._transfer_tokens(decode, request.prompt_len) * (
             self.transfer_s_per_token)
@@ -1271,7 +1271,7 @@ class _SystemRun:
             request.n, request.priority, request.preemptions, request.hit_tokens,
             request.recomputed_tokens, request.rejected, request.shed, request.abandoned_s,
             request.attempts,
-            routed_to, int(self.allocated_at_finish[request.index]))
+            routed_to, int(self.allocated_at_finish[request.index]), request.max_itl_s)
         if self.handovers:
             row += (replica.index if replica.role == "decode" else -1,)
         self.request_rows.append(row)
@@ -1366,7 +1366,7 @@ class _SystemRun:
         # Dependents whose release fell after the stop never ran and have no row.
         requests = self.request_rows.frame().sort_values("request", kind="stable")
         requests = requests.reset_index(drop=True)
-        for column in ("admitted_s", "first_token_s", "finished_s", "abandoned_s"):
+        for column in ("admitted_s", "first_token_s", "finished_s", "abandoned_s", "max_itl_s"):
             requests[column] = requests[column].where(requests[column] >= 0)
         requests["finished_s"] = requests["finished_s"].astype(float)
         steps = self.recorder.steps.frame()

@@ -124,6 +124,9 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
         **_percentiles(measured["ttft"], "ttft"),
         **_percentiles(tpot, "tpot"),
         **_percentiles(measured["e2e"], "e2e"),
+        # Each request's longest wait between two of its tokens: a preemption's (the line
+        # and the recompute), a handover's, a long step's.
+        **_percentiles(done["max_itl_s"].to_numpy(dtype=float), "max_itl"),
         "mean_batch": batch_mean,
         "peak_batch": int(steps["decode_seqs"].max()) if len(steps) else 0,
         "mean_running": float(averages["running"]),

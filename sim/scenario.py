@@ -797,8 +797,10 @@ class RouterConfig(ConfigModel):
 
 class SloConfig(ConfigModel):
     """Service-level objectives: a request is served *in time* when its TTFT, its TPOT
-    (mean time between output tokens) and its end-to-end latency are within the bounds given
-    (an absent bound always holds; a request with one output token has no TPOT to miss).
+    (mean time between output tokens), its end-to-end latency and its longest wait between
+    two tokens (``max_itl_s``: a preemption's stall, a handover's) are within the bounds
+    given (an absent bound always holds; a request with one output token has no gap to
+    miss).
     ``attainment`` is the share of requests that must be in time for a load to count as
     sustained: DistServe's 90 % by default (``kvsim capacity`` searches for that load).
     Judged by ``percentiles`` instead, each bound holds on its own for that share: MLPerf's
@@ -808,6 +810,9 @@ class SloConfig(ConfigModel):
     ttft_s: PositiveFloat | None = None
     tpot_s: PositiveFloat | None = None
     e2e_s: PositiveFloat | None = None
+    max_itl_s: PositiveFloat | None = Field(
+        default=None, description="bound on each request's longest wait between two of its "
+        "tokens (seconds): a streaming client's stall")
     attainment: float = Field(default=0.9, gt=0, le=1)
     judge: Literal["requests", "percentiles"] = Field(
         default="requests", description="requests: the attainment share meets every bound at "
@@ -818,8 +823,9 @@ class SloConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _some_bound(self):  # type: ignore[no-untyped-def]
-        if self.ttft_s is None and self.tpot_s is None and self.e2e_s is None:
-            raise ValueError("give at least one of ttft_s, tpot_s, e2e_s (seconds)")
+        if (self.ttft_s, self.tpot_s, self.e2e_s, self.max_itl_s) == (None,) * 4:
+            raise ValueError("give at least one of ttft_s, tpot_s, e2e_s, max_itl_s "
+                             "(seconds)")
         return self
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,6 +82,8 @@ class Request:
         "gen_sync",
         "hit_tokens",
         "index",
+        "last_token_s",
+        "max_itl_s",
         "max_len",
         "n",
         "num_seqs",
@@ -98,6 +101,7 @@ class Request:
         "resumed",
         "shed",
         "spec_cache",
+        "streak_step",
         "swap_slots",
         "swapped",
         "ticket",
@@ -133,6 +137,11 @@ class Request:
         self.version = 0
         self.admitted_s = -1.0
         self.first_token_s = -1.0
+        # When its client last received a token, and the longest wait between two of its
+        # tokens so far (-1: none yet), a gap that runs of decode steps settle when they end.
+        self.last_token_s = -1.0
+        self.max_itl_s = -1.0
+        self.streak_step = 0  # decoding: the step that gives it its first token of the run
         self.finished_s = -1.0
         self.preemptions = 0
         self.hit_tokens = 0
@@ -523,6 +532,15 @@ class Scheduler:
         self._noticed_s = -math.inf  # the last time notice_time was told
         self.running: dict[int, Request] = {}  # admit_seq -> request, in admission order
         self.steps = 0  # steps completed
+        # A request decoding in two steps in a row waits between its tokens from the end of
+        # the first to the end of the second. Those waits of the steps since the batch last
+        # had a decoding request, as a stack of (step, wait), steps ascending and waits
+        # descending (a wait is dropped when a later one is as long): the first entry at or
+        # after a request's first step of a run is the longest wait of the run, found when
+        # the run ends, whatever its length.
+        self._last_end_s = 0.0
+        self._wait_steps: list[int] = []
+        self._waits_s: list[float] = []
         self.num_preemptions = 0
         # Prefix-cache lookups of first admissions: a preempted request looking its own
         # blocks up again is counted apart (vLLM v1's ``preempted_queries``), else every
@@ -695,11 +713,20 @@ class Scheduler:
         return request.gen_sync
 
     # ------------------------------------------------------------------ lazy decode
-    def _advance(self, batch_size: int) -> bool:
-        """A step of ``batch_size`` requests is done: the token clock moves on by its rate,
-        and the next step verifies the drafts proposed for a batch of that size (dynamic
-        speculative decoding); True if that changed K."""
+    def _advance(self, batch_size: int, end_s: float) -> bool:
+        """A step of ``batch_size`` requests is done at ``end_s``: the token clock moves on
+        by its rate, and the next step verifies the drafts proposed for a batch of that size
+        (dynamic speculative decoding); True if that changed K."""
         self.steps += 1
+        if self.decode_seqs:  # (a step no request decodes in is in no run of tokens)
+            wait_s = end_s - self._last_end_s
+            waits = self._waits_s
+            while waits and waits[-1] <= wait_s:
+                waits.pop()
+                self._wait_steps.pop()
+            waits.append(wait_s)
+            self._wait_steps.append(self.steps)
+        self._last_end_s = end_s
         self._clock_acc += self._rate_num
         self._clock_prev = self._clock_now
         self._clock_now = self._clock_next
@@ -813,6 +840,7 @@ class Scheduler:
     def _start_decoding(self, request: Request) -> None:
         """After its prefill step: decode lazily from now on."""
         request.decoding = True
+        request.streak_step = self.steps + 1
         request.c_sync = self._clock_now
         request.tok_sync = self.allocator.num_tokens(request.index * MAX_SAMPLES)
         seqs = request.num_seqs
@@ -857,6 +885,11 @@ class Scheduler:
         return self._skip_base + self._past_window * self._clock_now
 
     def _stop_decoding(self, request: Request) -> None:
+        if request.streak_step <= self.steps:  # a token each step since it started decoding
+            longest_s = self._waits_s[bisect_left(self._wait_steps, request.streak_step)]
+            if longest_s > request.max_itl_s:
+                request.max_itl_s = longest_s
+            request.last_token_s = self._last_end_s
         seqs = request.num_seqs
         self.decode_seqs -= seqs
         self._tok_sync_sum -= seqs * request.tok_sync
@@ -867,6 +900,9 @@ class Scheduler:
             self._skip_base -= seqs * self._past_window_offset(request)
         request.decoding = False
         request.version += 1
+        if not self.decode_seqs:  # no run of tokens goes on: none will ask of these steps
+            self._wait_steps.clear()
+            self._waits_s.clear()
 
     def _push_events(self, request: Request, *, start: bool = False) -> None:
         """Queue the request's next block crossing: the first step that claims a slot past
@@ -1281,7 +1317,8 @@ class Scheduler:
         """Complete the step that ends at ``end_s``; return the requests that finished."""
         if self._pool is not None:
             self._pool.clock_s = end_s
-        self._advance(batch.decode_seqs + len(batch.prefill) if batch else self.decode_seqs)
+        self._advance(batch.decode_seqs + len(batch.prefill) if batch else self.decode_seqs,
+                      end_s)
         finished = []
         # Clients who gave up by the step's end, before their first token or last: a token
         # given just as the client gives up comes too late, as a seat does.
@@ -1293,9 +1330,13 @@ class Scheduler:
                 request.computed_tokens = history + chunk
             if request.abandoned_s >= 0 or request.in_prefill:
                 continue
-            # _prefill counted the first generated token in gen_sync already.
+            # _prefill counted the first generated token in gen_sync already (or, seated
+            # again, the first since it was preempted or handed over, a wait with no step).
             if request.first_token_s < 0:
                 request.first_token_s = end_s
+            if request.last_token_s >= 0 and end_s - request.last_token_s > request.max_itl_s:
+                request.max_itl_s = end_s - request.last_token_s
+            request.last_token_s = end_s
             if request.gen_sync >= request.output_len:
                 self._finish(request, end_s)
                 finished.append(request)
@@ -1402,7 +1443,7 @@ class Scheduler:
                 pool.clock_s = clock_s  # this step's finishes, the next one's block crossings
             steps += 1
             # (A new K changes the step's shape and budget: the engine decides anew.)
-            changed = self._advance(seqs)
+            changed = self._advance(seqs, clock_s)
             ticked = self._clock_now
             context += seqs * (ticked - clock)
             clock = ticked

@@ -2,8 +2,9 @@
 
 A serving system is judged like a delivery service: not by parcels moved per hour, but by
 parcels delivered *on time*. Each request is checked against the scenario's bounds
-(:class:`sim.scenario.SloConfig`): time to first token, time per output token after it, and
-end to end. The share of requests that meet all of them is the *attainment*; the rate at
+(:class:`sim.scenario.SloConfig`): time to first token, time per output token after it, end
+to end, and the longest wait between two tokens (a stream that stalls, however fast on
+average). The share of requests that meet all of them is the *attainment*; the rate at
 which they complete is the *goodput* (vLLM's ``benchmark_serving --goodput``). A request
 that was turned away, or never finished, was not on time.
 
@@ -28,13 +29,15 @@ if TYPE_CHECKING:
 # without a prefix cache), so every run's summary has the same keys; the tightest bound's
 # attainment is given only where the objectives are judged by percentiles.
 SLO_KEYS = ("slo_attainment", "goodput_req_s", "slo_ttft_attainment", "slo_tpot_attainment",
-            "slo_e2e_attainment", "slo_tightest_attainment")
-BOUNDS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e", "E2E"))  # (key, as people write it)
+            "slo_e2e_attainment", "slo_max_itl_attainment", "slo_tightest_attainment")
+# (key, as people write it)
+BOUNDS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e", "E2E"), ("max_itl", "longest token gap"))
 
 
 def latencies(requests: pd.DataFrame) -> dict[str, np.ndarray]:
-    """Per-request TTFT, TPOT and E2E latency in seconds (NaN where the request never got
-    there; TPOT 0 for a single output token, which has no gap to miss)."""
+    """Per-request TTFT, TPOT, E2E latency and longest wait between two tokens (max ITL) in
+    seconds (NaN where the request never got there; TPOT and max ITL 0 for a single output
+    token, which has no gap to miss)."""
     arrival = requests["arrival_s"].to_numpy(dtype=float)
     # Times not reached are NaN in a run's table, -1 in the summary's copy of it.
     first, finished = (np.where(times >= 0, times, np.nan) for times in (
@@ -43,7 +46,13 @@ def latencies(requests: pd.DataFrame) -> dict[str, np.ndarray]:
     gaps = requests["output_len"].to_numpy(dtype=float) - 1
     tpot = np.where(gaps > 0, (finished - first) / np.maximum(gaps, 1), 0.0)
     tpot[np.isnan(finished)] = np.nan
-    return {"ttft": first - arrival, "tpot": tpot, "e2e": finished - arrival}
+    # (A table written before runs recorded the gaps has none to give.)
+    longest = (requests["max_itl_s"].to_numpy(dtype=float) if "max_itl_s" in requests
+               else np.full(len(requests), np.nan))
+    max_itl = np.where(gaps > 0, longest, 0.0)
+    max_itl[np.isnan(finished)] = np.nan
+    return {"ttft": first - arrival, "tpot": tpot, "e2e": finished - arrival,
+            "max_itl": max_itl}
 
 
 def in_time(requests: pd.DataFrame, slo: SloConfig) -> dict[str, np.ndarray]:
@@ -53,8 +62,7 @@ def in_time(requests: pd.DataFrame, slo: SloConfig) -> dict[str, np.ndarray]:
     measured = latencies(requests)
     answered = np.isfinite(measured["e2e"])
     met = {name: (measured[name] <= bound) & answered
-           for name, bound in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s), ("e2e", slo.e2e_s))
-           if bound is not None}
+           for name, _ in BOUNDS if (bound := getattr(slo, f"{name}_s")) is not None}
     met["all"] = np.logical_and.reduce(list(met.values()))
     return met
 

@@ -89,7 +89,8 @@ def test_batch_latency_and_hit_figures(result):
     assert np.array_equal(lines[1].get_ydata(), steps["decode_seqs"].to_numpy())
     close(fig)
     fig = latency_cdfs(result)
-    assert [a.get_xlabel() for a in fig.axes] == ["TTFT (s)", "TPOT (ms)", "E2E latency (s)"]
+    assert [a.get_xlabel() for a in fig.axes] == ["TTFT (s)", "TPOT (ms)", "E2E latency (s)",
+                                                  "longest token gap (s)"]
     ttft = fig.kvsim_data["TTFT (s)"]["paged"].dropna().to_numpy()
     requests = result.systems["paged"].requests
     assert np.allclose(ttft, np.sort(requests["first_token_s"] - requests["arrival_s"]))

@@ -59,6 +59,48 @@ def test_attainment_counts_every_bound_and_every_request():
     assert slo_summary(table, 12.0, None) == dict.fromkeys(SLO_KEYS)
 
 
+def test_the_longest_gap_bound_judges_each_streams_worst_stall():
+    nan = math.nan
+    table = requests_table([
+        (0.0, 0.5, 5.5, 101, False),   # its worst wait between two tokens 0.3 s: met
+        (1.0, 1.5, 8.5, 101, False),   # TPOT 0.07 on average, but one stall of 2 s
+        (2.0, 2.1, 2.1, 1, False),     # one output token: no gap to miss
+        (3.0, 3.2, nan, 40, False),    # given up mid-answer: never in time
+    ])
+    table["max_itl_s"] = [0.3, 2.0, nan, 0.4]
+    slo = SloConfig(tpot_s=0.1, max_itl_s=1.0)
+    met = in_time(table, slo)
+    assert met["tpot"].tolist() == [True, True, True, False]
+    assert met["max_itl"].tolist() == [True, False, True, False]
+    assert met["all"].tolist() == [True, False, True, False]
+    summary = slo_summary(table, makespan_s=10.0, slo=slo)
+    assert summary["slo_max_itl_attainment"] == summary["slo_attainment"] == 0.5
+    assert summary["slo_tpot_attainment"] == 0.75
+    assert describe_slo(slo.model_dump()) == (
+        "TPOT ≤ 100 ms, longest token gap ≤ 1 s for 90% of requests")
+    # Judged by percentiles, the bound fewer requests meet decides.
+    by_percentiles = SloConfig(tpot_s=0.1, max_itl_s=1.0, judge="percentiles")
+    judged = slo_summary(table, 10.0, by_percentiles)
+    assert judged["slo_tightest_attainment"] == 0.5
+    assert describe_slo(by_percentiles.model_dump()) == (
+        "p90 TPOT ≤ 100 ms, p90 longest token gap ≤ 1 s")
+
+
+def test_a_run_judges_the_longest_gaps_it_measured():
+    result = run_scenario(scenario_from_dict(scenario(slo={"max_itl_s": 0.03})))
+    for run in result.systems.values():
+        requests = run.requests
+        assert requests["max_itl_s"].notna().sum() > 50
+        # One output token, or none served: nothing to hold against the bound, or a miss.
+        within = ((requests["max_itl_s"] <= 0.03) | (requests["output_len"] == 1)) & (
+            requests["finished_s"].notna())
+        assert run.summary["slo_max_itl_attainment"] == pytest.approx(within.mean())
+        assert run.summary["slo_attainment"] == run.summary["slo_max_itl_attainment"]
+    # Paged memory seats a batch several times larger, whose steps are longer.
+    paged, contiguous = (result.systems[name].summary for name in ("paged", "contiguous"))
+    assert 0 < paged["slo_attainment"] < contiguous["slo_attainment"]
+
+
 @pytest.mark.parametrize("slo, message", [
     ({}, "slo: give at least one of ttft_s, tpot_s, e2e_s"),
     ({"ttft_s": 1, "attainment": 1.5}, "slo.attainment: Input should be less than or equal"),
@@ -389,11 +431,12 @@ def test_a_rate_sweep_with_objectives_draws_attainment(tmp_path):
 def test_latency_figure_marks_the_bounds_and_plots_the_same_latencies():
     from reports.run_figures import latency_cdfs
 
-    result = run_scenario(scenario_from_dict(scenario(slo={"ttft_s": 1.5, "tpot_s": 0.04})))
+    result = run_scenario(scenario_from_dict(scenario(slo={"ttft_s": 1.5, "tpot_s": 0.04,
+                                                           "max_itl_s": 0.5})))
     fig = latency_cdfs(result)
     bounds = [[line.get_xdata()[0] for line in ax.get_lines() if line.get_label() == "SLO"]
               for ax in fig.axes]
-    assert bounds == [[1.5], [40.0], []]  # TPOT is drawn in ms; no E2E bound given
+    assert bounds == [[1.5], [40.0], [], [0.5]]  # TPOT is drawn in ms; no E2E bound given
     paged = result.systems["paged"].requests
     ttft = np.sort((paged["first_token_s"] - paged["arrival_s"]).to_numpy())
     np.testing.assert_allclose(fig.kvsim_data["TTFT (s)"]["paged"].to_numpy(), ttft)
@@ -403,6 +446,9 @@ def test_latency_figure_marks_the_bounds_and_plots_the_same_latencies():
     assert len(fig.kvsim_data["TPOT (ms)"]["paged"].dropna()) == len(tpot_ms)
     np.testing.assert_allclose(fig.kvsim_data["TPOT (ms)"]["paged"].dropna().to_numpy(),
                                tpot_ms)
+    np.testing.assert_allclose(
+        fig.kvsim_data["longest token gap (s)"]["paged"].dropna().to_numpy(),
+        np.sort(multi["max_itl_s"].to_numpy()))
 
 
 def test_an_slo_nothing_meets_gives_no_capacity_rather_than_an_error():

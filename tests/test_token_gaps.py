@@ -1,0 +1,138 @@
+"""Each request's longest wait between two of its tokens (``max_itl_s``): a step's length
+while it decodes, and, where it stops decoding, the whole wait until its next token —
+preempted (the line, the recompute or the swap back in) or handed to a decode replica.
+Checked against the token times the step table gives, stepping and jumping alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sim.engine import run_scenario
+from sim.metrics import format_summary
+from sim.scenario import scenario_from_dict
+
+
+def step_ends(steps: pd.DataFrame) -> np.ndarray:
+    """When each step of a step-by-step run ended, in order."""
+    assert (steps["steps"] == 1).all(), "one row a step"
+    return (steps["time_s"] + steps["duration_s"]).to_numpy()
+
+
+def longest_gap(times: np.ndarray) -> float:
+    return float(np.diff(np.sort(times)).max())
+
+
+def two_requests(tmp_path: Path, **scheduler: object) -> dict:
+    """Two requests seated together in 0.4 GiB of Llama-2-7B's KV (819 tokens) that cannot
+    both grow to their 500: the later one is preempted once, and seated again when the
+    other one's memory is free."""
+    (tmp_path / "trace.csv").write_text("t,p,o\n0,100,400\n0,100,400\n")
+    return {"name": "two", "model": "llama-2-7b", "memory": {"kv_memory_gib": 0.4},
+            "workload": {"kind": "trace", "path": "trace.csv", "format": "csv",
+                         "columns": {"arrival": "t", "prompt_len": "p", "output_len": "o"}},
+            "systems": [{"name": "s", "allocator": {"kind": "paged"},
+                         "scheduler": scheduler}],
+            "stop": {"num_requests": 2}, "engine": {"mode": "step", "debug_invariants": True}}
+
+
+@pytest.mark.parametrize("scheduler", [{}, {"preemption_mode": "swap", "swap_space_gib": 1}],
+                         ids=["recompute", "swap"])
+def test_a_preempted_request_waits_from_its_last_token_to_its_next(tmp_path, scheduler):
+    result = run_scenario(scenario_from_dict(two_requests(tmp_path, **scheduler)),
+                          base_dir=tmp_path).systems["s"]
+    requests, steps = result.requests, result.steps
+    ends = step_ends(steps)
+    assert requests["preemptions"].tolist() == [0, 1]
+    preempted = int(np.flatnonzero(steps["preempted"].to_numpy())[0])
+    # Seated again by the next step that reads a prompt (a recompute, or the last token's
+    # KV after a swap back in), which gives it its next token.
+    back = preempted + int(np.flatnonzero(steps["prefill_tokens"].to_numpy()[preempted:])[0])
+    first, other = requests.iloc[1], requests.iloc[0]
+    # It had a token at the end of every step from its first to the one before the
+    # preemption, and of every step from its seating again to its last.
+    times = np.concatenate([[first["first_token_s"]],
+                            ends[(ends > first["first_token_s"]) & (ends <= ends[preempted - 1])],
+                            ends[back:]])
+    assert times[-1] == first["finished_s"]
+    assert first["max_itl_s"] == pytest.approx(longest_gap(times), rel=1e-12)
+    assert first["max_itl_s"] == pytest.approx(ends[back] - ends[preempted - 1], rel=1e-12)
+    assert first["max_itl_s"] > 20 * steps["duration_s"].median()  # the wait is no step
+    # The other decoded in every step after its first token: its longest wait is a step's
+    # (under swap, the step that copies the victim out is the longest).
+    mine = ends[(ends > other["first_token_s"]) & (ends <= other["finished_s"])]
+    assert other["max_itl_s"] == pytest.approx(
+        longest_gap(np.concatenate([[other["first_token_s"]], mine])), rel=1e-12)
+    if scheduler:
+        assert other["max_itl_s"] == steps["duration_s"].iloc[preempted]
+        assert steps["swapped_slots"].iloc[preempted] > 0
+
+
+def busy_scenario(mode: str) -> dict:
+    """Chunked prefills of long prompts beside decodes, 1 GiB of KV under preemption."""
+    return {"name": "busy", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1.0},
+            "workload": {"arrival": {"process": "poisson", "rate": 30},
+                         "prompt_len": {"dist": "lognormal", "mean": 300, "sigma": 1,
+                                        "max": 1500},
+                         "output_len": {"dist": "uniform", "low": 1, "high": 300}},
+            "systems": [{"name": "s", "allocator": {"kind": "paged"},
+                         "scheduler": {"chunked_prefill": True,
+                                       "max_num_batched_tokens": 512}}],
+            "stop": {"num_requests": 150}, "seed": 3,
+            "engine": {"mode": mode, "debug_invariants": mode == "step"}}
+
+
+def test_a_request_never_preempted_waits_a_step_at_most_and_jumps_agree():
+    runs = {mode: run_scenario(scenario_from_dict(busy_scenario(mode))).systems["s"]
+            for mode in ("step", "jump")}
+    requests = runs["step"].requests
+    pd.testing.assert_frame_equal(runs["jump"].requests, requests)
+    assert runs["jump"].summary["max_itl_p99_s"] == runs["step"].summary["max_itl_p99_s"]
+    ends = step_ends(runs["step"].steps)
+    assert requests["preemptions"].sum() > 0
+    # Two tokens or more: a gap; one token (or none), none to report.
+    assert requests["max_itl_s"].isna().tolist() == (requests["output_len"] < 2).tolist()
+    steady = requests[(requests["preemptions"] == 0) & (requests["output_len"] > 1)]
+    assert len(steady) > 50
+    for row in steady.itertuples():
+        # A token at its first token's step and at the end of every step to its last.
+        mine = ends[(ends > row.first_token_s) & (ends <= row.finished_s)]
+        assert row.max_itl_s == pytest.approx(
+            longest_gap(np.concatenate([[row.first_token_s], mine])), rel=1e-12)
+    # Every wait of a request that never left the batch is one step, a prompt's chunk and
+    # the decodes beside it.
+    durations = runs["step"].steps["duration_s"].to_numpy()
+    assert all(np.isclose(durations, gap, rtol=1e-12, atol=0).any()
+               for gap in steady["max_itl_s"])
+    # The summary's percentiles are of the requests served.
+    served = requests.loc[requests["finished_s"].notna(), "max_itl_s"].dropna()
+    assert runs["step"].summary["max_itl_p99_s"] == pytest.approx(
+        float(np.percentile(served, 99)), rel=1e-12)
+    assert "longest token gap p99 (s)" in format_summary({"s": runs["step"].summary})
+
+
+def test_a_decode_replica_counts_the_wait_since_the_prefill_replicas_token():
+    # One request: every step of the decode replica is one of its tokens.
+    data = {"name": "split", "model": "llama-2-7b", "memory": {"kv_memory_gib": 8},
+            "engine": {"replicas": 2, "mode": "step",
+                       "disaggregation": {"prefill_replicas": 1, "kv_transfer_gbps": 1,
+                                          "kv_transfer_latency_s": 0.05}},
+            "workload": {"arrival": {"process": "constant", "rate": 1},
+                         "prompt_len": {"dist": "constant", "value": 2000},
+                         "output_len": {"dist": "constant", "value": 30}},
+            "systems": [{"name": "s", "allocator": {"kind": "paged"}}],
+            "stop": {"num_requests": 1}}
+    result = run_scenario(scenario_from_dict(data)).systems["s"]
+    request = result.requests.iloc[0]
+    steps = result.steps
+    decode = step_ends(steps[steps["replica"] == 1])
+    assert len(decode) == 29  # the other 29 tokens
+    # The KV's 1 GB/s transfer and its latency come between the first token and the next.
+    assert decode[0] - request["first_token_s"] > 0.05 + 2000 * 512 * 1024 / 1e9 / 2
+    assert request["max_itl_s"] == pytest.approx(
+        longest_gap(np.concatenate([[request["first_token_s"]], decode])), rel=1e-12)
+    assert request["max_itl_s"] == pytest.approx(decode[0] - request["first_token_s"],
+                                                 rel=1e-12)
