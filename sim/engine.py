@@ -73,6 +73,7 @@ from sim.timing import (
     with_transfer,
 )
 from workloads import Trace, WorkloadError, build_trace
+from workloads.spec import clients_time_out
 
 MEMORY_COLUMNS = MemorySnapshot._fields  # the taxonomy, then duplicate
 
@@ -440,6 +441,7 @@ class _Replica:
                              waiting=waiting, queue_timeout_s=sim.queue_timeout_s,
                              ttft_timeout_s=sim.ttft_timeout_s,
                              e2e_timeout_s=sim.e2e_timeout_s,
+                             itl_timeout_s=sim.itl_timeout_s,
                              tells_seatings=tells_seatings)
 
         self.scheduler = scheduler()
@@ -506,7 +508,7 @@ class _Replica:
             # (A decode replica's line takes every request handed over: none is shed.)
             if request.rejected or not self.scheduler.add(request, bounded=self.bounded):
                 sim.on_done(self, request, t)
-        if sim.patience_s is not None:
+        if sim.clients_give_up:
             for request in self.scheduler.time_out(self.clock):
                 sim.on_done(self, request, request.abandoned_s)
 
@@ -941,12 +943,19 @@ class _SystemRun:
         self.rank_groups: list[_RankGroup] = []
         self.usd_per_gpu_hour = scenario.cost.usd_per_gpu_hour if scenario.cost else None
         self.slo = scenario.slo
-        # Clients' patience: for a seat, for a first token, for the whole answer (None: for
-        # ever); the soonest a new arrival may give up; and what clients do when their
-        # patience runs out.
-        self.queue_timeout_s = scenario.workload.queue_timeout_s
-        self.ttft_timeout_s = scenario.workload.ttft_timeout_s
-        self.e2e_timeout_s = scenario.workload.e2e_timeout_s
+        # Clients' patience: for a seat, for a first token, for the whole answer, for a next
+        # token (None: for ever); the soonest a new arrival may give up (before it has a
+        # token to wait past); and what clients do when their patience runs out.
+        workload = scenario.workload
+        self.queue_timeout_s = workload.queue_timeout_s
+        self.ttft_timeout_s = workload.ttft_timeout_s
+        self.e2e_timeout_s = workload.e2e_timeout_s
+        self.itl_timeout_s = workload.itl_timeout_s
+        self.clients_give_up = clients_time_out(workload)
+        # Clients who may give up on a request seated or answering, and so waste its work.
+        self.seated_time_out = (self.ttft_timeout_s, self.e2e_timeout_s,
+                                self.itl_timeout_s) != (None, None, None)
+        self.mid_answer_time_out = (self.e2e_timeout_s, self.itl_timeout_s) != (None, None)
         timeouts = [t for t in (self.queue_timeout_s, self.ttft_timeout_s, self.e2e_timeout_s)
                     if t is not None]
         self.patience_s = min(timeouts) if timeouts else None
@@ -963,7 +972,7 @@ class _SystemRun:
         self.least_loaded_decode = split is not None and split.decode_router == "least_loaded"
         # Decode replicas send prefill replicas retries of answers their clients gave up on.
         self.retries_from_decode = split is not None and self.retry is not None and (
-            self.e2e_timeout_s is not None)
+            self.mid_answer_time_out)
         # For the least-loaded choice: requests handed to each decode replica and not yet
         # done, and a heap of (when done, decode replica) for those yet to be counted out.
         self.decode_in_flight = [0] * self.decode_replicas
@@ -1425,16 +1434,16 @@ class _SystemRun:
             sum(s.reservation_overflows for s in schedulers)
             if self.system.predicts_reservations else None)
         # None (shown "—") where clients wait for ever (no workload.queue_timeout_s,
-        # ttft_timeout_s or e2e_timeout_s); of them, those aborted while seated, their
-        # prompts' work lost (None where only a seat is waited for); and the output tokens
-        # generated in vain (None but where clients wait for whole answers).
+        # ttft_timeout_s, e2e_timeout_s or itl_timeout_s); of them, those aborted while
+        # seated, their prompts' work lost (None where only a seat is waited for); and the
+        # output tokens generated in vain (None but where clients may leave mid-answer).
         abandoned = requests["abandoned_s"].notna()
-        extra["abandoned"] = int(abandoned.sum()) if self.patience_s is not None else None
+        extra["abandoned"] = int(abandoned.sum()) if self.clients_give_up else None
         extra["abandoned_seated"] = (
             int((abandoned & requests["admitted_s"].notna()).sum())
-            if self.ttft_timeout_s is not None or self.e2e_timeout_s is not None else None)
+            if self.seated_time_out else None)
         extra["abandoned_output_tokens"] = (self.abandoned_output_tokens
-                                            if self.e2e_timeout_s is not None else None)
+                                            if self.mid_answer_time_out else None)
         extra["retries"] = (int((requests["attempts"] - 1).sum())
                             if self.retry is not None else None)
         # None (shown "—") where the line is unbounded (no scheduler.max_queued_requests).

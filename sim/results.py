@@ -228,9 +228,9 @@ def shedding_note(summaries: dict[str, dict[str, Any]]) -> str | None:
 
 def abandonment_note(summaries: dict[str, dict[str, Any]]) -> str | None:
     """A warning when clients gave up on requests that waited too long for a seat, a first
-    token or the whole answer (``workload.queue_timeout_s``, ``ttft_timeout_s``,
-    ``e2e_timeout_s``): the latencies are of the requests served, and the work done for
-    those aborted while seated was lost."""
+    token, the whole answer or a next token (``workload.queue_timeout_s``,
+    ``ttft_timeout_s``, ``e2e_timeout_s``, ``itl_timeout_s``): the latencies are of the
+    requests served, and the work done for those aborted while seated was lost."""
     counts = _unserved(summaries, "abandoned")
     if counts is None:
         return None

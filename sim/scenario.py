@@ -1005,8 +1005,9 @@ class Scenario(ConfigModel):
                 s.scheduler.max_queued_requests is not None for s in self.systems):
             return self
         raise ValueError("workload.retry: a client retries a request it gave up on or that was "
-                         "turned away; give workload.queue_timeout_s, ttft_timeout_s or "
-                         "e2e_timeout_s (how long it waits before giving up), or a system's "
+                         "turned away; give workload.queue_timeout_s, ttft_timeout_s, "
+                         "e2e_timeout_s or itl_timeout_s (how long it waits before giving "
+                         "up), or a system's "
                          "scheduler.max_queued_requests (a full line turns requests away)")
 
     @model_validator(mode="after")

@@ -224,15 +224,19 @@ class WaitingLine:
     has no first token that long after it arrived cancels it, seated before or not (a
     request preempted before its first token still times out). With ``e2e_timeout_s``, a
     client whose request is not answered whole that long after it arrived cancels it,
-    whatever it has had (a preempted request times out in the line). A deadline sits in a
-    third heap, checked by ticket in the same way; each request joining or leaving the line
-    takes a new ticket.
+    whatever it has had (a preempted request times out in the line). With
+    ``itl_timeout_s``, a streaming client that has had a token and no other since for that
+    long disconnects: one preempted, or handed to a decode replica, times out in the line
+    or while its prompt is read again (one decoding, only by a step that long: the
+    scheduler sees it). A deadline sits in a third heap, checked by ticket in the same way;
+    each request joining or leaving the line takes a new ticket.
     """
 
     def __init__(self, order: str = "fcfs", max_wait_s: float | None = None,
                  aging_tokens_per_s: float = 0.0, timeout_s: float | None = None,
                  ttft_timeout_s: float | None = None,
-                 e2e_timeout_s: float | None = None) -> None:
+                 e2e_timeout_s: float | None = None,
+                 itl_timeout_s: float | None = None) -> None:
         self.by_priority = order == "priority"
         self.by_length = order == "shortest_predicted"
         self.ordered = self.by_priority or self.by_length  # an arrival may pass the head
@@ -247,8 +251,10 @@ class WaitingLine:
         self.timeout_s = timeout_s
         self.ttft_timeout_s = ttft_timeout_s
         self.e2e_timeout_s = e2e_timeout_s
-        # Whether a seated request may still time out (on its first token or whole answer).
-        self.seated_may_time_out = ttft_timeout_s is not None or e2e_timeout_s is not None
+        self.itl_timeout_s = itl_timeout_s
+        # Whether a seated request may still time out (on a token or the whole answer).
+        self.seated_may_time_out = (ttft_timeout_s, e2e_timeout_s, itl_timeout_s) != (
+            None, None, None)
         # (deadline, request index, ticket, request) of those that may still time out.
         self._by_deadline: list[tuple[float, int, int, Request]] = []
         self._count = 0
@@ -296,12 +302,16 @@ class WaitingLine:
     def deadline_s(self, request: Request) -> float:
         """When the client of ``request`` gives up if it is still in the line (or seated)
         then (inf: never): unseated after ``timeout_s``, without a first token after
-        ``ttft_timeout_s``, or unanswered after ``e2e_timeout_s``, whichever comes first."""
+        ``ttft_timeout_s``, unanswered after ``e2e_timeout_s``, or, not decoding, without a
+        token ``itl_timeout_s`` after its last, whichever comes first."""
         deadline = math.inf
         if self.e2e_timeout_s is not None:
             deadline = request.arrival_s + self.e2e_timeout_s
         if self.ttft_timeout_s is not None and request.first_token_s < 0:
             deadline = min(deadline, request.arrival_s + self.ttft_timeout_s)
+        if (self.itl_timeout_s is not None and request.last_token_s >= 0
+                and not request.decoding):
+            deadline = min(deadline, request.last_token_s + self.itl_timeout_s)
         if self.timeout_s is not None and request.admitted_s < 0:
             deadline = min(deadline, request.arrival_s + self.timeout_s)
         return deadline
@@ -456,9 +466,9 @@ class Scheduler:
     vLLM proposes them.
 
     Clients may give up (``queue_timeout_s``: on a seat; ``ttft_timeout_s``: on a first
-    token; ``e2e_timeout_s``: on the whole answer): the line lets go of those waiting, and a
-    step's end aborts those seated whose first token, or last, it came too late for
-    (:meth:`time_out` hands both over).
+    token; ``e2e_timeout_s``: on the whole answer; ``itl_timeout_s``: on a next token): the
+    line lets go of those waiting, and a step's end aborts those seated whose first token,
+    last or next it came too late for (:meth:`time_out` hands both over).
     """
 
     def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,
@@ -468,7 +478,8 @@ class Scheduler:
                  waiting: WaitingLine | None = None,
                  queue_timeout_s: float | None = None,
                  ttft_timeout_s: float | None = None,
-                 e2e_timeout_s: float | None = None, tells_seatings: bool = False) -> None:
+                 e2e_timeout_s: float | None = None, itl_timeout_s: float | None = None,
+                 tells_seatings: bool = False) -> None:
         self.allocator = allocator
         # Whether each step lists the requests it seated and preempted (Batch.seatings).
         self.tells_seatings = tells_seatings
@@ -516,7 +527,9 @@ class Scheduler:
         # A line of its own, or one it shares with the other batches of a pipeline.
         self.waiting = waiting if waiting is not None else WaitingLine(
             config.policy, config.max_wait_s, config.aging_tokens_per_s or 0.0,
-            queue_timeout_s, ttft_timeout_s, e2e_timeout_s)
+            queue_timeout_s, ttft_timeout_s, e2e_timeout_s, itl_timeout_s)
+        # A streaming client gives up on a decoding request only when a step outlasts this.
+        self._itl_timeout_s = itl_timeout_s if itl_timeout_s is not None else math.inf
         # Seated requests whose clients gave up (before their first token, or their last):
         # aborted at the step boundary after, their KV freed (vLLM aborts a request whose
         # client went away), until time_out hands them to the engine.
@@ -539,6 +552,7 @@ class Scheduler:
         # after a request's first step of a run is the longest wait of the run, found when
         # the run ends, whatever its length.
         self._last_end_s = 0.0
+        self._prev_end_s = 0.0  # the end of the step before the last
         self._wait_steps: list[int] = []
         self._waits_s: list[float] = []
         self.num_preemptions = 0
@@ -718,8 +732,9 @@ class Scheduler:
         by its rate, and the next step verifies the drafts proposed for a batch of that size
         (dynamic speculative decoding); True if that changed K."""
         self.steps += 1
+        self._prev_end_s = self._last_end_s
+        wait_s = end_s - self._last_end_s
         if self.decode_seqs:  # (a step no request decodes in is in no run of tokens)
-            wait_s = end_s - self._last_end_s
             waits = self._waits_s
             while waits and waits[-1] <= wait_s:
                 waits.pop()
@@ -1324,6 +1339,8 @@ class Scheduler:
         # given just as the client gives up comes too late, as a seat does.
         if self._seated_deadlines and self._seated_deadlines[0][0] <= end_s:
             self._abort_overdue(end_s)
+        if self.decode_seqs and self._last_end_s - self._prev_end_s > self._itl_timeout_s:
+            self._abort_stalled()
         for request, chunk, history in batch.prefill if batch else ():
             request.computed = True
             if history + chunk > request.computed_tokens:
@@ -1360,18 +1377,32 @@ class Scheduler:
                 if deadline < math.inf:
                     heapq.heappush(deadlines, (deadline, admit_seq, request))
                 continue
-            if request.decoding:
-                self._sync(request, include_current=False)  # cache what it computed
-                self._stop_decoding(request)
-            elif request.in_prefill:
-                self.prefilling -= 1
-            self.release(request)
-            request.num_seqs = 0
-            request.abandoned_s = deadline
-            del self.running[admit_seq]
-            self.gave_up.append(request)
+            self._abort(request, deadline)
             aborted += 1
         return aborted
+
+    def _abort_stalled(self) -> int:
+        """Abort every decoding request: the step that just ended outlasted
+        ``itl_timeout_s``, so each one's client, whose last token came at the end of the step
+        before, gave up that long after it. How many were."""
+        gave_up_s = self._prev_end_s + self._itl_timeout_s
+        stalled = [request for request in self.running.values() if request.decoding]
+        for request in stalled:
+            self._abort(request, gave_up_s)
+        return len(stalled)
+
+    def _abort(self, request: Request, abandoned_s: float) -> None:
+        """Abort a seated request whose client gave up at ``abandoned_s``."""
+        if request.decoding:
+            self._sync(request, include_current=False)  # cache what it computed
+            self._stop_decoding(request)
+        elif request.in_prefill:
+            self.prefilling -= 1
+        self.release(request)
+        request.num_seqs = 0
+        request.abandoned_s = abandoned_s
+        del self.running[request.admit_seq]
+        self.gave_up.append(request)
 
     def _finish_due(self, end_s: float) -> list[Request]:
         """Finish the decoding requests whose last token was this step's."""
@@ -1453,6 +1484,8 @@ class Scheduler:
             # A client giving up changes the batch: the engine decides anew.
             aborted = self._abort_overdue(clock_s) if (
                 seated_deadlines and seated_deadlines[0][0] <= clock_s) else 0
+            if self.decode_seqs and self._last_end_s - self._prev_end_s > self._itl_timeout_s:
+                aborted += self._abort_stalled()
             if self.debug or self._due_now(finishes):
                 finished = self._finish_due(clock_s)
                 if finished:

@@ -234,6 +234,14 @@ def random_scenario(seed: int) -> dict:
     # (vllm_dp does every 100 ms unless told otherwise).
     if router.get("policy", "round_robin") != "round_robin" and rng.random() < 0.3:
         router["stats_interval_s"] = rng.choice([0.0, 0.05, 0.5])
+    # Drawn last, as the above: streaming clients who give up on a next token (a preempted
+    # request in the line or read again, or every decoding one behind a step that long),
+    # some of them trying again.
+    if rng.random() < 0.25:
+        workload["itl_timeout_s"] = rng.choice([0.02, 0.05, 0.3, 2.0])
+        if "retry" not in workload and rng.random() < 0.5:
+            workload["retry"] = {"max_retries": rng.randint(1, 3),
+                                 "backoff_s": rng.choice([0.0, 0.05, 0.5])}
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",

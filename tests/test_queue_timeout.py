@@ -370,8 +370,8 @@ def test_a_retry_needs_a_time_out_or_a_bounded_line(tmp_path):
                                      "retry": {"max_retries": 2}}}
     with pytest.raises(ScenarioError, match=r"workload\.retry: a client retries a request "
                                             r"it gave up on or that was turned away; give "
-                                            r"workload\.queue_timeout_s, ttft_timeout_s or "
-                                            r"e2e_timeout_s"):
+                                            r"workload\.queue_timeout_s, ttft_timeout_s, "
+                                            r"e2e_timeout_s or itl_timeout_s"):
         scenario_from_dict(data)
     # A deadline for the first token will do, or one for the whole answer.
     for field in ("ttft_timeout_s", "e2e_timeout_s"):

@@ -26,12 +26,14 @@ def longest_gap(times: np.ndarray) -> float:
     return float(np.diff(np.sort(times)).max())
 
 
-def two_requests(tmp_path: Path, **scheduler: object) -> dict:
-    """Two requests seated together in 0.4 GiB of Llama-2-7B's KV (819 tokens) that cannot
-    both grow to their 500: the later one is preempted once, and seated again when the
-    other one's memory is free."""
-    (tmp_path / "trace.csv").write_text("t,p,o\n0,100,400\n0,100,400\n")
-    return {"name": "two", "model": "llama-2-7b", "memory": {"kv_memory_gib": 0.4},
+def two_requests(tmp_path: Path, outputs: tuple[int, int] = (400, 400),
+                 kv_memory_gib: float = 0.4, **scheduler: object) -> dict:
+    """Two requests of 100-token prompts seated together in 0.4 GiB of Llama-2-7B's KV (819
+    tokens) that cannot both grow to their 500: the later one is preempted once, and
+    seated again when the other one's memory is free."""
+    rows = "".join(f"0,100,{output}\n" for output in outputs)
+    (tmp_path / "trace.csv").write_text("t,p,o\n" + rows)
+    return {"name": "two", "model": "llama-2-7b", "memory": {"kv_memory_gib": kv_memory_gib},
             "workload": {"kind": "trace", "path": "trace.csv", "format": "csv",
                          "columns": {"arrival": "t", "prompt_len": "p", "output_len": "o"}},
             "systems": [{"name": "s", "allocator": {"kind": "paged"},

@@ -93,17 +93,27 @@ E2E_TIMEOUT_DESCRIPTION = (
     "wasted; absent: clients wait for ever")
 E2eTimeout = Annotated[PositiveFloat | None,
                        Field(default=None, description=E2E_TIMEOUT_DESCRIPTION)]
+ITL_TIMEOUT_DESCRIPTION = (
+    "seconds a streaming client waits for its next token once it has had one before it "
+    "disconnects (a read time-out between two chunks, as nginx's proxy_read_timeout or "
+    "httpx's read timeout): preempted, handed to a decode replica, or stalled behind a step "
+    "that long, the request is aborted (its KV freed at the next step boundary), counted as "
+    "abandoned and missing every SLO, the tokens generated for it wasted; absent: clients "
+    "wait for ever")
+ItlTimeout = Annotated[PositiveFloat | None,
+                       Field(default=None, description=ITL_TIMEOUT_DESCRIPTION)]
 
 
 def clients_time_out(workload: SyntheticWorkload | TraceWorkload) -> bool:
     """Whether the workload's clients give up on requests (any of its time-outs is set)."""
     return any(timeout is not None for timeout in (
-        workload.queue_timeout_s, workload.ttft_timeout_s, workload.e2e_timeout_s))
+        workload.queue_timeout_s, workload.ttft_timeout_s, workload.e2e_timeout_s,
+        workload.itl_timeout_s))
 
 
 class Retry(ConfigModel):
     """What a client whose request timed out (``queue_timeout_s``, ``ttft_timeout_s``,
-    ``e2e_timeout_s``) or was turned away by a full line (a system's
+    ``e2e_timeout_s``, ``itl_timeout_s``) or was turned away by a full line (a system's
     ``scheduler.max_queued_requests``) does next: it sends the request again, up to
     ``max_retries`` times, waiting ``backoff_s`` before the first retry and twice as long
     before each next one, at most ``max_backoff_s``, each wait shortened by up to a
@@ -144,6 +154,7 @@ class SyntheticWorkload(ConfigModel):
     queue_timeout_s: QueueTimeout = None
     ttft_timeout_s: TtftTimeout = None
     e2e_timeout_s: E2eTimeout = None
+    itl_timeout_s: ItlTimeout = None
     retry: Retry | None = None
 
     @model_validator(mode="after")
@@ -221,6 +232,7 @@ class TraceWorkload(ConfigModel):
     queue_timeout_s: QueueTimeout = None
     ttft_timeout_s: TtftTimeout = None
     e2e_timeout_s: E2eTimeout = None
+    itl_timeout_s: ItlTimeout = None
     retry: Retry | None = None
 
     @model_validator(mode="after")
