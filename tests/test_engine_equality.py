@@ -291,11 +291,14 @@ def test_jump_equals_step(seed):
         assert (seated["admitted_s"] - seated["arrival_s"] < timeout_s).all()
     ttft_timeout_s = data["workload"].get("ttft_timeout_s")
     e2e_timeout_s = data["workload"].get("e2e_timeout_s")
+    itl_timeout_s = data["workload"].get("itl_timeout_s")
+    # Clients who may give up on a request that has had a token.
+    mid_answer = e2e_timeout_s is not None or itl_timeout_s is not None
     if ttft_timeout_s is not None:  # nor given a first token past it
         answered = first[first["first_token_s"].notna()]
         assert (answered["first_token_s"] - answered["arrival_s"] < ttft_timeout_s).all()
-        assert e2e_timeout_s is not None or gone["first_token_s"].isna().all()
-    elif timeout_s is not None and e2e_timeout_s is None:
+        assert mid_answer or gone["first_token_s"].isna().all()
+    elif timeout_s is not None and not mid_answer:
         assert gone["admitted_s"].isna().all()
     if e2e_timeout_s is not None:  # nor answered whole past it
         answered = first[first["finished_s"].notna()]
@@ -303,8 +306,18 @@ def test_jump_equals_step(seed):
     bounded = data["systems"][0]["scheduler"].get("max_queued_requests") is not None
     assert bounded or not done["shed"].any()
     assert done.loc[done["shed"], "admitted_s"].isna().all()  # turned away on arrival
+    # Each request's longest wait between two tokens is at least its mean wait (TPOT) and
+    # at most its whole answer; with clients who leave a stalled stream, at most that. (A
+    # request of several samples preempted starts over, and generates more tokens.)
+    served = done[done["finished_s"].notna() & (done["output_len"] > 1)
+                  & ((done["n"] == 1) | (done["preemptions"] == 0))]
+    answer_s = served["finished_s"] - served["first_token_s"]
+    assert (served["max_itl_s"] >= answer_s / (served["output_len"] - 1) * (1 - 1e-9)).all()
+    assert (served["max_itl_s"] <= answer_s * (1 + 1e-9)).all()
+    assert itl_timeout_s is None or (served["max_itl_s"] <= itl_timeout_s).all()
     timeouts = [t for t in (timeout_s, ttft_timeout_s, e2e_timeout_s) if t is not None]
-    if timeouts and not bounded:  # (a try shed waited for nothing)
+    # (A try shed waited for nothing; one whose stream stalled may leave sooner.)
+    if timeouts and not bounded and itl_timeout_s is None:
         patience_s = min(timeouts)
         waited_s = gone["abandoned_s"] - gone["arrival_s"]  # (each try's, and back-offs)
         assert (waited_s >= gone["attempts"] * patience_s * (1 - 1e-9)).all()
