@@ -52,7 +52,7 @@ from sim.memory import (
     final_kv_tokens,
 )
 from sim.presets import GIB, KV_CACHE_DTYPE_BYTES, ModelSpec, SizingError, kv_pool_slots
-from sim.results import RunResult, ScenarioResult, summarize
+from sim.results import RunResult, ScenarioResult, summarize, token_wait_summary
 from sim.router import CacheEvents, Router
 from sim.scenario import (
     ContiguousConfig,
@@ -1382,6 +1382,10 @@ class _SystemRun:
         memory = self.recorder.memory.frame()
         capacity = self.replicas[self.prefill_replicas].allocator.capacity_slots
         schedulers = [sched for r in self.replicas for sched in r.schedulers]
+        token_waits_us: dict[int, int] = {}
+        for sched in schedulers:
+            for wait_us, tokens in sched.token_waits_us.items():
+                token_waits_us[wait_us] = token_waits_us.get(wait_us, 0) + tokens
         lookup = sum(s.lookup_tokens for s in schedulers)
         hits = sum(s.hit_tokens for s in schedulers)
         preempted_lookup = sum(s.preempted_lookup_tokens for s in schedulers)
@@ -1399,7 +1403,8 @@ class _SystemRun:
                                                  self.prefill_replicas or len(self.replicas)),
                  "prefill_replicas": self.prefill_replicas,
                  "gpus": self.gpus,
-                 "usd_per_gpu_hour": self.usd_per_gpu_hour}
+                 "usd_per_gpu_hour": self.usd_per_gpu_hour,
+                 **token_wait_summary(token_waits_us)}
         loaded = sum(s.first_loaded_tokens for s in schedulers)
         # None (shown "—") without a host tier, as the hit rate without a prefix cache.
         has_host = getattr(self.replicas[0].allocator, "host", None) is not None

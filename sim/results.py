@@ -66,6 +66,24 @@ def _percentiles(values: np.ndarray, name: str) -> dict[str, float]:
     return out
 
 
+def token_wait_summary(waits_us: dict[int, int]) -> dict[str, float]:
+    """ITL as vLLM's benchmark reports it, from every token received after another (counts
+    by the wait in microseconds): the mean and the percentiles, each the shortest wait that
+    many of the tokens waited at most (NaN without any)."""
+    if not waits_us:
+        return {"itl_mean_s": math.nan,
+                **{f"itl_p{p}_s": math.nan for p in LATENCY_PERCENTILES}}
+    keys = np.array(sorted(waits_us), dtype=np.int64)
+    counts = np.array([waits_us[key] for key in keys.tolist()], dtype=np.int64)
+    cumulative = np.cumsum(counts)
+    total = int(cumulative[-1])
+    out = {"itl_mean_s": float((keys * counts).sum()) / total / 1e6}
+    for p in LATENCY_PERCENTILES:
+        rank = max(1, math.ceil(p / 100 * total))  # nearest rank
+        out[f"itl_p{p}_s"] = int(keys[np.searchsorted(cumulative, rank)]) / 1e6
+    return out
+
+
 def _waiting_at(requests: pd.DataFrame, time_s: float) -> int:
     """Requests arrived by ``time_s`` and not yet seated (every replica's; not those turned
     away on arrival, rejected or shed, nor those their clients had given up by then): how

@@ -555,6 +555,11 @@ class Scheduler:
         self._prev_end_s = 0.0  # the end of the step before the last
         self._wait_steps: list[int] = []
         self._waits_s: list[float] = []
+        # Every token a client received after one before it, by that wait in microseconds
+        # (a step's wait counts once for each request decoding in it): the distribution
+        # vLLM's benchmark reports as ITL, kept as counts so that it costs no memory per step.
+        self.token_waits_us: dict[int, int] = {}
+        self.decode_requests = 0
         self.num_preemptions = 0
         # Prefix-cache lookups of first admissions: a preempted request looking its own
         # blocks up again is counted apart (vLLM v1's ``preempted_queries``), else every
@@ -856,6 +861,7 @@ class Scheduler:
         """After its prefill step: decode lazily from now on."""
         request.decoding = True
         request.streak_step = self.steps + 1
+        self.decode_requests += 1
         request.c_sync = self._clock_now
         request.tok_sync = self.allocator.num_tokens(request.index * MAX_SAMPLES)
         seqs = request.num_seqs
@@ -915,6 +921,7 @@ class Scheduler:
             self._skip_base -= seqs * self._past_window_offset(request)
         request.decoding = False
         request.version += 1
+        self.decode_requests -= 1
         if not self.decode_seqs:  # no run of tokens goes on: none will ask of these steps
             self._wait_steps.clear()
             self._waits_s.clear()
@@ -1341,6 +1348,8 @@ class Scheduler:
             self._abort_overdue(end_s)
         if self.decode_seqs and self._last_end_s - self._prev_end_s > self._itl_timeout_s:
             self._abort_stalled()
+        if self.decode_requests:  # each one decoding in the step had a token at its end
+            self._delivered(self._last_end_s - self._prev_end_s, self.decode_requests)
         for request, chunk, history in batch.prefill if batch else ():
             request.computed = True
             if history + chunk > request.computed_tokens:
@@ -1351,8 +1360,11 @@ class Scheduler:
             # again, the first since it was preempted or handed over, a wait with no step).
             if request.first_token_s < 0:
                 request.first_token_s = end_s
-            if request.last_token_s >= 0 and end_s - request.last_token_s > request.max_itl_s:
-                request.max_itl_s = end_s - request.last_token_s
+            if request.last_token_s >= 0:
+                wait_s = end_s - request.last_token_s
+                self._delivered(wait_s, 1)
+                if wait_s > request.max_itl_s:
+                    request.max_itl_s = wait_s
             request.last_token_s = end_s
             if request.gen_sync >= request.output_len:
                 self._finish(request, end_s)
@@ -1380,6 +1392,11 @@ class Scheduler:
             self._abort(request, deadline)
             aborted += 1
         return aborted
+
+    def _delivered(self, wait_s: float, tokens: int) -> None:
+        """Count ``tokens`` received ``wait_s`` after the one before each."""
+        key = int(wait_s * 1e6 + 0.5)
+        self.token_waits_us[key] = self.token_waits_us.get(key, 0) + tokens
 
     def _abort_stalled(self) -> int:
         """Abort every decoding request: the step that just ended outlasted
@@ -1486,6 +1503,8 @@ class Scheduler:
                 seated_deadlines and seated_deadlines[0][0] <= clock_s) else 0
             if self.decode_seqs and self._last_end_s - self._prev_end_s > self._itl_timeout_s:
                 aborted += self._abort_stalled()
+            if self.decode_requests:
+                self._delivered(self._last_end_s - self._prev_end_s, self.decode_requests)
             if self.debug or self._due_now(finishes):
                 finished = self._finish_due(clock_s)
                 if finished:

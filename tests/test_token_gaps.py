@@ -138,3 +138,49 @@ def test_a_decode_replica_counts_the_wait_since_the_prefill_replicas_token():
         longest_gap(np.concatenate([[request["first_token_s"]], decode])), rel=1e-12)
     assert request["max_itl_s"] == pytest.approx(decode[0] - request["first_token_s"],
                                                  rel=1e-12)
+
+
+def itl_of(waits_s: np.ndarray, tokens: np.ndarray) -> dict[str, float]:
+    """ITL as vLLM's benchmark reports it, from each wait and the tokens that waited it:
+    their mean and nearest-rank percentiles, to the microsecond."""
+    every = np.repeat(np.floor(np.asarray(waits_s) * 1e6 + 0.5), tokens) / 1e6
+    p50, p90, p99 = np.percentile(every, [50, 90, 99], method="inverted_cdf")
+    return {"itl_mean_s": every.mean(), "itl_p50_s": p50, "itl_p90_s": p90, "itl_p99_s": p99}
+
+
+def test_itl_counts_every_token_by_its_wait_as_vllms_benchmark_does():
+    # A pool that preempts nobody: each step's wait, once for every request decoding in it.
+    data = busy_scenario("step")
+    data["memory"] = {"kv_memory_gib": 40}
+    runs = {}
+    for mode in ("step", "jump"):
+        data["engine"]["mode"] = mode
+        runs[mode] = run_scenario(scenario_from_dict(data)).systems["s"]
+    summary, steps = runs["step"].summary, runs["step"].steps
+    assert runs["step"].requests["preemptions"].sum() == 0
+    ends = step_ends(steps)
+    decoding = steps["decode_seqs"].to_numpy()[1:]
+    expected = itl_of(np.diff(ends)[decoding > 0], decoding[decoding > 0])
+    for key, value in expected.items():
+        assert summary[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+        assert runs["jump"].summary[key] == summary[key], key
+    # As many tokens as the requests had after their first.
+    requests = runs["step"].requests
+    assert decoding.sum() == (requests["output_len"] - 1).sum()
+    # Chunks of 512 tokens beside the decodes: the tail is a prompt's chunk.
+    assert summary["itl_p99_s"] > 1.5 * summary["itl_p50_s"]
+
+
+def test_a_preempted_requests_wait_is_one_token_of_the_itl(tmp_path):
+    result = run_scenario(scenario_from_dict(two_requests(tmp_path)),
+                          base_dir=tmp_path).systems["s"]
+    steps = result.steps
+    ends = step_ends(steps)
+    victim = result.requests.iloc[1]
+    decoding = steps["decode_seqs"].to_numpy()[1:]
+    waits = np.append(np.diff(ends)[decoding > 0], victim["max_itl_s"])
+    tokens = np.append(decoding[decoding > 0], 1)
+    assert tokens.sum() == (result.requests["output_len"] - 1).sum()
+    expected = itl_of(waits, tokens)
+    for key, value in expected.items():
+        assert result.summary[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
