@@ -70,6 +70,7 @@ PRIORITY_ROWS: list[tuple[str, str, str]] = [
     ("ttft_p50_s", "TTFT p50 (s)", "{:,.3f}"),
     ("ttft_p99_s", "TTFT p99 (s)", "{:,.3f}"),
     ("tpot_p50_s", "TPOT p50 (ms)", "ms"),
+    ("max_itl_p99_s", "longest token gap p99 (s)", "{:,.3f}"),
     ("e2e_p90_s", "E2E p90 (s)", "{:,.2f}"),
     ("slo_attainment", "requests within SLO", "%"),
     ("preemptions", "preemptions", "{:,.0f}"),

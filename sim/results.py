@@ -187,9 +187,10 @@ def _by_priority(requests: pd.DataFrame, makespan_s: float, slo: SloConfig | Non
         tpot = measured["tpot"][done["output_len"].to_numpy() > 1]
         key = f"priority_{level}_"
         out[key + "requests"] = len(part)
-        out.update({key + k: v for k, v in {**_percentiles(measured["ttft"], "ttft"),
-                                             **_percentiles(tpot, "tpot"),
-                                             **_percentiles(measured["e2e"], "e2e")}.items()})
+        out.update({key + k: v for k, v in {
+            **_percentiles(measured["ttft"], "ttft"), **_percentiles(tpot, "tpot"),
+            **_percentiles(measured["e2e"], "e2e"),
+            **_percentiles(done["max_itl_s"].to_numpy(dtype=float), "max_itl")}.items()})
         out[key + "preemptions"] = int(part["preemptions"].sum())
         if slo is not None:  # every level against the bounds, judged by them or not
             out[key + "slo_attainment"] = float(in_time(part, slo)["all"].mean())

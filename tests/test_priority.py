@@ -195,6 +195,10 @@ def test_priority_serves_the_first_class_first_and_preempts_the_other():
     requests = runs["priority"].requests
     assert requests.groupby("priority")["preemptions"].sum().to_dict() == {
         0: priority["priority_0_preemptions"], 1: priority["priority_1_preemptions"]}
+    # Each class's longest token gaps, of its requests served.
+    for level, part in requests[requests["finished_s"].notna()].groupby("priority"):
+        assert priority[f"priority_{level}_max_itl_p99_s"] == pytest.approx(
+            float(np.percentile(part["max_itl_s"].dropna(), 99)), rel=1e-12)
 
 
 def test_per_priority_rows_in_the_summary_and_the_sweep_table():
