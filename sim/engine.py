@@ -1053,7 +1053,7 @@ class _SystemRun:
                                  temperature=routing.sampling_temperature,
                                  ttl_s=routing.prefix_ttl_s,
                                  stats_interval_s=routing.report_interval_s,
-                                 seed=scenario.seed)
+                                 front_ends=routing.front_ends, seed=scenario.seed)
             self.unrouted = roots.tolist()
         self.env = simpy.Environment()
         self.replicas = []

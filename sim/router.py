@@ -23,7 +23,10 @@ finishes, KV events) may reach it late. With a report interval the host hears fr
 kitchen only when a runner comes by, every ``stats_interval_s``: a fact reaches the router
 at the first multiple of the interval after it happened, as vLLM's DP coordinator publishes
 its ranks' counts to the front end every 100 ms, the front end adding each request it sends
-meanwhile to its copy.
+meanwhile to its copy. vLLM may run several front ends (API servers, ``front_ends``), each
+with its own copy: a request reaches one of them, which knows what the others sent only from
+the coordinator's next publication, and adds each request it sends as many times as there
+are front ends, guessing that the others send as much.
 """
 
 from __future__ import annotations
@@ -179,16 +182,26 @@ class Router:
     ``temperature`` from a generator seeded by ``seed``, one draw per route, so a run
     repeats exactly. With ``stats_interval_s`` what the replicas report (seatings, first
     tokens, finishes, KV events) reaches the router only at the next multiple of that
-    interval; what it sends (and a session's turns it expects) it knows at once."""
+    interval; what it sends (and a session's turns it expects) it knows at once. With
+    ``front_ends`` (``vllm_dp`` only) each route is made by one of them, drawn at random: what
+    all of them sent reaches it with the replicas' reports, and what it sent itself since
+    counts ``front_ends`` times until then."""
 
     def __init__(self, policy: RouterPolicy, replicas: int, cache_slots: int, *,
                  cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
                  balance_rel_threshold: float = 1.0001,
                  overlap_score_weight: float = 1.0, track_prefill_tokens: bool = True,
                  temperature: float = 0.0, ttl_s: float = DYNAMO_TTL_S,
-                 stats_interval_s: float = 0.0, seed: int = 0) -> None:
+                 stats_interval_s: float = 0.0, front_ends: int = 1, seed: int = 0) -> None:
         self.policy = policy
         self.stats_interval_s = stats_interval_s
+        assert front_ends == 1 or policy == "vllm_dp", "several front ends balance as vLLM's"
+        self.front_ends = front_ends
+        # Per front end, the requests it sent each replica since the last publication, as
+        # it counts them (front_ends times each); and the one that made the last route.
+        self._sent_since = [[0] * replicas for _ in range(front_ends)]
+        self.front_end = 0
+        self._published_s = -math.inf
         self.replicas = replicas
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
@@ -243,7 +256,12 @@ class Router:
 
     def assign(self, replica: int, segments: Segments, request: int) -> None:
         """Request ``request``, just routed, will run on ``replica``: it loads it from now
-        on (requests that arrive together see each other)."""
+        on (requests that arrive together see each other; with several front ends, the
+        others hear of it at the next publication)."""
+        if self.front_ends > 1:
+            heapq.heappush(self._reports, (self._now_s, _ARRIVE, request, replica, []))
+            self._sent_since[self.front_end][replica] += self.front_ends
+            return
         self._arrive(request, replica)
         if self._tracks_cache:
             chain = prefix_chain(segments)
@@ -255,8 +273,10 @@ class Router:
 
     def expect(self, request: int, replica: int, arrival_s: float, segments: Segments) -> None:
         """A request will arrive on ``replica`` at ``arrival_s`` (a session's next turn, which
-        stays with its conversation): it adds to the load and to the tree from then on."""
-        heapq.heappush(self._events, (arrival_s, _ARRIVE, request, replica, []))
+        stays with its conversation): it adds to the load and to the tree from then on (with
+        several front ends, from the next publication on)."""
+        heapq.heappush(self._reports if self.front_ends > 1 else self._events,
+                       (arrival_s, _ARRIVE, request, replica, []))
         if self._tracks_cache:
             chain = prefix_chain(segments)
             if self.policy == "kv_aware":
@@ -398,6 +418,11 @@ class Router:
         for tree in self.trees:
             tree.expire(now_s)
         self._now_s = now_s
+        if self.front_ends > 1 and reported_s > self._published_s:
+            # A publication replaces every front end's copy, its own sends included.
+            self._published_s = reported_s
+            for sent in self._sent_since:
+                sent[:] = [0] * self.replicas
 
     def route(self, arrival_s: float, segments: Segments, prompt_len: int) -> int:
         """The replica for an open arrival. Call in arrival order; then :meth:`assign` it
@@ -411,11 +436,20 @@ class Router:
             cached = [self._cached(r, chain, hashes) for r in range(self.replicas)]
             return self._cheapest(chain, prompt_len, cached)
         if self.policy == "vllm_dp":
-            # 4 × waiting + running = load + 3 × waiting; ties to the first, as vLLM's
-            # client with one API server.
+            # 4 × waiting + running = load + 3 × waiting, the front end's own sends since
+            # the last publication waiting; ties to the first from where its scan starts
+            # (its share of the replicas: 0 with one front end), as vLLM's.
             weight = VLLM_DP_WAITING_WEIGHT - 1
-            return min(range(self.replicas),
-                       key=lambda r: (self.load[r] + weight * self.waiting[r], r))
+            replicas = self.replicas
+            if self.front_ends == 1:
+                return min(range(replicas),
+                           key=lambda r: (self.load[r] + weight * self.waiting[r], r))
+            front_end = self.front_end = self._rng.randrange(self.front_ends)
+            sent = self._sent_since[front_end]
+            start = replicas * front_end // self.front_ends
+            return min(range(replicas), key=lambda r: (
+                self.load[r] + weight * self.waiting[r] + VLLM_DP_WAITING_WEIGHT * sent[r],
+                (r - start) % replicas))
         if self.policy == "least_loaded" or self._imbalanced():
             replica = self._least_loaded()
         else:

@@ -752,9 +752,18 @@ class RouterConfig(ConfigModel):
         "this interval, while what it sends it counts at once; when omitted 0.1 for vllm_dp "
         "(vLLM's DP coordinator publishes its ranks' counts every 100 ms), else 0 (a router "
         "in the request path sees each answer end as it happens)")
+    front_ends: PositiveInt = Field(
+        default=1, le=1024, description="vllm_dp: front ends balancing at once (vLLM's "
+        "--api-server-count), each request reaching one drawn at random: each knows what the "
+        "others sent only from the coordinator's publications, counts what it sent since "
+        "front_ends times, and starts its scan for the least loaded replica at its own share "
+        "of them")
 
     @model_validator(mode="after")
-    def _settings_for_kv_aware(self):  # type: ignore[no-untyped-def]
+    def _settings_for_their_policy(self):  # type: ignore[no-untyped-def]
+        if self.front_ends > 1 and self.policy != "vllm_dp":
+            raise ValueError(f"front_ends is for policy vllm_dp (vLLM's API servers), not "
+                             f"{self.policy}")
         if self.policy != "kv_aware":
             for name in ("overlap_score_weight", "track_prefill_tokens", "temperature",
                          "ttl_s", "kv_events"):

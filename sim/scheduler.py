@@ -469,6 +469,11 @@ class Scheduler:
     token; ``e2e_timeout_s``: on the whole answer; ``itl_timeout_s``: on a next token): the
     line lets go of those waiting, and a step's end aborts those seated whose first token,
     last or next it came too late for (:meth:`time_out` hands both over).
+
+    A request's client receives a token at the end of each step it decodes in, and one when
+    a prompt read again after a preemption (or handed over) is done: each request keeps its
+    longest wait between two (``max_itl_s``), and the scheduler counts every token by its
+    wait (``token_waits_us``, the ITL distribution).
     """
 
     def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,

@@ -242,6 +242,13 @@ def random_scenario(seed: int) -> dict:
         if "retry" not in workload and rng.random() < 0.5:
             workload["retry"] = {"max_retries": rng.randint(1, 3),
                                  "backoff_s": rng.choice([0.0, 0.05, 0.5])}
+    # Drawn last, as the above: several of vLLM's front ends, each balancing by its own copy
+    # of the counts.
+    # (vLLM's balancer by default where new requests go to data-parallel ranks.)
+    routed = engine.get("disaggregation", {}).get("prefill_parallel") or parallel
+    default = "vllm_dp" if routed.get("data_parallel_size", 1) > 1 else "round_robin"
+    if router.get("policy", default) == "vllm_dp" and rng.random() < 0.4:
+        router["front_ends"] = rng.choice([2, 3, 8])
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",

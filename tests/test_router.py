@@ -545,6 +545,11 @@ def test_router_settings_are_checked():
          r"engine.router.kv_events: Input should be a valid boolean"),
         ("vllm_dp", {"stats_interval_s": -0.1},
          r"engine.router.stats_interval_s: Input should be greater than or equal to 0"),
+        ("least_loaded", {"front_ends": 2},
+         r"engine.router: front_ends is for policy vllm_dp \(vLLM's API servers\), not "
+         r"least_loaded"),
+        ("vllm_dp", {"front_ends": 0},
+         r"engine.router.front_ends: Input should be greater than 0"),
     ]
     for policy, settings, message in refused:
         with pytest.raises(ScenarioError, match=message):
@@ -604,7 +609,12 @@ class RecordingRouter(Router):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.moves: list[tuple[float, int, bool]] = []  # (time, request, seated)
+        self.front_end_of: dict[int, int] = {}  # request -> the front end that routed it
         RecordingRouter.last = self
+
+    def assign(self, replica: int, segments, request: int) -> None:
+        self.front_end_of[request] = self.front_end
+        super().assign(replica, segments, request)
 
     def admitted(self, request: int, replica: int, admitted_s: float) -> None:
         self.moves.append((admitted_s, request, True))
@@ -615,19 +625,22 @@ class RecordingRouter(Router):
         super().preempted(request, replica, preempted_s)
 
 
-@pytest.mark.parametrize("stats_interval_s", [0.0, None])
+@pytest.mark.parametrize("stats_interval_s, front_ends", [(0.0, 1), (None, 1), (None, 4)])
 def test_vllm_dp_routes_each_request_by_the_queues_it_could_know(stats_interval_s,
-                                                                  monkeypatch):
+                                                                  front_ends, monkeypatch):
     # Replayed from the results: at each arrival, every replica's requests routed before it
     # and not finished, those waiting (not yet seated, or preempted and not seated again)
     # counted four times; the lowest score wins, ties to the first. A small pool and few
     # seats keep queues waiting and preempt. By default the router knows a seating, a
     # preemption or a finish only from the coordinator's last publication, at a multiple
-    # of 100 ms; what it routed it counts at once (vLLM's local increment).
+    # of 100 ms; what it routed it counts at once (vLLM's local increment). With several
+    # front ends, each knows the others' routes from the publications alone, counts its own
+    # since the last one front_ends times, and breaks ties from its share of the replicas.
     monkeypatch.setattr("sim.engine.Router", RecordingRouter)
     data = routed(3, "vllm_dp", requests=300, rate=60)
     data["systems"][0]["scheduler"] = {"max_num_seqs": 8}
     data["engine"]["mode"] = "step"
+    data["engine"]["router"]["front_ends"] = front_ends
     if stats_interval_s is not None:
         data["engine"]["router"]["stats_interval_s"] = stats_interval_s
     run = run_scenario(scenario_from_dict(data)).systems["paged"]
@@ -642,13 +655,24 @@ def test_vllm_dp_routes_each_request_by_the_queues_it_could_know(stats_interval_
         told = moves[row.request]
         assert told[0] == (row.admitted_s, True)
         assert sum(not seated for _, seated in told) == row.preemptions
-    seen: list[tuple[int, int, float]] = []  # (request, replica, finished) routed so far
-    waited = stale = requeued = 0
+    front_end_of = RecordingRouter.last.front_end_of
+    assert len(set(front_end_of.values())) == front_ends
+    # (request, replica, arrival, finished) routed so far
+    seen: list[tuple[int, int, float, float]] = []
+    waited = stale = requeued = guessed = 0
     for row in requests.itertuples():
         t = row.arrival_s
         known_s = t if stats_interval_s == 0.0 else math.floor(t / 0.1) * 0.1
+        mine = front_end_of[row.request]
         scores = [0] * 3
-        for request, replica, finished in seen:
+        for request, replica, arrival, finished in seen:
+            if front_ends > 1 and arrival >= known_s:
+                # Routed since the last publication: by this front end, counted as it
+                # guesses the others route too; by another, not known yet.
+                if front_end_of[request] == mine:
+                    scores[replica] += 4 * front_ends
+                    guessed += 1
+                continue
             if finished >= known_s:
                 heard = [seated for move_s, seated in moves[request] if move_s < known_s]
                 waits = not heard or not heard[-1]
@@ -656,11 +680,14 @@ def test_vllm_dp_routes_each_request_by_the_queues_it_could_know(stats_interval_
                 waited += waits
                 requeued += waits and bool(heard)
                 stale += finished < t
-        assert row.replica == scores.index(min(scores)), row.request
-        seen.append((row.request, row.replica, row.finished_s))
+        start = 3 * mine // front_ends  # (0 with one front end: ties to the first)
+        order = sorted(range(3), key=lambda r: (scores[r], (r - start) % 3))
+        assert row.replica == order[0], row.request
+        seen.append((row.request, row.replica, t, row.finished_s))
     assert (stale > 50) == (stats_interval_s is None)  # finishes not yet heard of counted
     assert requeued > 20  # preempted requests counted as waiting again
     assert waited > 100  # queues did wait: the weight was put to the test
+    assert (guessed > 100) == (front_ends > 1)
     counted = run_scenario(scenario_from_dict(
         dict(data, engine={**data["engine"], "router": {"policy": "least_loaded"}})))
     assert not counted.systems["paged"].requests["replica"].equals(run.requests["replica"])
