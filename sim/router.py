@@ -421,8 +421,8 @@ class Router:
         if self.front_ends > 1 and reported_s > self._published_s:
             # A publication replaces every front end's copy, its own sends included.
             self._published_s = reported_s
-            for sent in self._sent_since:
-                sent[:] = [0] * self.replicas
+            for counts in self._sent_since:
+                counts[:] = [0] * self.replicas
 
     def route(self, arrival_s: float, segments: Segments, prompt_len: int) -> int:
         """The replica for an open arrival. Call in arrival order; then :meth:`assign` it
