@@ -32,7 +32,7 @@ import heapq
 import json
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -1382,10 +1382,9 @@ class _SystemRun:
         memory = self.recorder.memory.frame()
         capacity = self.replicas[self.prefill_replicas].allocator.capacity_slots
         schedulers = [sched for r in self.replicas for sched in r.schedulers]
-        token_waits_us: dict[int, int] = {}
+        token_waits_us: Counter[int] = Counter()
         for sched in schedulers:
-            for wait_us, tokens in sched.token_waits_us.items():
-                token_waits_us[wait_us] = token_waits_us.get(wait_us, 0) + tokens
+            token_waits_us.update(sched.token_waits_us)
         lookup = sum(s.lookup_tokens for s in schedulers)
         hits = sum(s.hit_tokens for s in schedulers)
         preempted_lookup = sum(s.preempted_lookup_tokens for s in schedulers)

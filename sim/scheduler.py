@@ -1351,10 +1351,7 @@ class Scheduler:
         # given just as the client gives up comes too late, as a seat does.
         if self._seated_deadlines and self._seated_deadlines[0][0] <= end_s:
             self._abort_overdue(end_s)
-        if self.decode_seqs and self._last_end_s - self._prev_end_s > self._itl_timeout_s:
-            self._abort_stalled()
-        if self.decode_requests:  # each one decoding in the step had a token at its end
-            self._delivered(self._last_end_s - self._prev_end_s, self.decode_requests)
+        self._deliver_step()
         for request, chunk, history in batch.prefill if batch else ():
             request.computed = True
             if history + chunk > request.computed_tokens:
@@ -1397,6 +1394,18 @@ class Scheduler:
             self._abort(request, deadline)
             aborted += 1
         return aborted
+
+    def _deliver_step(self) -> int:
+        """The step that just ended gave each request decoding in it a token: a client who
+        waited longer than ``itl_timeout_s`` for it has gone (aborted; how many were), the
+        others count it."""
+        if not self.decode_requests:
+            return 0
+        wait_s = self._last_end_s - self._prev_end_s
+        if wait_s > self._itl_timeout_s:
+            return self._abort_stalled()
+        self._delivered(wait_s, self.decode_requests)
+        return 0
 
     def _delivered(self, wait_s: float, tokens: int) -> None:
         """Count ``tokens`` received ``wait_s`` after the one before each."""
@@ -1506,10 +1515,7 @@ class Scheduler:
             # A client giving up changes the batch: the engine decides anew.
             aborted = self._abort_overdue(clock_s) if (
                 seated_deadlines and seated_deadlines[0][0] <= clock_s) else 0
-            if self.decode_seqs and self._last_end_s - self._prev_end_s > self._itl_timeout_s:
-                aborted += self._abort_stalled()
-            if self.decode_requests:
-                self._delivered(self._last_end_s - self._prev_end_s, self.decode_requests)
+            aborted += self._deliver_step()
             if self.debug or self._due_now(finishes):
                 finished = self._finish_due(clock_s)
                 if finished:
