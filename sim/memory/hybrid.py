@@ -45,8 +45,6 @@ Not modelled: a host tier, swapping out.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from sim.memory.base import (
     AllocatorError,
     KVAllocator,
@@ -673,7 +671,8 @@ class HybridPagedAllocator(KVAllocator):
         assert self._promised == sum(s.promised for s in self._seqs.values())
         assert 0 <= self._promised <= self.pool.num_free, "promised more than the pool has"
         token_slots = 0
-        live_hashes: Counter[int] = Counter()
+        live_hashed = 0  # blocks held by a table whose content is hashed
+        live_hashes: set[int] = set()
         for block in self.pool.blocks:
             assert block.ref_cnt == refs[block.block_id], (
                 f"{block}: ref_cnt != {refs[block.block_id]} tables holding it")
@@ -681,10 +680,11 @@ class HybridPagedAllocator(KVAllocator):
                 assert block not in self.pool.evictable, f"{block} is referenced and evictable"
                 token_slots += block.num_filled
                 if block.block_hash is not None:
-                    live_hashes[block.block_hash] += 1
+                    live_hashed += 1
+                    live_hashes.add(block.block_hash)
         assert token_slots == self._token_slots, "token slot counter drifted"
-        assert (sum(n - 1 for n in live_hashes.values())
-                == self._duplicates.duplicate_units), "duplicate counter drifted"
+        assert live_hashed - len(live_hashes) == self._duplicates.duplicate_units, (
+            "duplicate counter drifted")
         assert self._internal == sum(
             max(0, len(t) * bs - s.final_len) for s in self._seqs.values() for t in s.tables
             if s.spec.seq_id not in self._shared_tail), "internal counter drifted"

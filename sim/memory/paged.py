@@ -22,8 +22,6 @@ there are loaded into fresh GPU blocks, full and hashed, instead of being prefil
 
 from __future__ import annotations
 
-from collections import Counter
-
 from sim.memory.base import (
     AllocatorError,
     KVAllocator,
@@ -396,7 +394,8 @@ class PagedAllocator(KVAllocator):
         assert len(evictable) == len(self.pool.evictable), "a block evictable twice"
         token_slots = 0
         free_unhashed = 0
-        live_hashes: Counter[int] = Counter()
+        live_hashed = 0  # blocks held by a table whose content is hashed
+        live_hashes: set[int] = set()
         for block in self.pool.blocks:
             assert block.ref_cnt == refs[block.block_id], (
                 f"{block}: ref_cnt != {refs[block.block_id]} tables holding it"
@@ -406,7 +405,8 @@ class PagedAllocator(KVAllocator):
                 assert not in_evictable, f"{block} is referenced and evictable"
                 token_slots += block.num_filled
                 if block.block_hash is not None:
-                    live_hashes[block.block_hash] += 1
+                    live_hashed += 1
+                    live_hashes.add(block.block_hash)
             elif in_evictable:
                 assert block.block_hash is not None, f"{block} evictable without a hash"
                 assert self.pool.cached.get(block.block_hash) is block, (
@@ -420,8 +420,8 @@ class PagedAllocator(KVAllocator):
                 assert block.block_hash is not None, f"{block} full but unhashed"
         assert free_unhashed + len(self.pool.evictable) == self.pool.num_free
         assert token_slots == self._token_slots, "token slot counter drifted"
-        expected_dups = sum(n - 1 for n in live_hashes.values())
-        assert expected_dups == self._duplicates.duplicate_units, "duplicate counter drifted"
+        assert live_hashed - len(live_hashes) == self._duplicates.duplicate_units, (
+            "duplicate counter drifted")
         for block_hash, block in self.pool.cached.items():
             assert block.block_hash == block_hash, f"cache map entry points to {block}"
         for seq in self._seqs.values():
