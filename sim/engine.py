@@ -581,7 +581,7 @@ class _Replica:
                 quiet = None
                 clock = start + self.step_duration(batch)
                 steps = 1
-                finished = self.finish_step(batch, start, clock)
+                finished = self.finish_step(batch, clock)
             self.end_steps(start, clock, steps, batch, snap, quiet, finished)
             if clock > self.env.now:
                 yield self.env.timeout(clock - self.env.now)
@@ -644,7 +644,7 @@ class _Replica:
                 _, _, slot, batch, start, snap = heapq.heappop(in_flight)
                 sched = schedulers[slot]
                 self.end_steps(start, t, 1, batch, snap, None,
-                               self.finish_step(batch, start, t, sched))
+                               self.finish_step(batch, t, sched))
                 ready.append(slot)
             if self.clock > env.now:
                 yield env.timeout(self.clock - env.now)
@@ -702,14 +702,14 @@ class _Replica:
             duration += batch.swapped_slots * setup.host_s_per_token
         return duration
 
-    def finish_step(self, batch: Batch, start_s: float, clock_s: float,
+    def finish_step(self, batch: Batch, clock_s: float,
                     sched: Scheduler | None = None) -> list[Request]:
         """End the step of ``batch`` (of ``sched``, a pipeline's batch slot, else the
-        replica's scheduler) from ``start_s`` at ``clock_s``: the requests it finished (the
-        router told of the requests it seated and the prompts it read)."""
+        replica's scheduler) at ``clock_s``: the requests it finished (the router told of
+        the requests it seated or preempted and the prompts it read)."""
         finished = (sched or self.scheduler).finish_step(batch, clock_s)
         if self.sim.router is not None and self.role != "decode":
-            self.sim.tell_router(self, batch, start_s, clock_s)
+            self.sim.tell_router(self, batch, clock_s)
         return finished
 
     def end_steps(self, start_s: float, clock_s: float, steps: int, batch: Batch,
@@ -814,7 +814,7 @@ class _RankGroup:
             clock = start + round_s
             for (rank, batch, snap), step_s in zip(planned, own_s, strict=True):
                 rank.end_steps(start, clock, 1, batch, snap, None,
-                               rank.finish_step(batch, start, clock))
+                               rank.finish_step(batch, clock))
                 self.busy_s += round_s
                 self.waited_s += round_s - step_s
             self.clock = clock
@@ -1228,11 +1228,11 @@ class _SystemRun:
             self.decode_in_flight[position] += 1
         self.release(decode, arrival_s, index, rest)
 
-    def tell_router(self, replica: _Replica, batch: Batch, start_s: float,
-                    now_s: float) -> None:
-        """Tell the router which requests ``replica`` seated or preempted in the step from
-        ``start_s`` (each one's last move in it) and which prompts it finished reading by
-        ``now_s`` (their first token is out), as it learns of finishes."""
+    def tell_router(self, replica: _Replica, batch: Batch, now_s: float) -> None:
+        """Tell the router which requests ``replica`` seated or preempted in the step of
+        ``batch`` (each one's last move in it) and which prompts it finished reading (their
+        first token is out): all at the step's end, ``now_s``, as it learns of finishes and
+        as vLLM's engines publish their waiting and running counts after each step."""
         router = self.router
         if router is None:
             return
@@ -1240,9 +1240,9 @@ class _SystemRun:
             moves = {request.index: (request, seated) for request, seated in batch.seatings}
             for request, seated in moves.values():
                 if seated:
-                    router.admitted(self.router_key(request), replica.index, start_s)
+                    router.admitted(self.router_key(request), replica.index, now_s)
                 else:
-                    router.preempted(self.router_key(request), replica.index, start_s)
+                    router.preempted(self.router_key(request), replica.index, now_s)
         for request, _, _ in batch.prefill:
             if not request.in_prefill:
                 router.prefilled(self.router_key(request), replica.index, now_s)

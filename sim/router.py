@@ -341,16 +341,16 @@ class Router:
             self.waiting[replica] -= 1
 
     def admitted(self, request: int, replica: int, admitted_s: float) -> None:
-        """``request`` was seated on ``replica`` (its prefill scheduled) at ``admitted_s``,
-        first or again after a preemption: it runs there rather than waits (only ``vllm_dp``
-        counts that)."""
+        """``request`` was seated on ``replica`` (its prefill scheduled), first or again
+        after a preemption, as the replica reports at ``admitted_s``, the end of that step:
+        it runs there rather than waits (only ``vllm_dp`` counts that)."""
         if self.counts_waiting:
             heapq.heappush(self._reports, (admitted_s, _ADMITTED, request, replica, []))
 
     def preempted(self, request: int, replica: int, preempted_s: float) -> None:
-        """``request`` was preempted on ``replica`` at ``preempted_s``: it waits there again,
-        as vLLM's scheduler puts it back in its waiting queue (only ``vllm_dp`` counts
-        that)."""
+        """``request`` was preempted on ``replica``, as the replica reports at
+        ``preempted_s``, the end of that step: it waits there again, as vLLM's scheduler puts
+        it back in its waiting queue (only ``vllm_dp`` counts that)."""
         if self.counts_waiting:
             heapq.heappush(self._reports, (preempted_s, _PREEMPTED, request, replica, []))
 
