@@ -441,11 +441,10 @@ class Router:
             # (its share of the replicas: 0 with one front end), as vLLM's.
             weight = VLLM_DP_WAITING_WEIGHT - 1
             replicas = self.replicas
-            if self.front_ends == 1:
-                return min(range(replicas),
-                           key=lambda r: (self.load[r] + weight * self.waiting[r], r))
-            front_end = self.front_end = self._rng.randrange(self.front_ends)
-            sent = self._sent_since[front_end]
+            if self.front_ends > 1:
+                self.front_end = self._rng.randrange(self.front_ends)
+            front_end = self.front_end
+            sent = self._sent_since[front_end]  # (all 0 with one front end)
             start = replicas * front_end // self.front_ends
             return min(range(replicas), key=lambda r: (
                 self.load[r] + weight * self.waiting[r] + VLLM_DP_WAITING_WEIGHT * sent[r],
