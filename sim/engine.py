@@ -710,6 +710,8 @@ class _Replica:
         finished = (sched or self.scheduler).finish_step(batch, clock_s)
         if self.sim.router is not None and self.role != "decode":
             self.sim.tell_router(self, batch, clock_s)
+            if self.scheduler.usage_log is not None:
+                self.scheduler.log_usage(clock_s)
         return finished
 
     def end_steps(self, start_s: float, clock_s: float, steps: int, batch: Batch,
@@ -1069,6 +1071,11 @@ class _SystemRun:
             self.replicas.append(replica)
         if self.router is not None and routing.kv_events:
             self.router.watch_caches(self.kv_events(self.replicas[:routed]))
+        if self.router is not None and self.router.reads_usage:
+            logs: list[deque[tuple[float, float]]] = [deque() for _ in range(routed)]
+            for replica, log in zip(self.replicas, logs, strict=False):
+                replica.scheduler.usage_log = log
+            self.router.watch_usage(logs)
 
     @staticmethod
     def kv_events(replicas: list[_Replica]) -> CacheEvents:

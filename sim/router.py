@@ -1,32 +1,36 @@
 """Routers: which engine replica serves each new request.
 
 A router is the host at a restaurant's door. ``round_robin`` seats parties at each table in
-turn; ``least_loaded`` at the table with the fewest parties still eating; ``vllm_dp`` (vLLM's
-balancer of its data-parallel ranks) counts a party still waiting at a table four times one
-already eating; ``cache_aware`` (SGLang's router) remembers which table already has a
-party's friends, seats it there while the room is balanced, and falls back to the emptiest
-table when it is not; ``kv_aware`` (NVIDIA Dynamo's KV router) prices every table, the
-dishes its kitchen has yet to cook, the party's included, plus the plates already on it, and
-picks the cheapest (or, with a temperature, draws a table, the cheaper the likelier).
+turn; ``least_loaded`` at the table with the fewest parties still eating; ``vllm_dp``
+(vLLM's balancer of its data-parallel ranks, until July 2026) counts a party still waiting
+at a table four times one already eating; ``vllm_dp_2026`` (its balancer since) counts every
+party once, never fewer than the host itself seated there and has not yet seen leave, and a
+waiting party the more the fuller that table's kitchen is; ``cache_aware`` (SGLang's router)
+remembers which table already has a party's friends, seats it there while the room is
+balanced, and falls back to the emptiest table when it is not; ``kv_aware`` (NVIDIA Dynamo's
+KV router) prices every table, the dishes its kitchen has yet to cook, the party's included,
+plus the plates already on it, and picks the cheapest (or, with a temperature, draws a
+table, the cheaper the likelier).
 
 Routers know only what a real router knows: what they sent where, which requests have been
 seated (or preempted, back in line), which have given their first token, and which have
-finished; ``kv_aware`` with KV
-events also what each replica's prefix cache holds, from the blocks its pool logged as
-stored or removed, as vLLM publishes them to Dynamo. They learn each fact at the simulated
-time it happens (events applied up to, and excluding, the arrival being routed), never from
-a replica's state as it is when the router looks, so the same trace gives the same routing
-whether the engine steps or jumps.
+finished; ``kv_aware`` with KV events also what each replica's prefix cache holds, from the
+blocks its pool logged as stored or removed, as vLLM publishes them to Dynamo. They learn
+each fact at the simulated time it happens (events applied up to, and excluding, the arrival
+being routed), never from a replica's state as it is when the router looks, so the same
+trace gives the same routing whether the engine steps or jumps.
 
 What a router sends it knows at once; what the replicas report (seatings, first tokens,
 finishes, KV events) may reach it late. With a report interval the host hears from the
 kitchen only when a runner comes by, every ``stats_interval_s``: a fact reaches the router
 at the first multiple of the interval after it happened, as vLLM's DP coordinator publishes
 its ranks' counts to the front end every 100 ms, the front end adding each request it sends
-meanwhile to its copy. vLLM may run several front ends (API servers, ``front_ends``), each
-with its own copy: a request reaches one of them, which knows what the others sent only from
-the coordinator's next publication, and adds each request it sends as many times as there
-are front ends, guessing that the others send as much.
+meanwhile to its copy. ``vllm_dp_2026`` also reads how full each replica's KV cache was at
+the last publication, as the replicas log it at the end of each step that changed it. vLLM
+may run several front ends (API servers, ``front_ends``), each with its own copy: a request
+reaches one of them, which knows what the others sent only from the coordinator's next
+publication, and adds each request it sends as many times as there are front ends, guessing
+that the others send as much.
 """
 
 from __future__ import annotations
@@ -42,13 +46,18 @@ from sim.memory.content import BlockHasher
 
 Segments = Sequence[tuple[int, int]]
 # The policies a Router follows (round robin needs none).
-RouterPolicy = Literal["least_loaded", "vllm_dp", "cache_aware", "kv_aware"]
+RouterPolicy = Literal["least_loaded", "vllm_dp", "vllm_dp_2026", "cache_aware", "kv_aware"]
 
 # Order of simultaneous events: fixed, not by insertion.
-_ARRIVE, _TOUCH, _PREEMPTED, _ADMITTED, _PREFILLED, _FINISH = 0, 1, 2, 3, 4, 5
+_ARRIVE, _TOUCH, _PREEMPTED, _ADMITTED, _PREFILLED, _FINISH, _ANSWERED = 0, 1, 2, 3, 4, 5, 6
 
 # vLLM's DP load balancer scores a rank 4 × its waiting requests + its running ones.
 VLLM_DP_WAITING_WEIGHT = 4
+
+# vLLM's DP balancer since July 2026 (vllm_dp_2026) adds to a rank's score its waiting
+# requests × 6 × how far its KV cache usage is over a half (none at or under a half).
+VLLM_DP_KV_PENALTY = 6.0
+VLLM_DP_KV_PENALTY_FROM = 0.5
 
 # vLLM's DP coordinator publishes its ranks' waiting and running counts to the front end at
 # most every 100 ms (min_stats_update_interval_ms).
@@ -167,6 +176,25 @@ class CacheEvents:
         return found * (self.block_size or 0)
 
 
+class UsageReports:
+    """How full each replica's KV cache was when it last reported, as its engine publishes
+    it after each step (vLLM's ``kv_cache_usage``): from the log its scheduler keeps,
+    (end of step, usage) at each step end that changed it, applied in time order up to a
+    moment (every replica has logged all it did before the arrival being routed, as for
+    :class:`CacheEvents`)."""
+
+    def __init__(self, logs: list[deque[tuple[float, float]]]) -> None:
+        self.logs = logs
+        self.usage = [0.0] * len(logs)
+
+    def catch_up(self, until_s: float) -> None:
+        """Apply every report logged before ``until_s``."""
+        usage = self.usage
+        for replica, log in enumerate(self.logs):
+            while log and log[0][0] < until_s:
+                usage[replica] = log.popleft()[1]
+
+
 class Router:
     """Routes open arrivals by load and cache (``least_loaded``, ``vllm_dp``,
     ``cache_aware``, ``kv_aware``); ``round_robin`` needs no state and the engine assigns it
@@ -175,7 +203,8 @@ class Router:
     seating and preemption (:meth:`admitted`, :meth:`preempted`, which only ``vllm_dp``
     heeds), of every first token
     (:meth:`prefilled`, which only ``kv_aware`` heeds) and of every finish (:meth:`finished`),
-    each at its simulated time. ``cache_slots`` is what one replica can cache (its GPU pool
+    each at its simulated time (``vllm_dp_2026`` also reads each replica's KV cache usage,
+    :meth:`watch_usage`). ``cache_slots`` is what one replica can cache (its GPU pool
     and host tier), which bounds ``cache_aware``'s memory of prefixes; ``kv_aware``'s forgets
     a prefix ``ttl_s`` after it was last sent, as Dynamo's, unless it reads the replicas' KV
     events (:meth:`watch_caches`) and so knows what they cache. ``kv_aware`` draws with
@@ -183,9 +212,11 @@ class Router:
     repeats exactly. With ``stats_interval_s`` what the replicas report (seatings, first
     tokens, finishes, KV events) reaches the router only at the next multiple of that
     interval; what it sends (and a session's turns it expects) it knows at once. With
-    ``front_ends`` (``vllm_dp`` only) each route is made by one of them, drawn at random: what
-    all of them sent reaches it with the replicas' reports, and what it sent itself since
-    counts ``front_ends`` times until then."""
+    ``front_ends`` (``vllm_dp`` and ``vllm_dp_2026`` only) each route is made by one of them,
+    drawn at random: what all of them sent reaches it with the replicas' reports, and what it
+    sent itself since counts ``front_ends`` times until then. ``vllm_dp_2026`` counts what it
+    sends that way with one front end too, and besides, per front end, the requests it sent
+    each replica and has not seen finish (at once: answers stream back to it)."""
 
     def __init__(self, policy: RouterPolicy, replicas: int, cache_slots: int, *,
                  cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
@@ -195,13 +226,26 @@ class Router:
                  stats_interval_s: float = 0.0, front_ends: int = 1, seed: int = 0) -> None:
         self.policy = policy
         self.stats_interval_s = stats_interval_s
-        assert front_ends == 1 or policy == "vllm_dp", "several front ends balance as vLLM's"
+        vllm = policy in ("vllm_dp", "vllm_dp_2026")
+        assert front_ends == 1 or vllm, "several front ends balance as vLLM's"
         self.front_ends = front_ends
+        # Whether what a front end sends reaches the counts only with the next publication,
+        # counted front_ends times in its own copy until then (vLLM's; vllm_dp with one
+        # front end counts it at once instead).
+        self._sends_published = front_ends > 1 or policy == "vllm_dp_2026"
         # Per front end, the requests it sent each replica since the last publication, as
         # it counts them (front_ends times each); and the one that made the last route.
         self._sent_since = [[0] * replicas for _ in range(front_ends)]
         self.front_end = 0
         self._published_s = -math.inf
+        # Where each front end starts its scan for the lowest score: its share of the
+        # replicas (vllm_dp_2026 moves it on by one after each of its routes).
+        self._scan_start = [replicas * f // front_ends for f in range(front_ends)]
+        # vllm_dp_2026: per front end, the requests it sent each replica and has not seen
+        # finish; and which front end sent each of those.
+        self.inflight = [[0] * replicas for _ in range(front_ends)]
+        self._sender: dict[int, int] = {}
+        self.usage: UsageReports | None = None  # (vllm_dp_2026; see watch_usage)
         self.replicas = replicas
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
@@ -244,23 +288,36 @@ class Router:
         """``kv_aware`` learns what each replica caches from its KV events from now on."""
         self.caches = caches
 
+    def watch_usage(self, logs: list[deque[tuple[float, float]]]) -> None:
+        """``vllm_dp_2026`` learns each replica's KV cache usage from these logs, one per
+        replica (see :class:`UsageReports`)."""
+        self.usage = UsageReports(logs)
+
     @property
     def counts_waiting(self) -> bool:
-        """Whether the router tells waiting requests from running ones (``vllm_dp``): it
-        then heeds every seating and preemption."""
-        return self.policy == "vllm_dp"
+        """Whether the router tells waiting requests from running ones (vLLM's balancers):
+        it then heeds every seating and preemption."""
+        return self.policy in ("vllm_dp", "vllm_dp_2026")
+
+    @property
+    def reads_usage(self) -> bool:
+        """Whether the router reads the replicas' KV cache usage (``vllm_dp_2026``)."""
+        return self.policy == "vllm_dp_2026"
 
     @property
     def _tracks_cache(self) -> bool:
-        return self.policy not in ("least_loaded", "vllm_dp")
+        return self.policy not in ("least_loaded", "vllm_dp", "vllm_dp_2026")
 
     def assign(self, replica: int, segments: Segments, request: int) -> None:
         """Request ``request``, just routed, will run on ``replica``: it loads it from now
         on (requests that arrive together see each other; with several front ends, the
         others hear of it at the next publication)."""
-        if self.front_ends > 1:
+        if self._sends_published:
             heapq.heappush(self._reports, (self._now_s, _ARRIVE, request, replica, []))
             self._sent_since[self.front_end][replica] += self.front_ends
+            if self.reads_usage:
+                self.inflight[self.front_end][replica] += 1
+                self._sender[request] = self.front_end
             return
         self._arrive(request, replica)
         if self._tracks_cache:
@@ -275,7 +332,7 @@ class Router:
         """A request will arrive on ``replica`` at ``arrival_s`` (a session's next turn, which
         stays with its conversation): it adds to the load and to the tree from then on (with
         several front ends, from the next publication on)."""
-        heapq.heappush(self._reports if self.front_ends > 1 else self._events,
+        heapq.heappush(self._reports if self._sends_published else self._events,
                        (arrival_s, _ARRIVE, request, replica, []))
         if self._tracks_cache:
             chain = prefix_chain(segments)
@@ -361,7 +418,12 @@ class Router:
             heapq.heappush(self._reports, (first_token_s, _PREFILLED, request, replica, []))
 
     def finished(self, request: int, replica: int, finished_s: float) -> None:
+        """``request`` finished on ``replica`` at ``finished_s`` (or was turned away or given
+        up then): the replicas report it, and the front end that sent it sees its answer end
+        at once (only ``vllm_dp_2026`` counts that)."""
         heapq.heappush(self._reports, (finished_s, _FINISH, request, replica, []))
+        if request in self._sender:
+            heapq.heappush(self._events, (finished_s, _ANSWERED, request, replica, []))
 
     def _end_prefill(self, request: int) -> None:
         # A first token after a preemption, or a finish after the first token: nothing left.
@@ -401,6 +463,8 @@ class Router:
                 self._seat(request)
             elif kind == _PREFILLED:
                 self._end_prefill(request)
+            elif kind == _ANSWERED:
+                self.inflight[self._sender.pop(request)][replica] -= 1
             elif kind == _FINISH:
                 self.load[replica] -= 1
                 self._seat(request)
@@ -415,10 +479,12 @@ class Router:
                 self.trees[replica].insert(chain, event_s)
         if caches is not None:
             caches.catch_up(reported_s)
+        if self.usage is not None:
+            self.usage.catch_up(reported_s)
         for tree in self.trees:
             tree.expire(now_s)
         self._now_s = now_s
-        if self.front_ends > 1 and reported_s > self._published_s:
+        if self._sends_published and reported_s > self._published_s:
             # A publication replaces every front end's copy, its own sends included.
             self._published_s = reported_s
             for counts in self._sent_since:
@@ -435,20 +501,8 @@ class Router:
                 self._routed = (segments, hashes)
             cached = [self._cached(r, chain, hashes) for r in range(self.replicas)]
             return self._cheapest(chain, prompt_len, cached)
-        if self.policy == "vllm_dp":
-            # 4 × waiting + running = load + 3 × waiting, the front end's own sends since
-            # the last publication waiting; ties to the first from where its scan starts
-            # (its share of the replicas: 0 with one front end), as vLLM's.
-            weight = VLLM_DP_WAITING_WEIGHT - 1
-            replicas = self.replicas
-            if self.front_ends > 1:
-                self.front_end = self._rng.randrange(self.front_ends)
-            front_end = self.front_end
-            sent = self._sent_since[front_end]  # (all 0 with one front end)
-            start = replicas * front_end // self.front_ends
-            return min(range(replicas), key=lambda r: (
-                self.load[r] + weight * self.waiting[r] + VLLM_DP_WAITING_WEIGHT * sent[r],
-                (r - start) % replicas))
+        if self.policy in ("vllm_dp", "vllm_dp_2026"):
+            return self._balance()
         if self.policy == "least_loaded" or self._imbalanced():
             replica = self._least_loaded()
         else:
@@ -459,6 +513,41 @@ class Router:
             else:  # no replica holds enough of it: the one with most room in its cache
                 replica = min(range(self.replicas), key=lambda r: (self.trees[r].size, r))
         return replica
+
+    def _balance(self) -> int:
+        """vLLM's balancer, by one of its front ends, drawn at random: the replica of the
+        lowest score, ties to the first from where the front end's scan starts. A score is
+        ``vllm_dp``'s 4 × waiting + running; or ``vllm_dp_2026``'s waiting + running, never
+        under front_ends × the requests the front end has in flight there, plus, while any
+        waits, waiting × 6 × how far the KV cache usage is over a half. The front end's own
+        sends since the last publication count as waiting."""
+        replicas = self.replicas
+        if self.front_ends > 1:
+            self.front_end = self._rng.randrange(self.front_ends)
+        front_end = self.front_end
+        sent = self._sent_since[front_end]  # (all 0 for vllm_dp with one front end)
+        start = self._scan_start[front_end]
+        load, waiting = self.load, self.waiting
+        if self.policy == "vllm_dp":
+            # 4 × waiting + running = load + 3 × waiting.
+            weight = VLLM_DP_WAITING_WEIGHT - 1
+            return min(range(replicas), key=lambda r: (
+                load[r] + weight * waiting[r] + VLLM_DP_WAITING_WEIGHT * sent[r],
+                (r - start) % replicas))
+        inflight = self.inflight[front_end]
+        usage = self.usage.usage if self.usage is not None else [0.0] * replicas
+
+        def score(r: int) -> float:
+            queued = waiting[r] + sent[r]
+            floor = self.front_ends * inflight[r]
+            total = load[r] + sent[r]  # waiting + running
+            pressure = usage[r] - VLLM_DP_KV_PENALTY_FROM
+            return (max(floor, total) + (queued * VLLM_DP_KV_PENALTY * pressure
+                                         if queued and pressure > 0 else 0))
+        # (Rotating the scan start keeps equal scores, as after a publication when every
+        # replica looks alike, from favouring one replica.)
+        self._scan_start[front_end] = (start + 1) % replicas
+        return min(range(replicas), key=lambda r: (score(r), (r - start) % replicas))
 
     def _imbalanced(self) -> bool:
         # SGLang's rule: both the gap and the ratio between the busiest and the idlest.
@@ -503,5 +592,6 @@ class Router:
         return len(weights) - 1  # rounding left the point at the very end
 
 
-__all__ = ["DYNAMO_TTL_S", "VLLM_DP_STATS_INTERVAL_S", "VLLM_DP_WAITING_WEIGHT",
-           "ApproximateTree", "CacheEvents", "Router", "RouterPolicy", "prefix_chain"]
+__all__ = ["DYNAMO_TTL_S", "VLLM_DP_KV_PENALTY", "VLLM_DP_KV_PENALTY_FROM",
+           "VLLM_DP_STATS_INTERVAL_S", "VLLM_DP_WAITING_WEIGHT", "ApproximateTree",
+           "CacheEvents", "Router", "RouterPolicy", "UsageReports", "prefix_chain"]

@@ -704,8 +704,12 @@ class CostConfig(ConfigModel):
 
 class RouterConfig(ConfigModel):
     """Which replica serves each new request (a session's later turns stay with its first).
-    ``vllm_dp`` is vLLM's balancer of its data-parallel ranks: the replica of the lowest
-    4 × waiting (sent, not yet seated, or preempted) + running requests. ``cache_aware`` is
+    ``vllm_dp`` is vLLM's balancer of its data-parallel ranks until July 2026: the replica of
+    the lowest 4 × waiting (sent, not yet seated, or preempted) + running requests.
+    ``vllm_dp_2026`` is its balancer since: the lowest waiting + running, never under the
+    requests the front end has in flight there (× front_ends), plus, while any wait, waiting
+    × 6 × how far the replica's KV cache usage is over a half, its scan for the lowest
+    starting one replica further at each route. ``cache_aware`` is
     SGLang's router: the replica holding the longest prefix of the prompt when that is over
     ``cache_threshold`` of it, else the one caching least; the least loaded whenever loads
     differ by more than ``balance_abs_threshold`` requests and ``balance_rel_threshold``
@@ -717,7 +721,7 @@ class RouterConfig(ConfigModel):
     robin learns what the replicas report every ``stats_interval_s`` (round robin heeds
     none of it, so that a sweep may set it for every policy)."""
 
-    policy: Literal["round_robin", "least_loaded", "vllm_dp", "cache_aware",
+    policy: Literal["round_robin", "least_loaded", "vllm_dp", "vllm_dp_2026", "cache_aware",
                     "kv_aware"] = "round_robin"
     cache_threshold: float = Field(default=0.5, ge=0, le=1)
     balance_abs_threshold: int = Field(default=32, ge=0)
@@ -750,20 +754,20 @@ class RouterConfig(ConfigModel):
         default=None, ge=0, description="how often what the replicas report (seatings, first "
         "tokens, finishes, KV events) reaches the router: each fact at the next multiple of "
         "this interval, while what it sends it counts at once; when omitted 0.1 for vllm_dp "
-        "(vLLM's DP coordinator publishes its ranks' counts every 100 ms), else 0 (a router "
-        "in the request path sees each answer end as it happens)")
+        "and vllm_dp_2026 (vLLM's DP coordinator publishes its ranks' counts every 100 ms), "
+        "else 0 (a router in the request path sees each answer end as it happens)")
     front_ends: PositiveInt = Field(
-        default=1, le=1024, description="vllm_dp: front ends balancing at once (vLLM's "
-        "--api-server-count), each request reaching one drawn at random: each knows what the "
-        "others sent only from the coordinator's publications, counts what it sent since "
-        "front_ends times, and starts its scan for the least loaded replica at its own share "
-        "of them")
+        default=1, le=1024, description="vllm_dp, vllm_dp_2026: front ends balancing at "
+        "once (vLLM's --api-server-count), each request reaching one drawn at random: each "
+        "knows what the others sent only from the coordinator's publications, counts what it "
+        "sent since front_ends times, and starts its scan for the least loaded replica at its "
+        "own share of them")
 
     @model_validator(mode="after")
     def _settings_for_their_policy(self):  # type: ignore[no-untyped-def]
-        if self.front_ends > 1 and self.policy != "vllm_dp":
-            raise ValueError(f"front_ends is for policy vllm_dp (vLLM's API servers), not "
-                             f"{self.policy}")
+        if self.front_ends > 1 and self.policy not in ("vllm_dp", "vllm_dp_2026"):
+            raise ValueError(f"front_ends is for policies vllm_dp and vllm_dp_2026 (vLLM's "
+                             f"API servers), not {self.policy}")
         if self.policy != "kv_aware":
             for name in ("overlap_score_weight", "track_prefill_tokens", "temperature",
                          "ttl_s", "kv_events"):
@@ -798,10 +802,11 @@ class RouterConfig(ConfigModel):
     @property
     def report_interval_s(self) -> float:
         """How often the replicas' reports reach the router: ``stats_interval_s``, or if
-        omitted vLLM's 100 ms for ``vllm_dp`` and at once (0) for the others."""
+        omitted vLLM's 100 ms for its balancers and at once (0) for the others."""
         if self.stats_interval_s is not None:
             return self.stats_interval_s
-        return VLLM_DP_STATS_INTERVAL_S if self.policy == "vllm_dp" else 0.0
+        return (VLLM_DP_STATS_INTERVAL_S if self.policy in ("vllm_dp", "vllm_dp_2026")
+                else 0.0)
 
 
 class SloConfig(ConfigModel):

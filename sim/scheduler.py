@@ -488,6 +488,10 @@ class Scheduler:
         self.allocator = allocator
         # Whether each step lists the requests it seated and preempted (Batch.seatings).
         self.tells_seatings = tells_seatings
+        # (end of step, the pool's kv_cache_usage then) at each step end that changed it, for
+        # a balancer that reads it (see log_usage); None: nobody reads it.
+        self.usage_log: deque[tuple[float, float]] | None = None
+        self._usage_logged = -1.0
         # The token clock (see the module's docstring) reads ⌊acc / den⌋: acc moves on by
         # each step's rate (τ·den, of the drafts the step verifies), so that with one K it
         # reads ⌊steps·τ⌋. Readings before this step, now and after it: events are keyed by
@@ -1376,6 +1380,15 @@ class Scheduler:
         finished += self._finish_due(end_s)
         return finished
 
+    def log_usage(self, end_s: float) -> None:
+        """Log the pool's usage at the end of a step (``end_s``), if it changed since the last
+        log: what vLLM's engine publishes after each step, the step's claims and the memory
+        its finishes and aborts freed included (those of the next step's schedule not)."""
+        usage = self.allocator.kv_cache_usage
+        if usage != self._usage_logged and self.usage_log is not None:
+            self._usage_logged = usage
+            self.usage_log.append((end_s, usage))
+
     def _abort_overdue(self, end_s: float) -> int:
         """Abort every seated request whose client gave up by ``end_s``, the end of a step
         (reading a prompt, decoding, or given no budget): its KV is freed, the blocks it
@@ -1518,8 +1531,10 @@ class Scheduler:
             aborted += self._deliver_step()
             if self.debug or self._due_now(finishes):
                 finished = self._finish_due(clock_s)
-                if finished:
-                    break
+            if self.usage_log is not None:
+                self.log_usage(clock_s)  # (before the next step's claims, as stepping does)
+            if finished:
+                break
             if clock_s >= stop_at_s or changed or aborted:
                 break
             if self._due_now(grows):

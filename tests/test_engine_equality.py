@@ -249,6 +249,10 @@ def random_scenario(seed: int) -> dict:
     default = "vllm_dp" if routed.get("data_parallel_size", 1) > 1 else "round_robin"
     if router.get("policy", default) == "vllm_dp" and rng.random() < 0.4:
         router["front_ends"] = rng.choice([2, 3, 8])
+    # Drawn last, as the above: vLLM's balancer since July 2026, which reads how full each
+    # replica's KV cache is (logged at step ends, in runs of decode steps too).
+    if router.get("policy", default) == "vllm_dp" and rng.random() < 0.5:
+        router["policy"] = "vllm_dp_2026"
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",

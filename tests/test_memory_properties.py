@@ -162,6 +162,10 @@ class _AllocatorMachine(RuleBasedStateMachine):
         snap = self.allocator.snapshot()
         assert snap.total == self.allocator.capacity_slots
         assert snap.token <= sum(self.tokens.values())
+        # The usage vLLM publishes: the slots held (written, to be written, or never to be:
+        # whole blocks or extents), a cached block no sequence holds counting as free.
+        held = snap.token + snap.reserved + snap.internal
+        assert abs(self.allocator.kv_cache_usage - held / snap.total) < 1e-12
 
 
 def _prefix_of(segments, n):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, deque
+from itertools import pairwise
 from pathlib import Path
 
 import pandas as pd
@@ -13,7 +14,7 @@ import pytest
 import yaml
 from conftest import kvsim_in_process
 
-from sim.engine import run_scenario, scenario_trace
+from sim.engine import MEMORY_COLUMNS, run_scenario, scenario_trace
 from sim.metrics import format_summary
 from sim.router import ApproximateTree, CacheEvents, Router, prefix_chain
 from sim.scenario import ScenarioError, scenario_from_dict
@@ -239,6 +240,107 @@ def test_vllm_dp_weighs_a_waiting_request_four_times_a_running_one():
     assert again.route(2.5, chain, 100) == 0 and again.waiting == [0, 0]
 
 
+def test_vllm_dp_2026_spreads_a_burst_and_rotates_its_scan():
+    # vLLM's balancer since July 2026: waiting + running, a request the front end sent since
+    # the last publication waiting; ties to the first from a scan start that moves on by one
+    # at each route, so that replicas alike after a publication are not taken in one order.
+    chain = [(1, 100)]
+    router = Router("vllm_dp_2026", 3, cache_slots=10_000, stats_interval_s=0.1)
+    picks = []
+    for request in range(4):
+        picks.append(router.route(0.01 * (request + 1), chain, 100))
+        router.assign(picks[-1], chain, request)
+    assert picks == [0, 1, 2, 0] and router.inflight == [[2, 1, 1]]
+    # Every answer ends at 0.05: the front end sees it at once, the counts at 0.1.
+    for request, replica in enumerate(picks):
+        router.finished(request, replica, 0.05)
+    router.route(0.06, chain, 100)
+    assert router.inflight == [[0, 0, 0]] and router.load == [0, 0, 0]
+    assert router._sent_since == [[2, 1, 1]]  # (counted as waiting until published)
+    # Published: all alike, the scan starting at replica 2 now (0 under vllm_dp).
+    assert router.route(0.15, chain, 100) == 2
+    assert router.route(0.16, chain, 100) == 0  # (nothing sent: alike still, one further)
+    old = Router("vllm_dp", 3, cache_slots=10_000, stats_interval_s=0.1)
+    assert [old.route(t, chain, 100) for t in (0.15, 0.16)] == [0, 0]
+
+
+def test_vllm_dp_2026_never_counts_fewer_than_a_front_end_has_in_flight():
+    # With several front ends, each counts the requests it sent a replica and has not seen
+    # finish, times the number of front ends, as the least that replica holds: here front
+    # end 0 sent 3 to replica 0 and front end 1 sent 4 to replica 1, all seated and
+    # published. vllm_dp would send both front ends' next request to replica 0 (3 < 4).
+    chain = [(1, 100)]
+    router = Router("vllm_dp_2026", 2, cache_slots=10_000, stats_interval_s=1.0,
+                    front_ends=2)
+    for request, (front_end, replica) in enumerate([(0, 0)] * 3 + [(1, 1)] * 4):
+        router.front_end = front_end
+        router.assign(replica, chain, request)
+        router.admitted(request, replica, 0.5)
+    assert router.inflight == [[3, 0], [0, 4]]
+    picks: dict[int, set[int]] = {0: set(), 1: set()}
+    for tick in range(20):  # routes only, sending nothing: each front end's view stays
+        replica = router.route(1.1 + 0.01 * tick, chain, 100)
+        picks[router.front_end].add(replica)
+    assert router.load == [3, 4] and router.waiting == [0, 0]
+    # Front end 0: max(2 × 3, 3) = 6 against 4; front end 1: 3 against max(2 × 4, 4) = 8.
+    assert picks == {0: {1}, 1: {0}}
+
+
+def test_vllm_dp_2026_keeps_new_requests_from_a_full_cache_with_a_queue():
+    # While requests wait on a replica, its score grows by waiting × 6 × how far its KV cache
+    # usage is over a half, as last reported: 1 waiting at 90 % scores 1 + 2.4 = 3.4, more
+    # than 2 waiting at 40 %.
+    chain = [(1, 100)]
+    router = Router("vllm_dp_2026", 2, cache_slots=10_000, stats_interval_s=0.0)
+    logs: list[deque[tuple[float, float]]] = [deque([(0.0, 0.9)]), deque([(0.0, 0.4)])]
+    router.watch_usage(logs)
+    for request, replica in enumerate([0, 1, 1]):
+        router.assign(replica, chain, request)
+    assert router.route(1.0, chain, 100) == 1
+    assert router.usage is not None and router.usage.usage == [0.9, 0.4]
+    # Replica 0 reports 55 % at 2.0 (1 + 0.3 = 1.3 against 2), heard once that is past.
+    logs[0].append((2.0, 0.55))
+    assert router.route(2.0, chain, 100) == 1
+    assert router.route(2.01, chain, 100) == 0
+    # Nobody waiting: no penalty however full (1 running at 100 % against 2 waiting).
+    logs[0].append((3.0, 1.0))
+    router.admitted(0, 0, 3.0)
+    assert router.route(3.5, chain, 100) == 0
+    assert Router("vllm_dp", 2, cache_slots=10_000).reads_usage is False
+
+
+class UsageKeepingRouter(Router):
+    """A router that keeps the replicas' usage logs it was given (read nothing of them:
+    reports every 10⁶ s)."""
+
+    last: UsageKeepingRouter
+
+    def watch_usage(self, logs: list[deque[tuple[float, float]]]) -> None:
+        UsageKeepingRouter.last = self
+        self.logs = logs
+        super().watch_usage(logs)
+
+
+def test_each_replica_logs_its_kv_cache_usage_at_the_step_ends_that_change_it(monkeypatch):
+    monkeypatch.setattr("sim.engine.Router", UsageKeepingRouter)
+    data = routed(2, "vllm_dp_2026", requests=200, rate=60, stats_interval_s=1e6)
+    logs = {}
+    for mode in ("jump", "step"):
+        data["engine"]["mode"] = mode
+        run = run_scenario(scenario_from_dict(data)).systems["paged"]
+        logs[mode] = [list(log) for log in UsageKeepingRouter.last.logs]
+    assert logs["jump"] == logs["step"]  # runs of decode steps log as steps do
+    for replica, log in enumerate(logs["step"]):
+        ends = run.steps[run.steps["replica"] == replica]
+        step_ends = (ends["time_s"] + ends["duration_s"]).to_numpy()
+        times, usage = [t for t, _ in log], [u for _, u in log]
+        assert len(log) > 20 and times == sorted(times) and len(set(times)) == len(times)
+        assert all(abs(step_ends - t).min() < 1e-9 for t in times)  # at step ends only
+        assert all(a != b for a, b in pairwise(usage))  # on changes
+        # Full at times; empty at the end, a cached block no request holds counting free.
+        assert max(usage) > 0.9 and usage[-1] == 0.0 and min(usage[:-1]) > 0
+
+
 def test_a_router_hears_from_the_replicas_only_when_they_report():
     # vLLM's coordinator publishes its ranks' counts every 100 ms: a seating or a finish
     # reaches the front end at the first publication after it, while each request the
@@ -373,7 +475,8 @@ def test_kv_aware_router_temperature_draws_by_softmax_of_scaled_costs():
     assert runs[0] == runs[1] != runs[2]
 
 
-@pytest.mark.parametrize("policy", ["least_loaded", "vllm_dp", "cache_aware", "kv_aware"])
+@pytest.mark.parametrize("policy", ["least_loaded", "vllm_dp", "vllm_dp_2026", "cache_aware",
+                                    "kv_aware"])
 @pytest.mark.parametrize("seed", range(6))
 def test_routing_is_the_same_in_jump_and_step_mode(policy, seed):
     rng = random.Random(seed)
@@ -525,7 +628,7 @@ def test_settings_that_change_nothing_are_noted(tmp_path):
 def test_router_settings_are_checked():
     refused = [
         ("sticky", {}, r"engine.router.policy: Input should be 'round_robin', 'least_loaded', "
-                       r"'vllm_dp', 'cache_aware' or 'kv_aware'"),
+                       r"'vllm_dp', 'vllm_dp_2026', 'cache_aware' or 'kv_aware'"),
         ("cache_aware", {"overlap_score_weight": 2},
          r"engine.router: overlap_score_weight is for policy kv_aware, not cache_aware"),
         ("kv_aware", {"overlap_score_weight": -1},
@@ -546,8 +649,8 @@ def test_router_settings_are_checked():
         ("vllm_dp", {"stats_interval_s": -0.1},
          r"engine.router.stats_interval_s: Input should be greater than or equal to 0"),
         ("least_loaded", {"front_ends": 2},
-         r"engine.router: front_ends is for policy vllm_dp \(vLLM's API servers\), not "
-         r"least_loaded"),
+         r"engine.router: front_ends is for policies vllm_dp and vllm_dp_2026 \(vLLM's API "
+         r"servers\), not least_loaded"),
         ("vllm_dp", {"front_ends": 0},
          r"engine.router.front_ends: Input should be greater than 0"),
     ]
@@ -555,8 +658,9 @@ def test_router_settings_are_checked():
         with pytest.raises(ScenarioError, match=message):
             scenario_from_dict(routed(2, policy, **settings))
     assert [scenario_from_dict(routed(2, policy)).engine.router.report_interval_s
-            for policy in ("vllm_dp", "least_loaded", "cache_aware", "kv_aware")] == [
-        0.1, 0.0, 0.0, 0.0]  # vLLM's coordinator; the others see each answer pass
+            for policy in ("vllm_dp", "vllm_dp_2026", "least_loaded", "cache_aware",
+                           "kv_aware")] == [
+        0.1, 0.1, 0.0, 0.0, 0.0]  # vLLM's coordinator; the others see each answer pass
     assert scenario_from_dict(routed(2, "vllm_dp", stats_interval_s=0)).engine.router \
         .report_interval_s == 0.0
     hybrid = routed(2, "kv_aware", kv_events=True)
@@ -695,3 +799,61 @@ def test_vllm_dp_routes_each_request_by_the_queues_it_could_know(stats_interval_
     counted = run_scenario(scenario_from_dict(
         dict(data, engine={**data["engine"], "router": {"policy": "least_loaded"}})))
     assert not counted.systems["paged"].requests["replica"].equals(run.requests["replica"])
+
+
+@pytest.mark.parametrize("stats_interval_s, front_ends", [(0.0, 1), (None, 1), (None, 4)])
+def test_vllm_dp_2026_routes_each_request_by_what_its_front_end_could_know(
+        stats_interval_s, front_ends, monkeypatch):
+    # Replayed from the results, in a pool that is never half full (no KV penalty; the
+    # unit test above has it): at each arrival, each replica's waiting + running as last
+    # published (requests routed before the publication, seatings heard by then), plus the
+    # front end's own sends since counted front_ends times as waiting; never under
+    # front_ends × its own requests there whose answers have not ended yet; the lowest wins,
+    # ties to the first from the front end's share of the replicas, one further at each of
+    # its routes.
+    monkeypatch.setattr("sim.engine.Router", RecordingRouter)
+    data = routed(3, "vllm_dp_2026", requests=300, rate=60)
+    data["memory"]["kv_memory_gib"] = 40
+    data["systems"][0]["scheduler"] = {"max_num_seqs": 8}
+    data["engine"]["mode"] = "step"
+    data["engine"]["router"]["front_ends"] = front_ends
+    if stats_interval_s is not None:
+        data["engine"]["router"]["stats_interval_s"] = stats_interval_s
+    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    memory = run.memory
+    held = memory["token"] + memory["reserved"] + memory["internal"]
+    assert (held / memory[list(MEMORY_COLUMNS[:-1])].sum(axis=1)).max() < 0.5
+    heard: dict[int, list[tuple[float, bool]]] = {}
+    for move_s, request, seated in RecordingRouter.last.moves:
+        heard.setdefault(request, []).append((move_s, seated))
+    front_end_of = RecordingRouter.last.front_end_of
+    requests = run.requests.sort_values(["arrival_s", "request"], kind="stable")
+    assert not requests["rejected"].any() and requests["finished_s"].notna().all()
+    seen: list[tuple[int, int, float, float]] = []  # (request, replica, arrival, finished)
+    routes = [0] * front_ends
+    floored = bumped = waited = 0
+    for row in requests.itertuples():
+        t = row.arrival_s
+        known_s = t if stats_interval_s == 0.0 else math.floor(t / 0.1) * 0.1
+        mine = front_end_of[row.request]
+        total, inflight = [0] * 3, [0] * 3
+        for request, replica, arrival, finished in seen:
+            if front_end_of[request] == mine and finished >= t:
+                inflight[replica] += 1  # (its answer has not ended yet)
+            if arrival >= known_s:  # sent since the publication
+                if front_end_of[request] == mine:
+                    total[replica] += front_ends
+                    bumped += 1
+            elif finished >= known_s:  # published, and not finished by then
+                total[replica] += 1
+                moves = [seated for move_s, seated in heard[request] if move_s < known_s]
+                waited += not moves or not moves[-1]
+        scores = [max(front_ends * inflight[r], total[r]) for r in range(3)]
+        floored += any(front_ends * inflight[r] > total[r] for r in range(3))
+        start = (3 * mine // front_ends + routes[mine]) % 3
+        routes[mine] += 1
+        order = sorted(range(3), key=lambda r: (scores[r], (r - start) % 3))
+        assert row.replica == order[0], row.request
+        seen.append((row.request, row.replica, t, row.finished_s))
+    assert (bumped > 100) == (stats_interval_s is None) and waited > 100
+    assert (floored > 20) == (front_ends > 1)  # the floor decided where counts were low

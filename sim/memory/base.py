@@ -164,6 +164,13 @@ class KVAllocator(ABC):
     def can_admit_ever(self, spec: SeqSpec) -> bool:
         """Whether ``spec`` would fit in an otherwise empty pool."""
 
+    @property
+    @abstractmethod
+    def kv_cache_usage(self) -> float:
+        """The share of the pool held now, 0 to 1, as vLLM's engines publish it
+        (``kv_cache_usage``: blocks in use over all, a cached block no table holds counting as
+        free; here also a contiguous pool's reserved extents over its slots)."""
+
     @abstractmethod
     def snapshot(self, waiting: SeqSpec | None = None) -> MemorySnapshot:
         """The taxonomy now; ``waiting`` is the head-of-line request (defines ``external``)."""

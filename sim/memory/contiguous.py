@@ -276,6 +276,10 @@ class ContiguousAllocator(KVAllocator):
         return max(0, min(limit, room))
 
     # ------------------------------------------------------------------ accounting
+    @property
+    def kv_cache_usage(self) -> float:
+        return self._reserved_total / self.capacity_slots
+
     def snapshot(self, waiting: SeqSpec | None = None) -> MemorySnapshot:
         free_total = self.capacity_slots - self._reserved_total
         external = 0

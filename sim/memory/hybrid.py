@@ -157,6 +157,10 @@ class HybridPagedAllocator(KVAllocator):
         """Blocks anyone may take now: the pool's free ones less those promised."""
         return self.pool.num_free - self._promised
 
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.num_blocks
+
     def num_tokens(self, seq_id: int) -> int:
         return self._seq(seq_id).num_tokens
 

@@ -117,6 +117,10 @@ class PagedAllocator(KVAllocator):
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.num_blocks
+
     def num_tokens(self, seq_id: int) -> int:
         return self._seq(seq_id).num_tokens
 
