@@ -16,6 +16,7 @@ from conftest import kvsim_in_process
 
 from sim.engine import MEMORY_COLUMNS, run_scenario, scenario_trace
 from sim.metrics import format_summary
+from sim.results import RunResult
 from sim.router import ApproximateTree, CacheEvents, Router, prefix_chain
 from sim.scenario import ScenarioError, scenario_from_dict
 
@@ -729,6 +730,29 @@ class RecordingRouter(Router):
         super().preempted(request, replica, preempted_s)
 
 
+def recorded_run(policy: str, stats_interval_s: float | None, front_ends: int,
+                 monkeypatch: pytest.MonkeyPatch, kv_memory_gib: float | None = None
+                 ) -> tuple[dict, RunResult, dict[int, list[tuple[float, bool]]]]:
+    """A step run of three replicas behind ``policy`` with few seats (queues wait): its
+    scenario, its result, and the seatings (True) and preemptions (False) the router was
+    told of, (when, which) by request."""
+    monkeypatch.setattr("sim.engine.Router", RecordingRouter)
+    data = routed(3, policy, requests=300, rate=60)
+    if kv_memory_gib is not None:
+        data["memory"]["kv_memory_gib"] = kv_memory_gib
+    data["systems"][0]["scheduler"] = {"max_num_seqs": 8}
+    data["engine"]["mode"] = "step"
+    data["engine"]["router"]["front_ends"] = front_ends
+    if stats_interval_s is not None:
+        data["engine"]["router"]["stats_interval_s"] = stats_interval_s
+    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    moves: dict[int, list[tuple[float, bool]]] = {}
+    assert RecordingRouter.last is not None
+    for move_s, request, seated in RecordingRouter.last.moves:
+        moves.setdefault(request, []).append((move_s, seated))
+    return data, run, moves
+
+
 @pytest.mark.parametrize("stats_interval_s, front_ends", [(0.0, 1), (None, 1), (None, 4)])
 def test_vllm_dp_routes_each_request_by_the_queues_it_could_know(stats_interval_s,
                                                                   front_ends, monkeypatch):
@@ -740,17 +764,7 @@ def test_vllm_dp_routes_each_request_by_the_queues_it_could_know(stats_interval_
     # of 100 ms; what it routed it counts at once (vLLM's local increment). With several
     # front ends, each knows the others' routes from the publications alone, counts its own
     # since the last one front_ends times, and breaks ties from its share of the replicas.
-    monkeypatch.setattr("sim.engine.Router", RecordingRouter)
-    data = routed(3, "vllm_dp", requests=300, rate=60)
-    data["systems"][0]["scheduler"] = {"max_num_seqs": 8}
-    data["engine"]["mode"] = "step"
-    data["engine"]["router"]["front_ends"] = front_ends
-    if stats_interval_s is not None:
-        data["engine"]["router"]["stats_interval_s"] = stats_interval_s
-    run = run_scenario(scenario_from_dict(data)).systems["paged"]
-    moves: dict[int, list[tuple[float, bool]]] = {}
-    for move_s, request, seated in RecordingRouter.last.moves:
-        moves.setdefault(request, []).append((move_s, seated))
+    data, run, moves = recorded_run("vllm_dp", stats_interval_s, front_ends, monkeypatch)
     requests = run.requests.sort_values(["arrival_s", "request"], kind="stable")
     assert not requests["rejected"].any()
     # The engine told the router of every seating and preemption the results show, each at
@@ -811,21 +825,11 @@ def test_vllm_dp_2026_routes_each_request_by_what_its_front_end_could_know(
     # front_ends × its own requests there whose answers have not ended yet; the lowest wins,
     # ties to the first from the front end's share of the replicas, one further at each of
     # its routes.
-    monkeypatch.setattr("sim.engine.Router", RecordingRouter)
-    data = routed(3, "vllm_dp_2026", requests=300, rate=60)
-    data["memory"]["kv_memory_gib"] = 40
-    data["systems"][0]["scheduler"] = {"max_num_seqs": 8}
-    data["engine"]["mode"] = "step"
-    data["engine"]["router"]["front_ends"] = front_ends
-    if stats_interval_s is not None:
-        data["engine"]["router"]["stats_interval_s"] = stats_interval_s
-    run = run_scenario(scenario_from_dict(data)).systems["paged"]
+    _, run, heard = recorded_run("vllm_dp_2026", stats_interval_s, front_ends, monkeypatch,
+                                 kv_memory_gib=40)
     memory = run.memory
     held = memory["token"] + memory["reserved"] + memory["internal"]
     assert (held / memory[list(MEMORY_COLUMNS[:-1])].sum(axis=1)).max() < 0.5
-    heard: dict[int, list[tuple[float, bool]]] = {}
-    for move_s, request, seated in RecordingRouter.last.moves:
-        heard.setdefault(request, []).append((move_s, seated))
     front_end_of = RecordingRouter.last.front_end_of
     requests = run.requests.sort_values(["arrival_s", "request"], kind="stable")
     assert not requests["rejected"].any() and requests["finished_s"].notna().all()
