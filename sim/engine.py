@@ -472,6 +472,8 @@ class _Replica:
         # A line that turns new arrivals away when full (scheduler.max_queued_requests).
         self.bounded = (role != "decode"
                         and sim.system.scheduler.max_queued_requests is not None)
+        # ... and counts a request from this engine's intake: it hears of each one.
+        self.tells_intake = tells_seatings
 
     # -------------------------------------------------------------- arrivals
     def next_arrival(self) -> float:
@@ -505,6 +507,9 @@ class _Replica:
             request = prepared or Request(sim.trace, index, t)
             if self.role == "prefill":
                 sim.serve_as(request, self)
+            if self.tells_intake and not request.rejected:
+                sim.router.taken_in(sim.router_key(request), self.index,  # type: ignore[union-attr]
+                                    self.clock)
             # (A decode replica's line takes every request handed over: none is shed.)
             if request.rejected or not self.scheduler.add(request, bounded=self.bounded):
                 sim.on_done(self, request, t)
@@ -551,8 +556,9 @@ class _Replica:
                 snap = sched.snapshot()
                 # An arrival matters only to an empty queue (behind a blocked head it
                 # waits), unless its priority or its length may put it ahead of that head,
-                # or a bounded line may turn it away.
-                heeded = not sched.waiting or sched.waiting.ordered or self.bounded
+                # a bounded line may turn it away, or vLLM's balancer hears of its intake.
+                heeded = (not sched.waiting or sched.waiting.ordered or self.bounded
+                          or self.tells_intake)
                 stop_at = self.next_arrival() if heeded else math.inf
                 if self.role == "decode" and heeded:
                     stop_at = min(stop_at, sim.handover_horizon())

@@ -196,27 +196,29 @@ class UsageReports:
 
 
 class Router:
-    """Routes open arrivals by load and cache (``least_loaded``, ``vllm_dp``,
+    """Routes open arrivals by load and cache (``least_loaded``, ``vllm_dp``, ``vllm_dp_2026``,
     ``cache_aware``, ``kv_aware``); ``round_robin`` needs no state and the engine assigns it
     up front. The engine tells the router of every request that will run on a replica
     (:meth:`assign` as it routes, :meth:`expect` for a session's later turns), of every
-    seating and preemption (:meth:`admitted`, :meth:`preempted`, which only ``vllm_dp``
-    heeds), of every first token
-    (:meth:`prefilled`, which only ``kv_aware`` heeds) and of every finish (:meth:`finished`),
-    each at its simulated time (``vllm_dp_2026`` also reads each replica's KV cache usage,
-    :meth:`watch_usage`). ``cache_slots`` is what one replica can cache (its GPU pool
-    and host tier), which bounds ``cache_aware``'s memory of prefixes; ``kv_aware``'s forgets
-    a prefix ``ttl_s`` after it was last sent, as Dynamo's, unless it reads the replicas' KV
-    events (:meth:`watch_caches`) and so knows what they cache. ``kv_aware`` draws with
-    ``temperature`` from a generator seeded by ``seed``, one draw per route, so a run
-    repeats exactly. With ``stats_interval_s`` what the replicas report (seatings, first
-    tokens, finishes, KV events) reaches the router only at the next multiple of that
-    interval; what it sends (and a session's turns it expects) it knows at once. With
-    ``front_ends`` (``vllm_dp`` and ``vllm_dp_2026`` only) each route is made by one of them,
-    drawn at random: what all of them sent reaches it with the replicas' reports, and what it
-    sent itself since counts ``front_ends`` times until then. ``vllm_dp_2026`` counts what it
-    sends that way with one front end too, and besides, per front end, the requests it sent
-    each replica and has not seen finish (at once: answers stream back to it)."""
+    intake, seating and preemption (:meth:`taken_in`, :meth:`admitted`, :meth:`preempted`,
+    which only vLLM's balancers heed), of every first token (:meth:`prefilled`, which only
+    ``kv_aware`` heeds) and of every finish (:meth:`finished`), each at its simulated time
+    (``vllm_dp_2026`` also reads each replica's KV cache usage, :meth:`watch_usage`).
+    ``cache_slots`` is what one replica can cache (its GPU pool and host tier), which bounds
+    ``cache_aware``'s memory of prefixes; ``kv_aware``'s forgets a prefix ``ttl_s`` after it
+    was last sent, as Dynamo's, unless it reads the replicas' KV events (:meth:`watch_caches`)
+    and so knows what they cache. ``kv_aware`` draws with ``temperature`` from a generator
+    seeded by ``seed``, one draw per route, so a run repeats exactly. With
+    ``stats_interval_s`` what the replicas report (intakes, seatings, first tokens,
+    finishes, KV events) reaches the router only at the next multiple of that interval; what
+    it sends (and a session's turns it expects) it knows at once, but vLLM's balancers count
+    a request sent as their front end does: in its own copy of the counts, until the next
+    publication replaces the copy, and in the published counts from its intake on. With
+    ``front_ends`` (vLLM's balancers only) each route is made by one of them, drawn at
+    random: what the others sent reaches it with the replicas' reports, and what it sent
+    itself counts ``front_ends`` times in its copy. ``vllm_dp_2026`` counts besides, per
+    front end, the requests it sent each replica and has not seen finish (at once: answers
+    stream back to it)."""
 
     def __init__(self, policy: RouterPolicy, replicas: int, cache_slots: int, *,
                  cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
@@ -226,13 +228,12 @@ class Router:
                  stats_interval_s: float = 0.0, front_ends: int = 1, seed: int = 0) -> None:
         self.policy = policy
         self.stats_interval_s = stats_interval_s
-        vllm = policy in ("vllm_dp", "vllm_dp_2026")
-        assert front_ends == 1 or vllm, "several front ends balance as vLLM's"
+        # vLLM's balancers: what a front end sends reaches the counts only once its engine
+        # has taken it in (taken_in) and the next publication after that, counted
+        # front_ends times in its own copy until a publication replaces the copy.
+        self._vllm = policy in ("vllm_dp", "vllm_dp_2026")
+        assert front_ends == 1 or self._vllm, "several front ends balance as vLLM's"
         self.front_ends = front_ends
-        # Whether what a front end sends reaches the counts only with the next publication,
-        # counted front_ends times in its own copy until then (vLLM's; vllm_dp with one
-        # front end counts it at once instead).
-        self._sends_published = front_ends > 1 or policy == "vllm_dp_2026"
         # Per front end, the requests it sent each replica since the last publication, as
         # it counts them (front_ends times each); and the one that made the last route.
         self._sent_since = [[0] * replicas for _ in range(front_ends)]
@@ -296,8 +297,8 @@ class Router:
     @property
     def counts_waiting(self) -> bool:
         """Whether the router tells waiting requests from running ones (vLLM's balancers):
-        it then heeds every seating and preemption."""
-        return self.policy in ("vllm_dp", "vllm_dp_2026")
+        it then heeds every intake, seating and preemption."""
+        return self._vllm
 
     @property
     def reads_usage(self) -> bool:
@@ -312,8 +313,7 @@ class Router:
         """Request ``request``, just routed, will run on ``replica``: it loads it from now
         on (requests that arrive together see each other; with several front ends, the
         others hear of it at the next publication)."""
-        if self._sends_published:
-            heapq.heappush(self._reports, (self._now_s, _ARRIVE, request, replica, []))
+        if self._vllm:
             self._sent_since[self.front_end][replica] += self.front_ends
             if self.reads_usage:
                 self.inflight[self.front_end][replica] += 1
@@ -330,10 +330,10 @@ class Router:
 
     def expect(self, request: int, replica: int, arrival_s: float, segments: Segments) -> None:
         """A request will arrive on ``replica`` at ``arrival_s`` (a session's next turn, which
-        stays with its conversation): it adds to the load and to the tree from then on (with
-        several front ends, from the next publication on)."""
-        heapq.heappush(self._reports if self._sends_published else self._events,
-                       (arrival_s, _ARRIVE, request, replica, []))
+        stays with its conversation): it adds to the load and to the tree from then on (for
+        vLLM's balancers, from the publication after its intake on)."""
+        if not self._vllm:
+            heapq.heappush(self._events, (arrival_s, _ARRIVE, request, replica, []))
         if self._tracks_cache:
             chain = prefix_chain(segments)
             if self.policy == "kv_aware":
@@ -396,6 +396,13 @@ class Router:
         replica = self._unseated.pop(request, None)
         if replica is not None:
             self.waiting[replica] -= 1
+
+    def taken_in(self, request: int, replica: int, taken_s: float) -> None:
+        """``replica``'s engine took ``request`` in (into its waiting queue, or turned it away
+        at once) at ``taken_s``: vLLM's engines count it from then on, in the counts they
+        publish before and after each step (only vLLM's balancers heed that)."""
+        if self._vllm:
+            heapq.heappush(self._reports, (taken_s, _ARRIVE, request, replica, []))
 
     def admitted(self, request: int, replica: int, admitted_s: float) -> None:
         """``request`` was seated on ``replica`` (its prefill scheduled), first or again
@@ -484,7 +491,7 @@ class Router:
         for tree in self.trees:
             tree.expire(now_s)
         self._now_s = now_s
-        if self._sends_published and reported_s > self._published_s:
+        if self._vllm and reported_s > self._published_s:
             # A publication replaces every front end's copy, its own sends included.
             self._published_s = reported_s
             for counts in self._sent_since:

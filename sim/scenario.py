@@ -705,7 +705,8 @@ class CostConfig(ConfigModel):
 class RouterConfig(ConfigModel):
     """Which replica serves each new request (a session's later turns stay with its first).
     ``vllm_dp`` is vLLM's balancer of its data-parallel ranks until July 2026: the replica of
-    the lowest 4 × waiting (sent, not yet seated, or preempted) + running requests.
+    the lowest 4 × waiting (taken in, not yet seated, or preempted) + running requests, as
+    its coordinator last published them, each front end adding what it sent since.
     ``vllm_dp_2026`` is its balancer since: the lowest waiting + running, never under the
     requests the front end has in flight there (× front_ends), plus, while any wait, waiting
     × 6 × how far the replica's KV cache usage is over a half, its scan for the lowest
