@@ -752,9 +752,10 @@ class RouterConfig(ConfigModel):
         "and removed, as vLLM sends them to Dynamo's router, Dynamo's default mode), instead "
         "of believing what it sent for ttl_s; false when omitted")
     stats_interval_s: float | None = Field(
-        default=None, ge=0, description="how often what the replicas report (seatings, first "
-        "tokens, finishes, KV events) reaches the router: each fact at the next multiple of "
-        "this interval, while what it sends it counts at once; when omitted 0.1 for vllm_dp "
+        default=None, ge=0, description="how often what the replicas report (intakes, "
+        "seatings, first tokens, finishes, KV events) reaches the router: each fact at the next "
+        "multiple of this interval, while what it sends it counts at once (vLLM's balancers: "
+        "until the next publication); when omitted 0.1 for vllm_dp "
         "and vllm_dp_2026 (vLLM's DP coordinator publishes its ranks' counts every 100 ms), "
         "else 0 (a router in the request path sees each answer end as it happens)")
     front_ends: PositiveInt = Field(
