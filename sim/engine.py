@@ -430,9 +430,10 @@ class _Replica:
         self.pool_scale = 1.0  # its slots in those of the pool the summary is of (see run)
         overflow_to_max = getattr(sim.system.allocator, "on_overflow", None) == "request_max"
 
-        # vLLM's balancer counts who waits: it hears of every seating and preemption here.
-        tells_seatings = (sim.router is not None and sim.router.counts_waiting
-                          and role != "decode")
+        # vLLM's balancer counts who waits: it hears of every intake, seating and
+        # preemption here.
+        self.tells_balancer = (sim.router is not None and sim.router.counts_waiting
+                             and role != "decode")
 
         def scheduler(waiting: WaitingLine | None = None) -> Scheduler:
             return Scheduler(allocator, sim.system.scheduler, sim.debug, setup.swap_slots,
@@ -442,7 +443,7 @@ class _Replica:
                              ttft_timeout_s=sim.ttft_timeout_s,
                              e2e_timeout_s=sim.e2e_timeout_s,
                              itl_timeout_s=sim.itl_timeout_s,
-                             tells_seatings=tells_seatings)
+                             tells_seatings=self.tells_balancer)
 
         self.scheduler = scheduler()
         # Pipeline stages: a scheduler for each batch in flight, all of one allocator, one
@@ -472,8 +473,6 @@ class _Replica:
         # A line that turns new arrivals away when full (scheduler.max_queued_requests).
         self.bounded = (role != "decode"
                         and sim.system.scheduler.max_queued_requests is not None)
-        # ... and counts a request from this engine's intake: it hears of each one.
-        self.tells_intake = tells_seatings
 
     # -------------------------------------------------------------- arrivals
     def next_arrival(self) -> float:
@@ -507,7 +506,7 @@ class _Replica:
             request = prepared or Request(sim.trace, index, t)
             if self.role == "prefill":
                 sim.serve_as(request, self)
-            if self.tells_intake and not request.rejected:
+            if self.tells_balancer and not request.rejected:
                 sim.router.taken_in(sim.router_key(request), self.index,  # type: ignore[union-attr]
                                     self.clock)
             # (A decode replica's line takes every request handed over: none is shed.)
@@ -558,7 +557,7 @@ class _Replica:
                 # waits), unless its priority or its length may put it ahead of that head,
                 # a bounded line may turn it away, or vLLM's balancer hears of its intake.
                 heeded = (not sched.waiting or sched.waiting.ordered or self.bounded
-                          or self.tells_intake)
+                          or self.tells_balancer)
                 stop_at = self.next_arrival() if heeded else math.inf
                 if self.role == "decode" and heeded:
                     stop_at = min(stop_at, sim.handover_horizon())
@@ -716,8 +715,7 @@ class _Replica:
         finished = (sched or self.scheduler).finish_step(batch, clock_s)
         if self.sim.router is not None and self.role != "decode":
             self.sim.tell_router(self, batch, clock_s)
-            if self.scheduler.usage_log is not None:
-                self.scheduler.log_usage(clock_s)
+            self.scheduler.log_usage(clock_s)
         return finished
 
     def end_steps(self, start_s: float, clock_s: float, steps: int, batch: Batch,

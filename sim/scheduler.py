@@ -1383,9 +1383,12 @@ class Scheduler:
     def log_usage(self, end_s: float) -> None:
         """Log the pool's usage at the end of a step (``end_s``), if it changed since the last
         log: what vLLM's engine publishes after each step, the step's claims and the memory
-        its finishes and aborts freed included (those of the next step's schedule not)."""
+        its finishes and aborts freed included (those of the next step's schedule not);
+        nothing without a log to keep."""
+        if self.usage_log is None:
+            return
         usage = self.allocator.kv_cache_usage
-        if usage != self._usage_logged and self.usage_log is not None:
+        if usage != self._usage_logged:
             self._usage_logged = usage
             self.usage_log.append((end_s, usage))
 
