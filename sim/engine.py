@@ -1491,12 +1491,37 @@ def scenario_pool_slots(scenario: Scenario) -> int:
 # Each block (or page) costs the simulator about 120 bytes of host memory; 2^25 of them is
 # ~4 GiB, and more blocks than any GPU holds (an H200 holds ~1.1 M of Llama-2-7B's 16-token
 # blocks), so a larger pool is a typing slip that would otherwise end in an out-of-memory kill.
+# The cap holds for a system's pools taken together too: every replica (and rank) holds its
+# own, all at once.
 MAX_POOL_BLOCKS = 1 << 25
+# A contiguous pool costs nothing per slot, but its slots are counted in int64 columns; 2^33
+# is the most a paged pool holds (2^25 blocks of 256), and ~8,000 times an H200's worth.
+MAX_POOL_SLOTS = MAX_POOL_BLOCKS * 256
+
+
+def pool_blocks(scenario: Scenario, system: SystemConfig, pool_slots: int) -> int:
+    """Blocks (or pages) a pool of ``pool_slots`` holds for ``system``, each costing the
+    simulator host memory; 0 for contiguous memory (extents: its cost grows with the
+    requests, not the pool)."""
+    if isinstance(system.allocator, ContiguousConfig):
+        return 0
+    unit = allocation_unit(scenario, system)
+    model = scenario.model_spec()
+    if uses_hybrid_kv_cache(model, system):  # a block spans one group's layers
+        return pool_slots * model.num_layers // (model.kv_cache_groups()[0] * unit)
+    return pool_slots // unit
+
+
+def _pool_source(scenario: Scenario) -> str:
+    """The field that sized the pool, for an error."""
+    return ("memory.kv_memory_gib" if scenario.memory.kv_memory_gib is not None
+            else "memory (the GPU's memory_gib)")
 
 
 def check_pool(scenario: Scenario, system: SystemConfig, pool_slots: int) -> None:
     """Refuse a pool of ``pool_slots`` that holds not one token, or not one block (or page)
-    of ``system``, or more blocks than :data:`MAX_POOL_BLOCKS`."""
+    of ``system``, or more blocks than :data:`MAX_POOL_BLOCKS` or slots than
+    :data:`MAX_POOL_SLOTS`."""
     if pool_slots < 1:
         model = scenario.model_spec()
         raise SizingError(f"memory: the KV pool holds not one token ({model.name} takes "
@@ -1506,32 +1531,71 @@ def check_pool(scenario: Scenario, system: SystemConfig, pool_slots: int) -> Non
         what = "page" if isinstance(system.allocator, VirtualConfig) else "block"
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than one {what} "
                           f"({unit} slots) of system {system.name!r}")
-    if isinstance(system.allocator, ContiguousConfig):
-        return  # extents, not blocks: its cost grows with the requests, not the pool
-    blocks = pool_slots // unit
-    model = scenario.model_spec()
-    if uses_hybrid_kv_cache(model, system):  # a block spans one group's layers
-        blocks = pool_slots * model.num_layers // (model.kv_cache_groups()[0] * unit)
+    blocks = pool_blocks(scenario, system, pool_slots)
     if blocks > MAX_POOL_BLOCKS:
         what = "pages" if isinstance(system.allocator, VirtualConfig) else "blocks"
-        source = ("memory.kv_memory_gib" if scenario.memory.kv_memory_gib is not None
-                  else "memory (the GPU's memory_gib)")
-        raise SizingError(f"{source}: the KV pool of system {system.name!r} would hold "
-                          f"{blocks:,} {what} of {unit} tokens; at most {MAX_POOL_BLOCKS:,} "
-                          f"are simulated: give a smaller pool or a larger block size")
+        raise SizingError(f"{_pool_source(scenario)}: the KV pool of system {system.name!r} "
+                          f"would hold {blocks:,} {what} of {unit} tokens; at most "
+                          f"{MAX_POOL_BLOCKS:,} are simulated: give a smaller pool or a larger "
+                          f"block size")
+    if pool_slots > MAX_POOL_SLOTS:
+        raise SizingError(f"{_pool_source(scenario)}: the KV pool of system {system.name!r} "
+                          f"would hold {pool_slots:,} token slots; at most {MAX_POOL_SLOTS:,} "
+                          f"are simulated: give a smaller pool")
+
+
+def check_pools(scenario: Scenario, system: SystemConfig) -> tuple[int, int]:
+    """Check every KV pool ``system`` runs (:func:`check_pool`) and refuse more blocks in
+    all, over every replica and rank, than :data:`MAX_POOL_BLOCKS`. The slots of a decode
+    pool and of a prefill pool (the same pool without disaggregation)."""
+    decode_slots = system_pool_slots(scenario, system)
+    check_pool(scenario, system, decode_slots)
+    view = scenario.prefill_view()
+    prefill_slots = decode_slots
+    if view is not scenario:  # prefill replicas spread over GPUs otherwise
+        prefill_slots = system_pool_slots(view, system)
+        check_pool(view, system, prefill_slots)
+    prefill_ranks = scenario.prefill_ranks
+    decode_ranks = scenario.ranks - prefill_ranks
+    decode_blocks = pool_blocks(scenario, system, decode_slots)
+    prefill_blocks = pool_blocks(view, system, prefill_slots)
+    total = decode_ranks * decode_blocks + prefill_ranks * prefill_blocks
+    if total > MAX_POOL_BLOCKS:
+        what = "pages" if isinstance(system.allocator, VirtualConfig) else "blocks"
+        engines = "ranks" if scenario.ranks != scenario.engine.replicas else "replicas"
+        if not prefill_ranks:
+            pools = f"its {decode_ranks:,} {engines}, {decode_blocks:,} each"
+        elif prefill_blocks == decode_blocks:
+            pools = (f"its {prefill_ranks:,} prefill and {decode_ranks:,} decode {engines}, "
+                     f"{decode_blocks:,} each")
+        else:
+            pools = (f"its {prefill_ranks:,} prefill {engines}, {prefill_blocks:,} each, and "
+                     f"{decode_ranks:,} decode {engines}, {decode_blocks:,} each")
+        raise SizingError(f"engine.replicas: system {system.name!r} would hold {total:,} "
+                          f"{what} over {pools}; at most {MAX_POOL_BLOCKS:,} are simulated in "
+                          f"all: give fewer replicas, a smaller pool or a larger block size")
+    return decode_slots, prefill_slots
 
 
 def memory_summary(scenario: Scenario) -> str:
     """How a replica's GPU memory divides, in the figures vLLM logs as it starts ("GPU KV
     cache size", "Maximum concurrency for N tokens per request"), to check a scenario
-    against a real deployment."""
+    against a real deployment. Pools the engine would refuse are refused here too
+    (:func:`check_pools`), so that ``kvsim validate`` says so."""
+    for system in scenario.systems:
+        check_pools(scenario, system)
+    return _memory_text(scenario)
+
+
+def _memory_text(scenario: Scenario) -> str:
+    """:func:`memory_summary`'s line for a scenario, or for the view its prefill replicas
+    have of it."""
     model, gpu = scenario.model_spec(), scenario.gpu_spec()
     tp = scenario.parallel.tensor_parallel_size
     slots = scenario_pool_slots(scenario)
     drafted = {}
-    for system in scenario.systems:  # (refused here too, so that kvsim validate says so)
+    for system in scenario.systems:
         system_slots = system_pool_slots(scenario, system)
-        check_pool(scenario, system, system_slots)
         if system_slots != slots:
             drafted[system] = system_slots
     parallel = scenario.parallel
@@ -1571,7 +1635,7 @@ def memory_summary(scenario: Scenario) -> str:
                  f"{'s' if sliding > 1 else ''} of {layers} layers")
     view = scenario.prefill_view()
     if view is not scenario:  # prefill replicas spread otherwise: their line too
-        text += "; prefill replicas: " + memory_summary(view).removeprefix("memory: ")
+        text += "; prefill replicas: " + _memory_text(view).removeprefix("memory: ")
     for system, system_slots in drafted.items():
         spec = system.speculative
         assert spec is not None
@@ -1593,8 +1657,7 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
                ) -> RunResult:
     """Simulate one system on ``trace`` (files the scenario names relative to
     ``base_dir``)."""
-    pool_slots = system_pool_slots(scenario, system)
-    check_pool(scenario, system, pool_slots)
+    pool_slots, prefill_slots = check_pools(scenario, system)
     smallest = int(final_kv_tokens(trace.prompt_len, trace.output_len).min())
     if pool_slots < smallest:
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than the "
@@ -1603,8 +1666,6 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
     prefill = decode
     view = scenario.prefill_view()
     if view is not scenario:  # prefill replicas spread over GPUs otherwise
-        prefill_slots = system_pool_slots(view, system)
-        check_pool(view, system, prefill_slots)
         prefill = _RoleSetup.build(view, system, trace, build_timing(view, base_dir),
                                    prefill_slots, base_dir)
     return _SystemRun(scenario, system, trace, decode, prefill, progress).run()

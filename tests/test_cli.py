@@ -127,10 +127,20 @@ BAD = [
      "stop.num_requests: Input should be less than or equal to 50000000"),
     ("prompts past any machine", GOOD.replace("groups: 2", "groups: 1099511627776"),
      "workload.prefix_groups.groups: Input should be less than or equal to 1000000"),
-    ("pool past any machine", GOOD.replace("kv_memory_gib: 2", "kv_memory_gib: 10000000"),
+    ("pool past any machine", GOOD.replace("kv_memory_gib: 2", "kv_memory_gib: 10000000")
+     .replace("- name: contiguous\n    allocator: {kind: contiguous}\n  ", ""),
      "bad.yaml: memory.kv_memory_gib: the KV pool of system 'paged' would hold 1,280,000,000 "
      "blocks of 16 tokens; at most 33,554,432 are simulated: give a smaller pool or a larger "
      "block size"),
+    # Contiguous memory has no blocks, but its slots are counted in int64 columns.
+    ("contiguous pool past any machine", GOOD.replace("kv_memory_gib: 2", "kv_memory_gib: 1e10"),
+     "bad.yaml: memory.kv_memory_gib: the KV pool of system 'contiguous' would hold "
+     "20,480,000,000,000 token slots; at most 8,589,934,592 are simulated: give a smaller pool"),
+    # Every replica holds a pool of its own: 256 blocks each, 131,072 of them is the cap.
+    ("replicas past any machine", GOOD + "engine: {replicas: 131073}\n",
+     "bad.yaml: engine.replicas: system 'paged' would hold 33,554,688 blocks over its 131,073 "
+     "replicas, 256 each; at most 33,554,432 are simulated in all: give fewer replicas, a "
+     "smaller pool or a larger block size"),
 ]
 
 

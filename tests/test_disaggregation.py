@@ -10,8 +10,15 @@ import pandas as pd
 import pytest
 
 from reports.run_figures import memory_over_time, replica_balance
-from sim.engine import build_timing, memory_summary, run_scenario, scenario_pool_slots
-from sim.presets import lookup_model
+from sim.engine import (
+    MAX_POOL_BLOCKS,
+    build_timing,
+    check_pools,
+    memory_summary,
+    run_scenario,
+    scenario_pool_slots,
+)
+from sim.presets import SizingError, lookup_model
 from sim.scenario import ScenarioError, scenario_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -361,3 +368,27 @@ def test_prefill_parallelism_is_checked_as_the_scenarios_is():
     with pytest.raises(ScenarioError, match=r"engine\.disaggregation\.prefill_parallel: "
                        r"tensor_parallel_size 3: "):
         scenario_from_dict(scenario(prefill_parallel={"tensor_parallel_size": 3}))
+
+
+def test_every_replicas_pool_counts_towards_the_simulated_blocks():
+    # Prefill replicas of two GPUs hold more than twice the decode replicas' pool (one set
+    # of weights over two GPUs); the cap is on the blocks of all of them, which the
+    # simulator holds at once.
+    def checked(prefill_replicas: int, decode_replicas: int) -> tuple[int, int]:
+        data = scenario(prefill_replicas=prefill_replicas,
+                        replicas=prefill_replicas + decode_replicas,
+                        prefill_parallel={"tensor_parallel_size": 2})
+        data["systems"] = data["systems"][:1]
+        del data["memory"]  # pools from the GPUs' memory
+        parsed = scenario_from_dict(data)
+        return check_pools(parsed, parsed.systems[0])
+    decode_slots, prefill_slots = checked(1, 1)
+    assert (prefill_slots // 16, decode_slots // 16) == (16_825, 7_609)
+    assert MAX_POOL_BLOCKS - 1_000 * 16_825 - 2_198 * 7_609 == 4_850
+    checked(1_000, 2_198)
+    with pytest.raises(SizingError, match=(
+            r"^engine.replicas: system 'paged' would hold 33,557,191 blocks over its 1,000 "
+            r"prefill replicas, 16,825 each, and 2,199 decode replicas, 7,609 each; at most "
+            r"33,554,432 are simulated in all: give fewer replicas, a smaller pool or a larger "
+            r"block size$")):
+        checked(1_000, 2_199)
