@@ -351,12 +351,20 @@ class SchedulerConfig(ConfigModel):
         "for the chunk each step computes (vLLM v1): more requests start, and a chunk that "
         "finds memory short preempts as a decode step does. Without chunked prefill a prompt "
         "is one chunk, and the two are the same")
-    policy: Literal["fcfs", "priority", "shortest_predicted"] = Field(
+    policy: Literal["fcfs", "priority", "shortest_predicted", "lpm"] = Field(
         default="fcfs", description="as vLLM's --scheduling-policy: first come, first served, "
         "or by each request's priority (lower first, then arrival): the waiting request with "
         "the best priority is seated first and the running one with the worst is preempted; "
         "or shortest_predicted: the waiting request with the fewest tokens the system's "
-        "predictor expects it still to generate is seated first (shortest job first)")
+        "predictor expects it still to generate is seated first (shortest job first); or "
+        "lpm, longest prefix match (SGLang's --schedule-policy lpm): the waiting request "
+        "with the most prompt tokens in the prefix cache now is seated first, the line "
+        "sorted stably each step with a seat to fill (first come, first served without a "
+        "prefix cache)")
+    max_lpm_queue_size: int | None = Field(
+        default=None, ge=0, description="under lpm: a line longer than this is not ranked, as "
+        "SGLang's past 128, the default (ranking looks up every request waiting): it keeps "
+        "the order its last ranking left, arrivals behind; 0: always ranked")
     priority_preemption: bool = Field(
         default=False, description="under priority: a waiting request that finds no seat or "
         "memory preempts running requests of a worse priority to take theirs (vLLM v0); "
@@ -370,8 +378,9 @@ class SchedulerConfig(ConfigModel):
         "waited counts as this many predicted tokens fewer (linear aging: a long request "
         "moves up the line as it waits, however long the line)")
     preemption_victim: Literal["last_admitted", "fewest_generated"] = Field(
-        default="last_admitted", description="under fcfs: which running request is preempted "
-        "when memory runs short (priority always preempts the worst priority, latest arrival)")
+        default="last_admitted", description="under every policy but priority: which running "
+        "request is preempted when memory runs short (priority always preempts the worst "
+        "priority, latest arrival)")
     preemption_mode: Literal["recompute", "swap"] = Field(
         default="recompute", description="as vLLM v0's: drop a victim's KV and recompute it "
         "when it is seated again, or copy it to host memory and back over the host link (a "
@@ -395,6 +404,8 @@ class SchedulerConfig(ConfigModel):
         for aging in ("max_wait_s", "aging_tokens_per_s"):
             if getattr(self, aging) is not None and self.policy != "shortest_predicted":
                 raise ValueError(f"{aging} needs policy: shortest_predicted")
+        if self.max_lpm_queue_size is not None and self.policy != "lpm":
+            raise ValueError("max_lpm_queue_size needs policy: lpm")
         return self
 
 
@@ -1255,6 +1266,11 @@ class Scenario(ConfigModel):
                          "heeds nothing the replicas report")
         for system in self.systems:
             scheduler = system.scheduler
+            if scheduler.policy == "lpm" and not (isinstance(system.allocator, PagedConfig)
+                                                  and system.allocator.prefix_caching):
+                notes.append(f"system {system.name!r}: scheduler.policy lpm is first come, "
+                             f"first served here: its memory has no prefix cache to rank "
+                             f"the line by")
             if scheduler.prefill_allocation != "per_chunk":
                 continue
             if not scheduler.chunked_prefill:

@@ -54,10 +54,14 @@ from sim.memory import (
     final_kv_tokens,
 )
 from sim.memory.block_pool import BlockPool
+from sim.memory.content import BlockHasher
 from sim.scenario import SchedulerConfig, SpeculativeConfig
 from workloads.trace import Trace, output_segment_id
 
 MAX_SAMPLES = 256  # sequences per request (n / beam width); seq id = request × 256 + sample
+# SGLang's line length past which longest prefix match gives way to first come, first
+# served: ranking asks the prefix cache about every request waiting, at every seat.
+LPM_QUEUE_LIMIT = 128
 # Event kinds; at one step, grows come before finishes. WINDOW: a sequence's context
 # outgrows a sliding window (its attention time, not its memory, changes).
 GROW, FINISH, WINDOW = 0, 1, 2
@@ -93,6 +97,7 @@ class Request:
         "preemptions",
         "prefill_target",
         "prefilled",
+        "prefix_hasher",
         "priority",
         "prompt_len",
         "prompt_segments",
@@ -163,6 +168,9 @@ class Request:
         self.swap_slots = 0
         self.past_window = False  # decoding with context past a sliding window
         self.spec_cache: SeqSpec | None = None
+        # Its content's block hashes, walked as far as a longest-prefix-match line has
+        # looked its prompt up (the content of sample 0 never changes; its prompt grows).
+        self.prefix_hasher: BlockHasher | None = None
         self.ticket = 0  # its place in the waiting line; a new one each time it joins or leaves
 
     @property
@@ -198,12 +206,19 @@ class Request:
 
 
 class WaitingLine:
-    """The queue of requests waiting for a seat: first come, first served, by priority, or
-    shortest predicted job first; and, with a ``timeout_s`` or ``ttft_timeout_s``, the
-    clients who give up.
+    """The queue of requests waiting for a seat: first come, first served, by priority,
+    shortest predicted job first, or longest cached prefix first; and, with a ``timeout_s``
+    or ``ttft_timeout_s``, the clients who give up.
 
-    First come, first served is a deque; a preempted request goes back to its front. The
-    others are heaps, lower first, ordered by (priority, arrival, request index) — vLLM
+    First come, first served is a deque; a preempted request goes back to its front. Longest
+    prefix match (``lpm``, SGLang's ``--schedule-policy lpm``) keeps the same deque, which
+    the scheduler of a pool with a prefix cache sorts (:meth:`rank`) before it seats anyone,
+    as SGLang's scheduler sorts its list each round: the most prompt tokens cached first,
+    in the order before among equals, so that as a request of a shared prefix warms the
+    cache the others of its group move up. Ranking asks about every request waiting, so a
+    line longer than ``max_lpm_queue_size`` (128 unless given; 0: no limit) is left as it
+    is, as SGLang's: in the order its last ranking left, with arrivals behind. The others
+    are heaps, lower first, ordered by (priority, arrival, request index) — vLLM
     v1's ``--scheduling-policy priority`` — or by (tokens the predictor expects the request
     still to generate, arrival, request index); a preempted request simply goes back in,
     where its key places it.
@@ -236,10 +251,19 @@ class WaitingLine:
                  aging_tokens_per_s: float = 0.0, timeout_s: float | None = None,
                  ttft_timeout_s: float | None = None,
                  e2e_timeout_s: float | None = None,
-                 itl_timeout_s: float | None = None) -> None:
+                 itl_timeout_s: float | None = None,
+                 max_lpm_queue_size: int | None = None) -> None:
         self.by_priority = order == "priority"
         self.by_length = order == "shortest_predicted"
-        self.ordered = self.by_priority or self.by_length  # an arrival may pass the head
+        self.by_prefix = order == "lpm"
+        self._heaped = self.by_priority or self.by_length
+        self.ordered = self._heaped  # an arrival may pass the head
+        # Under lpm, the prompt tokens a waiting request finds cached now (set by the
+        # scheduler of a pool that caches prefixes; without, the line is first come, first
+        # served), and the longest line ranked so.
+        self.prefix_tokens: Callable[[Request], int] | None = None
+        self.max_lpm_queue_size = (LPM_QUEUE_LIMIT if max_lpm_queue_size is None
+                                   else max_lpm_queue_size)
         self.max_wait_s = max_wait_s
         self.aging_tokens_per_s = aging_tokens_per_s
         self.clock = 0.0  # the time "waited that long" is judged at (the scheduler sets it)
@@ -265,9 +289,25 @@ class WaitingLine:
     def __bool__(self) -> bool:
         return self._count > 0
 
+    def ranks(self) -> bool:
+        """Whether :meth:`rank` would sort the line now (lpm with a prefix cache, the line
+        no longer than ``max_lpm_queue_size``)."""
+        limit = self.max_lpm_queue_size
+        return self.prefix_tokens is not None and not (limit and self._count > limit)
+
+    def rank(self) -> None:
+        """Longest prefix match: sort the line, in place and stably, by the prompt tokens
+        each request finds cached now, most first (if it :meth:`ranks`)."""
+        prefix_tokens = self.prefix_tokens
+        if prefix_tokens is None or not self.ranks():
+            return
+        ranked = sorted(self._line, key=lambda request: -prefix_tokens(request))
+        self._line.clear()
+        self._line.extend(ranked)
+
     def head(self) -> Request:
         """The request to seat next."""
-        if not self.ordered:
+        if not self._heaped:
             return self._line[0]
         if self.max_wait_s is not None:
             overdue = self._oldest()
@@ -295,7 +335,7 @@ class WaitingLine:
     def pop(self) -> Request:
         """Take the head off the line."""
         self._count -= 1
-        request = self._line.popleft() if not self.ordered else self.head()
+        request = self._line.popleft() if not self._heaped else self.head()
         request.ticket += 1  # its entries in the heaps are stale now
         return request
 
@@ -348,7 +388,7 @@ class WaitingLine:
 
     def readmit(self, request: Request) -> None:
         """A preempted request returns to the front (or its place, by its key)."""
-        if self.ordered:
+        if self._heaped:
             self.arrive(request)
         else:
             self._join(request)
@@ -375,13 +415,13 @@ class WaitingLine:
             if entry is None or entry[0] > now_s:
                 return gone
             deadline, _, _, request = heapq.heappop(self._by_deadline)
-            if not self.ordered:
+            if not self._heaped:
                 self._line.remove(request)  # near the front: the oldest unseated arrivals
             request.ticket += 1  # its entries in the other heaps are stale now
             request.abandoned_s = deadline
             self._count -= 1
             gone.append(request)
-            if self.ordered and len(self._heap) > 2 * self._count + 64:
+            if self._heaped and len(self._heap) > 2 * self._count + 64:
                 self._drop_stale()
 
     def _drop_stale(self) -> None:
@@ -395,8 +435,9 @@ class WaitingLine:
         heapq.heapify(self._by_arrival)
 
     def requests(self) -> list[Request]:
-        """Everyone waiting, in no particular order."""
-        if not self.ordered:
+        """Everyone waiting: in the line's order where it is a deque (first come, first
+        served, or longest prefix match), else in no particular order."""
+        if not self._heaped:
             return list(self._line)
         return [entry[4] for entry in self._heap if entry[3] == entry[4].ticket]
 
@@ -536,7 +577,8 @@ class Scheduler:
         # A line of its own, or one it shares with the other batches of a pipeline.
         self.waiting = waiting if waiting is not None else WaitingLine(
             config.policy, config.max_wait_s, config.aging_tokens_per_s or 0.0,
-            queue_timeout_s, ttft_timeout_s, e2e_timeout_s, itl_timeout_s)
+            queue_timeout_s, ttft_timeout_s, e2e_timeout_s, itl_timeout_s,
+            config.max_lpm_queue_size)
         # A streaming client gives up on a decoding request only when a step outlasts this.
         self._itl_timeout_s = itl_timeout_s if itl_timeout_s is not None else math.inf
         # Seated requests whose clients gave up (before their first token, or their last):
@@ -615,6 +657,13 @@ class Scheduler:
         self._windowed = allocator if isinstance(allocator, HybridPagedAllocator) and (
             allocator.sliding_groups) else None
         self._predicts = getattr(allocator, "reserve_policy", None) == "predicted"
+        # Longest prefix match ranks the line by the prefix cache: without one, first come,
+        # first served (as SGLang falls back when its radix cache is off).
+        self._by_prefix = self.waiting.by_prefix and getattr(
+            allocator, "enable_prefix_caching", False)
+        if self._by_prefix:
+            self.waiting.prefix_tokens = self._ready_prompt_tokens
+            self.waiting.ordered = True  # an arrival may find more cached than the head
         if (self._predicts or self.waiting.by_length) and predicted_output is None:
             raise ValueError("a predicted reservation, or a line by predicted length, needs "
                              "the predicted output lengths")
@@ -669,9 +718,22 @@ class Scheduler:
             request.shed = True  # the server answers 503 (or 429) at once
             return False
         self.waiting.arrive(request)
-        if self.waiting.head() is request:
-            self.head_blocked = False  # a new head may fit where the old one did not
+        # A new head may fit where the old one did not (under lpm, the next ranking may put
+        # the arrival first).
+        if self.waiting.head() is request or (self._by_prefix and self.waiting.ranks()):
+            self.head_blocked = False
         return True
+
+    def _ready_prompt_tokens(self, request: Request) -> int:
+        """Prompt tokens a waiting request would not compute if seated now: those the
+        prefix cache holds, or all it brings (KV another replica read, or swapped out)."""
+        spec = request.spec()
+        hasher = request.prefix_hasher
+        if hasher is None:
+            hasher = request.prefix_hasher = BlockHasher(
+                spec.segments, self._block_size)  # type: ignore[arg-type]
+        return max(self.allocator.cached_prefix_tokens(spec, hasher), request.transferred,
+                   request.swapped)
 
     def _samples_fit(self, request: Request, spec: SeqSpec) -> bool:
         """Whether every sample of the request would find memory now. Contiguous samples
@@ -1145,11 +1207,13 @@ class Scheduler:
             need, gives_back = sum(r.num_seqs for r in due) * self._groups, False
         # A contiguous extent's end is always an overflow: schedule() preempts for it. Per
         # chunk, a blocked head's claim grows with its prefix hits, so evicting one of them
-        # may let it in: schedule() then tries, as stepping would (taking only blocks that
-        # hold nothing cached evicts nothing).
+        # may let it in; under lpm, evicting one may put another request at the head: in
+        # either case schedule() then tries, as stepping would (taking only blocks that hold
+        # nothing cached evicts nothing).
         if self._block_size is None or gives_back or need > (
                 self.allocator.num_free_blocks) or (  # type: ignore[attr-defined]
-                self._per_chunk and self.waiting and self._pool is not None
+                (self._per_chunk or self._by_prefix) and self.waiting
+                and self._pool is not None
                 and need > self._pool.num_free - self._pool.num_cached_free):
             # Put them back for schedule() to handle with preemption.
             self._events[GROW][self._clock_now] = [(r.admit_seq, r.version, r) for r in due]
@@ -1216,6 +1280,10 @@ class Scheduler:
         # take no time: seat at once).
         self.head_blocked = False
         seating = not (self._per_chunk and batch.preempted and self.running)
+        ranked = seating and self._by_prefix and self._seated() < self.config.max_num_seqs
+        if ranked:
+            self.waiting.rank()  # once a round, as SGLang: a seat taken does not re-rank it
+        admitted = self._admit_counter
         while seating and self.waiting:
             seated = self._seated()
             if seated >= self.config.max_num_seqs or budget <= 0:
@@ -1294,6 +1362,10 @@ class Scheduler:
             if not self._prefill(request, chunk, batch):
                 break
             budget -= chunk
+        if ranked and self._admit_counter != admitted:
+            # Those seated changed what the others find cached: the next round ranks again
+            # (as stepping would), and may put another head first.
+            self.head_blocked = False
         # Preemptions late in the step may have removed requests scheduled earlier.
         batch.prefill = [p for p in batch.prefill if p[0].num_seqs]
         computed = [(chunk, history) for _, chunk, history in batch.prefill]

@@ -253,6 +253,12 @@ def random_scenario(seed: int) -> dict:
     # replica's KV cache is (logged at step ends, in runs of decode steps too).
     if router.get("policy", default) == "vllm_dp" and rng.random() < 0.5:
         router["policy"] = "vllm_dp_2026"
+    # Drawn last, as the above: a line by longest cached prefix (an eviction or an arrival
+    # during a run of decode steps may change its head), ranked however long, or first come,
+    # first served past a few.
+    if "policy" not in scheduler and rng.random() < 0.3:
+        scheduler["policy"] = "lpm"
+        scheduler["max_lpm_queue_size"] = rng.choice([0, 3, 128])
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",

@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from sim.memory import ContiguousAllocator, PagedAllocator, SeqSpec
 from sim.memory.base import claim_end
+from sim.memory.content import BlockHasher
 from sim.memory.contiguous import reservation_slots
 
 PREFIXES = [(), ((1, 16),), ((1, 16), (2, 40)), ((3, 7),)]
@@ -191,6 +192,7 @@ class PagedMachine(_AllocatorMachine):
         # KV events: what a router reading them believes is cached, applied as they come.
         self.events = self.allocator.pool.log_events()
         self.published: set[int] = set()
+        self.hashers: dict[int, BlockHasher] = {}  # kept for lookups of freed content
 
     def build(self):
         return PagedAllocator(self.num_blocks, self.block_size, enable_prefix_caching=self.caching,
@@ -248,6 +250,28 @@ class PagedMachine(_AllocatorMachine):
         assert hit % self.block_size == 0 and hit < spec.prompt_len
         if not self.caching:
             assert hit == 0
+        self._check_cached_prefix(spec, hit)
+
+    @precondition(lambda self: self.freed)
+    @rule(data=st.data())
+    def lookup_again(self, data):
+        """A freed sequence's content looked up again and again, as a longest-prefix-match
+        line does while it waits, with the hasher kept from the times before."""
+        spec = data.draw(st.sampled_from(self.freed))
+        self._check_cached_prefix(spec, self.allocator.lookup(spec))
+
+    def _check_cached_prefix(self, spec: SeqSpec, hit: int) -> None:
+        """What the GPU's prefix cache holds of ``spec``: a lookup's hits less a host
+        tier's, whether the hasher is new or kept (walked further, perhaps, before)."""
+        kept = self.hashers.setdefault(spec.seq_id, BlockHasher(spec.segments, self.block_size))
+        cached = self.allocator.cached_prefix_tokens(spec, kept)
+        assert cached == self.allocator.cached_prefix_tokens(
+            spec, BlockHasher(spec.segments, self.block_size))
+        assert cached % self.block_size == 0
+        if getattr(self.allocator, "host", None) is None:  # (the hybrid manager has none)
+            assert cached == hit
+        else:
+            assert cached <= hit
 
     @invariant()
     def paged_accounting(self):

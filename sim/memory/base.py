@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
-from sim.memory.content import Segments
+from sim.memory.content import BlockHasher, Segments
 
 if TYPE_CHECKING:
     import numpy as np
@@ -132,6 +132,14 @@ class KVAllocator(ABC):
         hits and the first ``max_new_tokens`` prompt tokens after them (and the first
         generated token if that reaches the prompt's end); the rest is appended chunk by
         chunk, and an append may then find memory short. None claims the whole prompt."""
+
+    def cached_prefix_tokens(self, spec: SeqSpec, hasher: BlockHasher) -> int:
+        """Prompt tokens of ``spec``, from its first, whose KV the GPU pool's prefix cache
+        holds now (no state change): what longest-prefix-match scheduling ranks a waiting
+        request by. ``hasher`` walks ``spec``'s content at this allocator's block size; the
+        caller keeps it, so that asking again hashes nothing twice. 0 without a prefix
+        cache, as here."""
+        return 0
 
     @abstractmethod
     def append(self, seq_id: int, num_tokens: int, lookahead: int = 0) -> bool:

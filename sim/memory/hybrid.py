@@ -265,6 +265,9 @@ class HybridPagedAllocator(KVAllocator):
         return self._hit_length(spec, BlockHasher(spec.segments, self.block_size)) * (
             self.block_size)
 
+    def cached_prefix_tokens(self, spec: SeqSpec, hasher: BlockHasher) -> int:
+        return self._hit_length(spec, hasher) * self.block_size
+
     # ------------------------------------------------------------------ lifecycle
     def admit(self, spec: SeqSpec, max_new_tokens: int | None = None) -> int | None:
         if spec.seq_id in self._seqs:

@@ -164,6 +164,16 @@ class PagedAllocator(KVAllocator):
             hits.append(block)
         return hits
 
+    def cached_prefix_tokens(self, spec: SeqSpec, hasher: BlockHasher) -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        lookup = self.pool.lookup
+        full = (spec.prompt_len - 1) // self.block_size  # (the last token is always computed)
+        for idx in range(full):
+            if lookup(hasher.hash_upto(idx + 1)[idx]) is None:
+                return idx * self.block_size
+        return full * self.block_size
+
     def _host_hits(self, spec: SeqSpec, hasher: BlockHasher, start: int) -> int:
         """Blocks ``start``, ``start + 1``, … found in host memory, up to the first miss
         (``hasher`` has hashed block ``start``: the GPU lookup stopped there)."""
