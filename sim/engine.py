@@ -554,9 +554,10 @@ class _Replica:
                 sched.fill_decode(batch)
                 snap = sched.snapshot()
                 # An arrival matters only to an empty queue (behind a blocked head it
-                # waits), unless its priority or its length may put it ahead of that head,
-                # a bounded line may turn it away, or vLLM's balancer hears of its intake.
-                heeded = (not sched.waiting or sched.waiting.ordered or self.bounded
+                # waits), unless its priority, its length or its cached prompt may put it
+                # ahead of that head, a bounded line may turn it away, or vLLM's balancer
+                # hears of its intake.
+                heeded = (not sched.waiting or sched.waiting.may_be_passed() or self.bounded
                           or self.tells_balancer)
                 stop_at = self.next_arrival() if heeded else math.inf
                 if self.role == "decode" and heeded:

@@ -257,7 +257,6 @@ class WaitingLine:
         self.by_length = order == "shortest_predicted"
         self.by_prefix = order == "lpm"
         self._heaped = self.by_priority or self.by_length
-        self.ordered = self._heaped  # an arrival may pass the head
         # Under lpm, the prompt tokens a waiting request finds cached now (set by the
         # scheduler of a pool that caches prefixes; without, the line is first come, first
         # served), and the longest line ranked so.
@@ -288,6 +287,12 @@ class WaitingLine:
 
     def __bool__(self) -> bool:
         return self._count > 0
+
+    def may_be_passed(self) -> bool:
+        """Whether a request arriving now may be seated before the head: by its priority or
+        its length, or, under lpm, by the prompt it finds cached (unless the line is too
+        long to rank, and can only grow until someone is seated or gives up)."""
+        return self._heaped or self.ranks()
 
     def ranks(self) -> bool:
         """Whether :meth:`rank` would sort the line now (lpm with a prefix cache, the line
@@ -663,7 +668,6 @@ class Scheduler:
             allocator, "enable_prefix_caching", False)
         if self._by_prefix:
             self.waiting.prefix_tokens = self._ready_prompt_tokens
-            self.waiting.ordered = True  # an arrival may find more cached than the head
         if (self._predicts or self.waiting.by_length) and predicted_output is None:
             raise ValueError("a predicted reservation, or a line by predicted length, needs "
                              "the predicted output lengths")

@@ -70,7 +70,7 @@ def test_without_a_prefix_cache_the_line_is_first_come_first_served():
     trace = grouped(groups)
     allocator = PagedAllocator(num_blocks=64, block_size=16, enable_prefix_caching=False)
     sched = Scheduler(allocator, SchedulerConfig(policy="lpm"))
-    assert sched.waiting.by_prefix and not sched.waiting.ordered
+    assert sched.waiting.by_prefix and not sched.waiting.may_be_passed()
     assert sched.waiting.prefix_tokens is None
     for i in range(len(groups)):
         sched.add(Request(trace, i, 0.0))

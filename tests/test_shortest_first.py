@@ -26,7 +26,7 @@ def test_the_line_by_length_seats_the_fewest_predicted_tokens_left_first():
     for request, guess in zip(requests, [50, 10, 30, 10], strict=True):
         request.predicted_output = guess
         line.arrive(request)
-    assert line.ordered and not line.by_priority
+    assert line.may_be_passed() and not line.by_priority
     assert [line.pop().index for _ in range(4)] == [1, 3, 2, 0]  # ties: arrival, index
     # A preempted request is placed by what is left of its guess.
     requests[0].gen_sync = 45
