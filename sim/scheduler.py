@@ -59,8 +59,8 @@ from sim.scenario import SchedulerConfig, SpeculativeConfig
 from workloads.trace import Trace, output_segment_id
 
 MAX_SAMPLES = 256  # sequences per request (n / beam width); seq id = request × 256 + sample
-# SGLang's line length past which longest prefix match gives way to first come, first
-# served: ranking asks the prefix cache about every request waiting, at every seat.
+# SGLang's line length past which longest prefix match leaves the line unranked: ranking
+# asks the prefix cache about every request waiting.
 LPM_QUEUE_LIMIT = 128
 # Event kinds; at one step, grows come before finishes. WINDOW: a sequence's context
 # outgrows a sliding window (its attention time, not its memory, changes).
@@ -724,7 +724,7 @@ class Scheduler:
         self.waiting.arrive(request)
         # A new head may fit where the old one did not (under lpm, the next ranking may put
         # the arrival first).
-        if self.waiting.head() is request or (self._by_prefix and self.waiting.ranks()):
+        if self.waiting.head() is request or self.waiting.ranks():
             self.head_blocked = False
         return True
 

@@ -154,25 +154,22 @@ class PagedAllocator(KVAllocator):
         return (hits + self._host_hits(spec, hasher, hits)) * self.block_size
 
     def _hit_blocks(self, spec: SeqSpec, hasher: BlockHasher) -> list[KVBlock]:
+        """The GPU's cached blocks of ``spec``'s prompt, from block 0 to the first miss
+        (never the last token's block, which is always computed). ``hasher`` may be fresh
+        or one kept from an earlier walk."""
         hits: list[KVBlock] = []
         if not self.enable_prefix_caching:
             return hits
-        for _ in range((spec.prompt_len - 1) // self.block_size):
-            block = self.pool.lookup(hasher.advance())
+        hashes = hasher.hashes
+        for idx in range((spec.prompt_len - 1) // self.block_size):
+            block = self.pool.lookup(hashes[idx] if idx < len(hashes) else hasher.advance())
             if block is None:
                 break
             hits.append(block)
         return hits
 
     def cached_prefix_tokens(self, spec: SeqSpec, hasher: BlockHasher) -> int:
-        if not self.enable_prefix_caching:
-            return 0
-        lookup = self.pool.lookup
-        full = (spec.prompt_len - 1) // self.block_size  # (the last token is always computed)
-        for idx in range(full):
-            if lookup(hasher.hash_upto(idx + 1)[idx]) is None:
-                return idx * self.block_size
-        return full * self.block_size
+        return len(self._hit_blocks(spec, hasher)) * self.block_size
 
     def _host_hits(self, spec: SeqSpec, hasher: BlockHasher, start: int) -> int:
         """Blocks ``start``, ``start + 1``, … found in host memory, up to the first miss
