@@ -968,6 +968,9 @@ class _SystemRun:
         self.patience_s = min(timeouts) if timeouts else None
         # Output tokens generated for tries whose clients gave up (every try's).
         self.abandoned_output_tokens = 0
+        # The waits of the tokens those tries' clients received (µs → tokens): taken out of
+        # the ITL, which vLLM's benchmark counts over the requests served alone.
+        self.vain_token_waits_us: Counter[int] = Counter()
         self.retry = scenario.workload.retry
         self.seed = scenario.seed
         # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode
@@ -1283,6 +1286,11 @@ class _SystemRun:
             replica.scheduler.release(request)  # one token: nothing to send on
         if request.abandoned_s >= 0:
             self.abandoned_output_tokens += request.gen_sync * request.n
+        if request.token_runs is not None:
+            if request.abandoned_s >= 0:
+                for step_waits_us, first, stop in request.token_runs:
+                    self.vain_token_waits_us.update(step_waits_us[first:stop])
+            request.token_runs = None
         if (request.abandoned_s >= 0 or request.shed) and self._retry(replica, request, now_s):
             return
         routed_to = int(self.replica_of[request.index])
@@ -1397,6 +1405,9 @@ class _SystemRun:
         token_waits_us: Counter[int] = Counter()
         for sched in schedulers:
             token_waits_us.update(sched.token_waits_us)
+        token_waits_us.subtract(self.vain_token_waits_us)
+        assert min(token_waits_us.values(), default=0) >= 0, "a token taken out twice"
+        token_waits_us = +token_waits_us  # (the waits only given-up requests' tokens had)
         lookup = sum(s.lookup_tokens for s in schedulers)
         hits = sum(s.hit_tokens for s in schedulers)
         preempted_lookup = sum(s.preempted_lookup_tokens for s in schedulers)

@@ -67,6 +67,11 @@ LPM_QUEUE_LIMIT = 128
 GROW, FINISH, WINDOW = 0, 1, 2
 
 
+def wait_us(wait_s: float) -> int:
+    """A wait between two tokens as the ITL counts it: in whole microseconds."""
+    return int(wait_s * 1e6 + 0.5)
+
+
 class Request:
     """One request's progress through the system (times are simulation seconds)."""
 
@@ -111,6 +116,7 @@ class Request:
         "swapped",
         "ticket",
         "tok_sync",
+        "token_runs",
         "transferred",
         "version",
     )
@@ -147,6 +153,11 @@ class Request:
         self.last_token_s = -1.0
         self.max_itl_s = -1.0
         self.streak_step = 0  # decoding: the step that gives it its first token of the run
+        # Where a client may give up mid-answer: the tokens it has received after another,
+        # as runs (waits by step, first, stop) of a scheduler's Scheduler.step_waits_us (a
+        # token received alone, its own list of one), so that the engine can take them back
+        # out of the ITL if it gives up (None: none kept).
+        self.token_runs: list[tuple[list[int], int, int]] | None = None
         self.finished_s = -1.0
         self.preemptions = 0
         self.hit_tokens = 0
@@ -519,7 +530,9 @@ class Scheduler:
     A request's client receives a token at the end of each step it decodes in, and one when
     a prompt read again after a preemption (or handed over) is done: each request keeps its
     longest wait between two (``max_itl_s``), and the scheduler counts every token by its
-    wait (``token_waits_us``, the ITL distribution).
+    wait (``token_waits_us``, the ITL distribution; where clients may give up mid-answer,
+    each request keeps its runs of tokens, ``token_runs``, for the engine to take out the
+    tokens of those that did).
     """
 
     def __init__(self, allocator: KVAllocator, config: SchedulerConfig, debug: bool = False,
@@ -615,6 +628,12 @@ class Scheduler:
         # (a step's wait counts once for each request decoding in it): the distribution
         # vLLM's benchmark reports as ITL, kept as counts so that it costs no memory per step.
         self.token_waits_us: dict[int, int] = {}
+        # Where clients may give up mid-answer (an e2e_timeout_s or itl_timeout_s), each
+        # step's wait (step s's at s - 1, in microseconds), which the runs of tokens of each
+        # request decoding refer to (Request.token_runs): the engine takes those of a request
+        # given up back out, as vLLM's benchmark counts the tokens of requests served alone.
+        self.step_waits_us: list[int] | None = (
+            [] if (e2e_timeout_s, itl_timeout_s) != (None, None) else None)
         self.decode_requests = 0
         self.num_preemptions = 0
         # Prefix-cache lookups of first admissions: a preempted request looking its own
@@ -814,6 +833,8 @@ class Scheduler:
         self.steps += 1
         self._prev_end_s = self._last_end_s
         wait_s = end_s - self._last_end_s
+        if self.step_waits_us is not None:
+            self.step_waits_us.append(wait_us(wait_s))
         if self.decode_seqs:  # (a step no request decodes in is in no run of tokens)
             waits = self._waits_s
             while waits and waits[-1] <= wait_s:
@@ -980,7 +1001,14 @@ class Scheduler:
             return 0
         return self._skip_base + self._past_window * self._clock_now
 
-    def _stop_decoding(self, request: Request) -> None:
+    def _stop_decoding(self, request: Request, received_now: bool = True) -> None:
+        """The request's run of decode steps ends with the last step (whose token its client
+        received, unless it gave up by then: not ``received_now``)."""
+        step_waits = self.step_waits_us
+        if step_waits is not None:
+            last = self.steps if received_now else self.steps - 1
+            if request.streak_step <= last:
+                _keep_run(request, step_waits, request.streak_step - 1, last)
         if request.streak_step <= self.steps:  # a token each step since it started decoding
             longest_s = self._waits_s[bisect_left(self._wait_steps, request.streak_step)]
             if longest_s > request.max_itl_s:
@@ -1445,6 +1473,8 @@ class Scheduler:
             if request.last_token_s >= 0:
                 wait_s = end_s - request.last_token_s
                 self._delivered(wait_s, 1)
+                if self.step_waits_us is not None:
+                    _keep_run(request, [wait_us(wait_s)], 0, 1)
                 if wait_s > request.max_itl_s:
                     request.max_itl_s = wait_s
             request.last_token_s = end_s
@@ -1501,7 +1531,7 @@ class Scheduler:
 
     def _delivered(self, wait_s: float, tokens: int) -> None:
         """Count ``tokens`` received ``wait_s`` after the one before each."""
-        key = int(wait_s * 1e6 + 0.5)
+        key = wait_us(wait_s)
         self.token_waits_us[key] = self.token_waits_us.get(key, 0) + tokens
 
     def _abort_stalled(self) -> int:
@@ -1518,7 +1548,7 @@ class Scheduler:
         """Abort a seated request whose client gave up at ``abandoned_s``."""
         if request.decoding:
             self._sync(request, include_current=False)  # cache what it computed
-            self._stop_decoding(request)
+            self._stop_decoding(request, received_now=False)
         elif request.in_prefill:
             self.prefilling -= 1
         self.release(request)
@@ -1646,3 +1676,10 @@ class Scheduler:
         for seq_id in request.seq_ids():
             self.allocator.free(seq_id)
         self.head_blocked = False
+
+
+def _keep_run(request: Request, step_waits_us: list[int], first: int, stop: int) -> None:
+    """Keep the request's tokens that waited ``step_waits_us[first:stop]``."""
+    if request.token_runs is None:
+        request.token_runs = []
+    request.token_runs.append((step_waits_us, first, stop))

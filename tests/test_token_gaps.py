@@ -184,3 +184,57 @@ def test_a_preempted_requests_wait_is_one_token_of_the_itl(tmp_path):
     expected = itl_of(waits, tokens)
     for key, value in expected.items():
         assert result.summary[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.parametrize("timeout", [{"e2e_timeout_s": 4.0}, {"itl_timeout_s": 0.038}],
+                         ids=["e2e", "itl"])
+def test_itl_counts_the_tokens_of_requests_served_alone(timeout):
+    # As `vllm bench serve` counts ITL over its successful requests: the tokens a client
+    # received before it gave up mid-answer are out. No preemption: a request served had a
+    # token at its first token's step and at the end of every step to its last.
+    data = busy_scenario("step")
+    data["memory"] = {"kv_memory_gib": 40}
+    data["workload"].update(timeout)
+    runs = {}
+    for mode in ("step", "jump"):
+        data["engine"]["mode"] = mode
+        runs[mode] = run_scenario(scenario_from_dict(data)).systems["s"]
+    result = runs["step"]
+    requests, summary = result.requests, result.summary
+    assert requests["preemptions"].sum() == 0
+    assert summary["abandoned_seated"] >= 10 and summary["abandoned_output_tokens"] > 0
+    ends = step_ends(result.steps)
+    waits = [np.diff(np.concatenate([[row.first_token_s],
+                                     ends[(ends > row.first_token_s) & (ends <= row.finished_s)]]))
+             for row in requests[requests["finished_s"].notna()].itertuples()]
+    every = np.concatenate(waits)
+    assert len(every) == (requests.loc[requests["finished_s"].notna(), "output_len"] - 1).sum()
+    expected = itl_of(every, np.ones(len(every), dtype=int))
+    for key, value in expected.items():
+        assert summary[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+        assert runs["jump"].summary[key] == summary[key], key
+
+
+def test_a_request_given_up_after_its_preemption_takes_its_tokens_out_of_the_itl(tmp_path):
+    # The later request is preempted, seated again when the other finishes, and given up
+    # before its last token: the ITL is the other's alone, its wait before the preemption,
+    # its wait for the recompute and its tokens after all out.
+    data = two_requests(tmp_path)
+    whole = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["s"]
+    victim = whole.requests.iloc[1]
+    data["workload"]["e2e_timeout_s"] = float(victim["finished_s"]) - 0.3
+    result = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["s"]
+    requests = result.requests
+    assert requests["preemptions"].tolist() == [0, 1]
+    assert requests["abandoned_s"].notna().tolist() == [False, True]
+    # Seated again after the other finished, and cut off before its last token.
+    assert requests["abandoned_s"].iloc[1] > requests["finished_s"].iloc[0] + 0.1
+    assert 0 < result.summary["abandoned_output_tokens"] < 400
+    served = requests.iloc[0]
+    ends = step_ends(result.steps)
+    every = np.diff(np.concatenate([[served["first_token_s"]],
+                                    ends[(ends > served["first_token_s"])
+                                         & (ends <= served["finished_s"])]]))
+    expected = itl_of(every, np.ones(len(every), dtype=int))
+    for key, value in expected.items():
+        assert result.summary[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
