@@ -443,7 +443,8 @@ class _Replica:
                              ttft_timeout_s=sim.ttft_timeout_s,
                              e2e_timeout_s=sim.e2e_timeout_s,
                              itl_timeout_s=sim.itl_timeout_s,
-                             tells_seatings=self.tells_balancer)
+                             tells_seatings=self.tells_balancer,
+                             line_seed=f"{sim.seed} {index}")
 
         self.scheduler = scheduler()
         # Pipeline stages: a scheduler for each batch in flight, all of one allocator, one

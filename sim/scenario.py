@@ -351,7 +351,8 @@ class SchedulerConfig(ConfigModel):
         "for the chunk each step computes (vLLM v1): more requests start, and a chunk that "
         "finds memory short preempts as a decode step does. Without chunked prefill a prompt "
         "is one chunk, and the two are the same")
-    policy: Literal["fcfs", "priority", "shortest_predicted", "lpm"] = Field(
+    policy: Literal["fcfs", "priority", "shortest_predicted", "lpm", "dfs_weight",
+                    "random"] = Field(
         default="fcfs", description="as vLLM's --scheduling-policy: first come, first served, "
         "or by each request's priority (lower first, then arrival): the waiting request with "
         "the best priority is seated first and the running one with the worst is preempted; "
@@ -360,7 +361,12 @@ class SchedulerConfig(ConfigModel):
         "lpm, longest prefix match (SGLang's --schedule-policy lpm): the waiting request "
         "with the most prompt tokens in the prefix cache now is seated first, the line "
         "sorted stably each step with a seat to fill (first come, first served without a "
-        "prefix cache)")
+        "prefix cache); or dfs_weight (SGLang's dfs-weight): each step with a seat to fill, "
+        "the line in the order of a depth-first walk down the prefix cache's tree, the "
+        "branch with the most requests waiting first, so that the requests sharing a cached "
+        "prefix are seated together (first come, first served without a prefix cache); or "
+        "random (SGLang's): the line shuffled each step with a seat to fill, with draws "
+        "seeded by the scenario's seed")
     max_lpm_queue_size: int | None = Field(
         default=None, ge=0, description="under lpm: a line longer than this is not ranked, as "
         "SGLang's past 128, the default (ranking looks up every request waiting): it keeps "
@@ -1266,11 +1272,12 @@ class Scenario(ConfigModel):
                          "heeds nothing the replicas report")
         for system in self.systems:
             scheduler = system.scheduler
-            if scheduler.policy == "lpm" and not (isinstance(system.allocator, PagedConfig)
-                                                  and system.allocator.prefix_caching):
-                notes.append(f"system {system.name!r}: scheduler.policy lpm is first come, "
-                             f"first served here: its memory has no prefix cache to rank "
-                             f"the line by")
+            if scheduler.policy in ("lpm", "dfs_weight") and not (
+                    isinstance(system.allocator, PagedConfig)
+                    and system.allocator.prefix_caching):
+                notes.append(f"system {system.name!r}: scheduler.policy {scheduler.policy} is "
+                             f"first come, first served here: its memory has no prefix cache "
+                             f"to rank the line by")
             if scheduler.prefill_allocation != "per_chunk":
                 continue
             if not scheduler.chunked_prefill:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
@@ -218,8 +219,8 @@ class Request:
 
 class WaitingLine:
     """The queue of requests waiting for a seat: first come, first served, by priority,
-    shortest predicted job first, or longest cached prefix first; and, with a ``timeout_s``
-    or ``ttft_timeout_s``, the clients who give up.
+    shortest predicted job first, longest cached prefix first, grouped by cached prefix, or
+    at random; and, with a ``timeout_s`` or ``ttft_timeout_s``, the clients who give up.
 
     First come, first served is a deque; a preempted request goes back to its front. Longest
     prefix match (``lpm``, SGLang's ``--schedule-policy lpm``) keeps the same deque, which
@@ -228,7 +229,10 @@ class WaitingLine:
     in the order before among equals, so that as a request of a shared prefix warms the
     cache the others of its group move up. Ranking asks about every request waiting, so a
     line longer than ``max_lpm_queue_size`` (128 unless given; 0: no limit) is left as it
-    is, as SGLang's: in the order its last ranking left, with arrivals behind. The others
+    is, as SGLang's: in the order its last ranking left, with arrivals behind. SGLang's
+    ``dfs-weight`` (``dfs_weight``) orders the same deque by a walk down the cache's tree,
+    every request of a cached prefix together, the prefix most of them share first; its
+    ``random`` shuffles it each round, with draws seeded by ``seed``. The others
     are heaps, lower first, ordered by (priority, arrival, request index) — vLLM
     v1's ``--scheduling-policy priority`` — or by (tokens the predictor expects the request
     still to generate, arrival, request index); a preempted request simply goes back in,
@@ -263,15 +267,21 @@ class WaitingLine:
                  ttft_timeout_s: float | None = None,
                  e2e_timeout_s: float | None = None,
                  itl_timeout_s: float | None = None,
-                 max_lpm_queue_size: int | None = None) -> None:
+                 max_lpm_queue_size: int | None = None, seed: str = "") -> None:
         self.by_priority = order == "priority"
         self.by_length = order == "shortest_predicted"
         self.by_prefix = order == "lpm"
+        self.by_cache_tree = order == "dfs_weight"
         self._heaped = self.by_priority or self.by_length
         # Under lpm, the prompt tokens a waiting request finds cached now (set by the
         # scheduler of a pool that caches prefixes; without, the line is first come, first
         # served), and the longest line ranked so.
         self.prefix_tokens: Callable[[Request], int] | None = None
+        # Under dfs_weight, the hashes of the blocks a waiting request finds cached now,
+        # from its first (its path down the cache's tree; set as prefix_tokens is).
+        self.cached_path: Callable[[Request], list[int]] | None = None
+        # Under random, the draws that shuffle the line, the same each run of one seed.
+        self._shuffler = random.Random(f"kvsim line {seed}") if order == "random" else None
         self.max_lpm_queue_size = (LPM_QUEUE_LIMIT if max_lpm_queue_size is None
                                    else max_lpm_queue_size)
         self.max_wait_s = max_wait_s
@@ -306,20 +316,89 @@ class WaitingLine:
         return self._heaped or self.ranks()
 
     def ranks(self) -> bool:
-        """Whether :meth:`rank` would sort the line now (lpm with a prefix cache, the line
-        no longer than ``max_lpm_queue_size``)."""
-        limit = self.max_lpm_queue_size
-        return self.prefix_tokens is not None and not (limit and self._count > limit)
+        """Whether :meth:`rank` would order the line now: lpm with a prefix cache, the line
+        no longer than ``max_lpm_queue_size``; dfs_weight with a prefix cache; random."""
+        if self.prefix_tokens is not None:
+            limit = self.max_lpm_queue_size
+            return not (limit and self._count > limit)
+        return self.cached_path is not None or self._shuffler is not None
+
+    def reshuffles(self) -> bool:
+        """Whether every ranking draws a new order (random), whatever changed or not."""
+        return self._shuffler is not None
 
     def rank(self) -> None:
-        """Longest prefix match: sort the line, in place and stably, by the prompt tokens
-        each request finds cached now, most first (if it :meth:`ranks`)."""
-        prefix_tokens = self.prefix_tokens
-        if prefix_tokens is None or not self.ranks():
+        """Order the line, in place, as the scheduler does before it seats anyone (if it
+        :meth:`ranks`): longest prefix match sorts it stably by the prompt tokens each
+        request finds cached now, most first; dfs_weight puts it in the order of a walk
+        down the cache's tree (:meth:`_walk_cache_tree`); random shuffles it."""
+        if not self.ranks():
             return
-        ranked = sorted(self._line, key=lambda request: -prefix_tokens(request))
+        prefix_tokens = self.prefix_tokens
+        if prefix_tokens is not None:
+            ranked = sorted(self._line, key=lambda request: -prefix_tokens(request))
+        elif self.cached_path is not None:
+            ranked = self._walk_cache_tree(self.cached_path)
+        else:
+            assert self._shuffler is not None
+            ranked = list(self._line)
+            self._shuffler.shuffle(ranked)
         self._line.clear()
         self._line.extend(ranked)
+
+    def _walk_cache_tree(self, cached_path: Callable[[Request], list[int]]) -> list[Request]:
+        """SGLang's dfs-weight order. Each waiting request hangs from the deepest block of
+        its prompt the cache holds (the root if none); a block weighs the requests hanging
+        in its subtree; a depth-first walk from the root takes the heavier child first, and
+        at each block the requests of its subtree before its own, so that requests sharing a
+        cached prefix are seated together, the largest group first, while it is cached.
+        (SGLang breaks a tie between children in the order its radix tree made them; here,
+        in the order the line met them.) A block's hash names its whole prefix, so requests
+        hanging from one block share their path, which is walked once for them all."""
+        hanging: dict[int, list[Request]] = {}  # by the hash of the block they hang from
+        paths: dict[int, list[int]] = {}
+        at_root: list[Request] = []
+        for request in self._line:
+            path = cached_path(request)
+            if not path:
+                at_root.append(request)
+            elif path[-1] in hanging:
+                hanging[path[-1]].append(request)
+            else:
+                hanging[path[-1]] = [request]
+                paths[path[-1]] = path
+        weight: dict[int, int] = {}
+        top: list[int] = []  # the root's children, then each block's, in the order met
+        children: dict[int, list[int]] = {}
+        for last, path in paths.items():
+            count = len(hanging[last])
+            siblings = top
+            for block_hash in path:
+                if block_hash in weight:
+                    weight[block_hash] += count
+                else:
+                    weight[block_hash] = count
+                    siblings.append(block_hash)
+                    children[block_hash] = []
+                siblings = children[block_hash]
+        order: list[Request] = []
+        # (block, whether its subtree is done: its own requests next), the next on top.
+        stack: list[tuple[int, bool]] = []
+
+        def push_children(kids: list[int]) -> None:
+            ranked = sorted(kids, key=lambda block_hash: -weight[block_hash])  # stable
+            stack.extend((block_hash, False) for block_hash in reversed(ranked))
+
+        push_children(top)
+        while stack:
+            block_hash, done = stack.pop()
+            if done:
+                order.extend(hanging.get(block_hash, ()))
+            else:
+                stack.append((block_hash, True))
+                push_children(children[block_hash])
+        order.extend(at_root)
+        return order
 
     def head(self) -> Request:
         """The request to seat next."""
@@ -543,7 +622,7 @@ class Scheduler:
                  queue_timeout_s: float | None = None,
                  ttft_timeout_s: float | None = None,
                  e2e_timeout_s: float | None = None, itl_timeout_s: float | None = None,
-                 tells_seatings: bool = False) -> None:
+                 tells_seatings: bool = False, line_seed: str = "") -> None:
         self.allocator = allocator
         # Whether each step lists the requests it seated and preempted (Batch.seatings).
         self.tells_seatings = tells_seatings
@@ -596,7 +675,7 @@ class Scheduler:
         self.waiting = waiting if waiting is not None else WaitingLine(
             config.policy, config.max_wait_s, config.aging_tokens_per_s or 0.0,
             queue_timeout_s, ttft_timeout_s, e2e_timeout_s, itl_timeout_s,
-            config.max_lpm_queue_size)
+            config.max_lpm_queue_size, line_seed)
         # A streaming client gives up on a decoding request only when a step outlasts this.
         self._itl_timeout_s = itl_timeout_s if itl_timeout_s is not None else math.inf
         # Seated requests whose clients gave up (before their first token, or their last):
@@ -681,12 +760,17 @@ class Scheduler:
         self._windowed = allocator if isinstance(allocator, HybridPagedAllocator) and (
             allocator.sliding_groups) else None
         self._predicts = getattr(allocator, "reserve_policy", None) == "predicted"
-        # Longest prefix match ranks the line by the prefix cache: without one, first come,
-        # first served (as SGLang falls back when its radix cache is off).
-        self._by_prefix = self.waiting.by_prefix and getattr(
+        # Longest prefix match and dfs_weight rank the line by the prefix cache: without
+        # one, first come, first served (as SGLang falls back when its radix cache is off).
+        self._by_cache = (self.waiting.by_prefix or self.waiting.by_cache_tree) and getattr(
             allocator, "enable_prefix_caching", False)
-        if self._by_prefix:
+        if self._by_cache and self.waiting.by_prefix:
             self.waiting.prefix_tokens = self._ready_prompt_tokens
+        elif self._by_cache:
+            self.waiting.cached_path = self._cached_path
+        # Whether the line is ordered anew each round with a seat to fill (by the cache, or
+        # at random).
+        self._ranked_line = self._by_cache or self.waiting.reshuffles()
         if (self._predicts or self.waiting.by_length) and predicted_output is None:
             raise ValueError("a predicted reservation, or a line by predicted length, needs "
                              "the predicted output lengths")
@@ -751,12 +835,24 @@ class Scheduler:
         """Prompt tokens a waiting request would not compute if seated now: those the
         prefix cache holds, or all it brings (KV another replica read, or swapped out)."""
         spec = request.spec()
+        return max(self.allocator.cached_prefix_tokens(spec, self._kept_hasher(request)),
+                   request.transferred, request.swapped)
+
+    def _cached_path(self, request: Request) -> list[int]:
+        """The hashes of the blocks of a waiting request's prompt the GPU's prefix cache
+        holds now, from its first: its path down the cache's tree (dfs_weight)."""
+        bs = self._block_size
+        assert bs is not None  # (a pool with a prefix cache is paged)
+        hasher = self._kept_hasher(request)
+        return hasher.hashes[:self.allocator.cached_prefix_tokens(request.spec(), hasher) // bs]
+
+    def _kept_hasher(self, request: Request) -> BlockHasher:
+        """The request's content hashes, kept from one ranking to the next."""
         hasher = request.prefix_hasher
         if hasher is None:
             hasher = request.prefix_hasher = BlockHasher(
-                spec.segments, self._block_size)  # type: ignore[arg-type]
-        return max(self.allocator.cached_prefix_tokens(spec, hasher), request.transferred,
-                   request.swapped)
+                request.spec().segments, self._block_size)  # type: ignore[arg-type]
+        return hasher
 
     def _samples_fit(self, request: Request, spec: SeqSpec) -> bool:
         """Whether every sample of the request would find memory now. Contiguous samples
@@ -1244,7 +1340,7 @@ class Scheduler:
         # nothing cached evicts nothing).
         if self._block_size is None or gives_back or need > (
                 self.allocator.num_free_blocks) or (  # type: ignore[attr-defined]
-                (self._per_chunk or self._by_prefix) and self.waiting
+                (self._per_chunk or self._by_cache) and self.waiting
                 and self._pool is not None
                 and need > self._pool.num_free - self._pool.num_cached_free):
             # Put them back for schedule() to handle with preemption.
@@ -1312,7 +1408,7 @@ class Scheduler:
         # take no time: seat at once).
         self.head_blocked = False
         seating = not (self._per_chunk and batch.preempted and self.running)
-        ranked = seating and self._by_prefix and self._seated() < self.config.max_num_seqs
+        ranked = seating and self._ranked_line and self._seated() < self.config.max_num_seqs
         if ranked:
             self.waiting.rank()  # once a round, as SGLang: a seat taken does not re-rank it
         admitted = self._admit_counter
@@ -1394,9 +1490,10 @@ class Scheduler:
             if not self._prefill(request, chunk, batch):
                 break
             budget -= chunk
-        if ranked and self._admit_counter != admitted:
-            # Those seated changed what the others find cached: the next round ranks again
-            # (as stepping would), and may put another head first.
+        if ranked and (self._admit_counter != admitted or self.waiting.reshuffles()):
+            # Those seated changed what the others find cached (or the line is shuffled each
+            # round): the next round ranks again (as stepping would), and may put another
+            # head first.
             self.head_blocked = False
         # Preemptions late in the step may have removed requests scheduled earlier.
         batch.prefill = [p for p in batch.prefill if p[0].num_seqs]

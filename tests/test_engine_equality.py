@@ -8,8 +8,8 @@ outgrow its extent), with virtual memory mapped a page at a time, with a mixture
 experts, whose step cost depends on the tokens a step carries, with prompts claimed
 chunk by chunk (an eviction may then let a blocked head in), and with speculative decoding,
 its drafts by batch size too (a step's K then follows the batch before it), under the
-hybrid manager of sliding-window layers too, and with routers that hear from the replicas
-only every so often."""
+hybrid manager of sliding-window layers too, with routers that hear from the replicas
+only every so often, and with lines ordered by the prefix cache or shuffled each round."""
 
 from __future__ import annotations
 
@@ -259,6 +259,11 @@ def random_scenario(seed: int) -> dict:
     if "policy" not in scheduler and rng.random() < 0.3:
         scheduler["policy"] = "lpm"
         scheduler["max_lpm_queue_size"] = rng.choice([0, 3, 128])
+        # Drawn last, as the above: SGLang's other orders of the line, a walk down the
+        # cache's tree and a shuffle each round (seeded by replica).
+        if rng.random() < 0.5:
+            scheduler["policy"] = rng.choice(["dfs_weight", "random"])
+            del scheduler["max_lpm_queue_size"]
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",

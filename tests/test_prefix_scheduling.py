@@ -1,6 +1,7 @@
 """Longest prefix match first (``scheduler.policy: lpm``): the waiting line ranked by the
 prompt tokens each request finds in the prefix cache now, as SGLang's ``--schedule-policy
-lpm`` ranks it."""
+lpm`` ranks it; SGLang's other orders of its line: a walk down the cache's tree
+(``dfs_weight``), and a shuffle (``random``)."""
 
 from __future__ import annotations
 
@@ -19,32 +20,39 @@ from workloads.trace import UNIQUE_SEGMENT_BASE, Trace
 GROUP_A, GROUP_B = 1, 2
 
 
-def grouped(groups: list[int], prefix: int = 64, own: int | list[int] = 20,
+def grouped(groups: list[int], prefix: int | list[int] = 64, own: int | list[int] = 20,
             output: int = 4) -> Trace:
     """A burst of requests, each a ``prefix``-token system prompt of its group and ``own``
     tokens of its own (one count for all, or one each)."""
     count = len(groups)
     owns = np.broadcast_to(np.asarray(own), count)
+    prefixes = np.broadcast_to(np.asarray(prefix), count)
     ids = [seg for i, group in enumerate(groups) for seg in (group, UNIQUE_SEGMENT_BASE + i)]
     return Trace.from_columns(
-        arrival_s=np.zeros(count), prompt_len=prefix + owns,
+        arrival_s=np.zeros(count), prompt_len=prefixes + owns,
         output_len=np.full(count, output),
         seg_offsets=np.arange(0, 2 * count + 1, 2), seg_ids=np.array(ids, dtype=np.int64),
-        seg_lens=np.column_stack([np.full(count, prefix), owns]).ravel())
+        seg_lens=np.column_stack([prefixes, owns]).ravel())
 
 
-def seating_order(groups: list[int], **config) -> list[int]:
-    """One seat: request 0 runs first, the rest wait behind it; the order they finish in."""
-    trace = grouped(groups)
+def seating_order(groups: list[int], first: int = 1, prefix: int | list[int] = 64,
+                  line_seed: str = "", **config) -> list[int]:
+    """One seat: the ``first`` requests run first, one after the other, the rest wait
+    behind them; the order they finish in."""
+    trace = grouped(groups, prefix)
     allocator = PagedAllocator(num_blocks=64, block_size=16)
-    sched = Scheduler(allocator, SchedulerConfig(max_num_seqs=1, **config), debug=True)
+    sched = Scheduler(allocator, SchedulerConfig(max_num_seqs=1, **config), debug=True,
+                      line_seed=line_seed)
     requests = [Request(trace, i, 0.0) for i in range(len(groups))]
-    assert sched.add(requests[0])
-    clock = 1.0
-    sched.finish_step(sched.schedule(0.0), clock)
-    for request in requests[1:]:
-        assert sched.add(request)
+    clock = 0.0
     order = []
+    for request in requests[:first]:
+        assert sched.add(request)
+        while request.admitted_s < 0:
+            order += [r.index for r in sched.finish_step(sched.schedule(clock), clock + 1.0)]
+            clock += 1.0
+    for request in requests[first:]:
+        assert sched.add(request)
     while sched.running or sched.waiting:
         batch = sched.schedule(clock)
         clock += 1.0
@@ -170,31 +178,35 @@ def many_groups(policy: str, kind: str = "paged", **allocator) -> dict:
             "stop": {"num_requests": 2000}}
 
 
-def test_seating_cached_prompts_first_raises_hits_and_throughput():
-    runs = {policy: run_scenario(scenario_from_dict(many_groups(policy))).systems["s"]
-            for policy in ("fcfs", "lpm")}
-    fcfs, lpm = runs["fcfs"].summary, runs["lpm"].summary
-    assert lpm["completed"] == fcfs["completed"] == 2000
-    assert lpm["prefix_hit_rate"] > fcfs["prefix_hit_rate"] + 0.1  # 70 % against 56 %
-    assert lpm["throughput_tok_s"] > 1.15 * fcfs["throughput_tok_s"]  # 891 against 739
-    assert lpm["ttft_p50_s"] < fcfs["ttft_p50_s"]
+@pytest.mark.parametrize("policy", ["lpm", "dfs_weight"])
+def test_seating_cached_prompts_first_raises_hits_and_throughput(policy):
+    runs = {p: run_scenario(scenario_from_dict(many_groups(p))).systems["s"]
+            for p in ("fcfs", policy)}
+    fcfs, ranked = runs["fcfs"].summary, runs[policy].summary
+    assert ranked["completed"] == fcfs["completed"] == 2000
+    # lpm: 70 % against 56 %, 891 tok/s against 739
+    assert ranked["prefix_hit_rate"] > fcfs["prefix_hit_rate"] + 0.1
+    assert ranked["throughput_tok_s"] > 1.15 * fcfs["throughput_tok_s"]
+    assert ranked["ttft_p50_s"] < fcfs["ttft_p50_s"]
     # Seated out of arrival order: some request waits for one that came after it.
-    seated = runs["lpm"].requests.sort_values("arrival_s")["admitted_s"].to_numpy()
+    seated = runs[policy].requests.sort_values("arrival_s")["admitted_s"].to_numpy()
     assert (np.diff(seated) < 0).any()
     assert (np.diff(runs["fcfs"].requests.sort_values("arrival_s")["admitted_s"]
                     .to_numpy()) >= 0).all()
 
 
+@pytest.mark.parametrize("policy", ["lpm", "dfs_weight"])
 @pytest.mark.parametrize("allocator", [{"kind": "contiguous"},
                                        {"kind": "paged", "prefix_caching": False}],
                          ids=["contiguous", "paged without a cache"])
-def test_lpm_without_a_prefix_cache_changes_nothing(allocator):
+def test_a_cache_aware_line_without_a_prefix_cache_changes_nothing(allocator, policy):
+    allocator = dict(allocator)  # (shared by the parameters' cases)
     kind = allocator.pop("kind")
-    runs = [run_scenario(scenario_from_dict(many_groups(policy, kind, **allocator)))
-            for policy in ("fcfs", "lpm")]
+    runs = [run_scenario(scenario_from_dict(many_groups(p, kind, **allocator)))
+            for p in ("fcfs", policy)]
     assert runs[0].systems["s"].requests.equals(runs[1].systems["s"].requests)
-    parsed = scenario_from_dict(many_groups("lpm", kind, **allocator))
-    assert parsed.setting_notes() == ["system 's': scheduler.policy lpm is first come, "
+    parsed = scenario_from_dict(many_groups(policy, kind, **allocator))
+    assert parsed.setting_notes() == [f"system 's': scheduler.policy {policy} is first come, "
                                       "first served here: its memory has no prefix cache to "
                                       "rank the line by"]
 
@@ -248,3 +260,96 @@ def test_jump_equals_step_where_evictions_and_arrivals_reorder_the_line(seed):
         tables[mode] = run_scenario(scenario_from_dict(data)).systems["s"]
     pd.testing.assert_frame_equal(tables["jump"].requests, tables["step"].requests)
     assert len(tables["jump"].steps) < len(tables["step"].steps)
+
+
+# ---------------------------------------------------------------- dfs_weight and random
+def test_the_walk_down_the_cache_tree_seats_the_biggest_cached_group_first():
+    # Two system prompts cached, A's of 128 tokens, B's of 32 (requests 0 and 1 read
+    # them); then one more of A waits, and three of B. Longest prefix match seats A's
+    # first (more of its prompt is cached); the walk, B's three, the heavier branch.
+    groups = [GROUP_A, GROUP_B, GROUP_A, GROUP_B, GROUP_B, GROUP_B]
+    prefixes = [128, 32, 128, 32, 32, 32]
+    assert seating_order(groups, first=2, prefix=prefixes) == [0, 1, 2, 3, 4, 5]
+    assert seating_order(groups, first=2, prefix=prefixes, policy="lpm") == [0, 1, 2, 3, 4, 5]
+    assert seating_order(groups, first=2, prefix=prefixes,
+                         policy="dfs_weight") == [0, 1, 3, 4, 5, 2]
+
+
+def test_the_walk_takes_the_heavier_child_first_and_a_blocks_own_requests_last():
+    trace = grouped([GROUP_A] * 8)
+    requests = [Request(trace, i, 0.0) for i in range(8)]
+    # Paths down the tree (block hashes): a with children b (two requests) and e (one),
+    # c with child d; request 0 finds nothing cached, 7 as much as 6 but its own way.
+    paths = {0: [], 1: [10, 11], 2: [10], 3: [30], 4: [10, 11], 5: [30, 31], 6: [10, 12],
+             7: [40]}
+    line = WaitingLine("dfs_weight")
+    line.cached_path = lambda request: paths[request.index]
+    for request in requests:
+        line.arrive(request)
+    assert line.ranks() and line.may_be_passed()
+    line.rank()
+    # a (4 requests): b's two in the line's order, e's, then a's own; c (2): d's, c's
+    # own; f (1); then whoever hangs from the root.
+    assert [r.index for r in line.requests()] == [1, 4, 6, 2, 5, 3, 7, 0]
+    # Ties between children go in the order the line met them (not by hash: 20 < 90).
+    paths.update({1: [90], 4: [90], 6: [90, 91], 2: [20], 5: [20, 21], 3: [20]})
+    line.rank()
+    assert [r.index for r in line.requests()] == [6, 1, 4, 5, 2, 3, 7, 0]
+
+
+def test_a_random_line_is_shuffled_each_round_the_same_way_for_a_seed():
+    trace = grouped([GROUP_A] * 12)
+
+    def rounds(seed: str) -> list[list[int]]:
+        line = WaitingLine("random", seed=seed)
+        for i in range(12):
+            line.arrive(Request(trace, i, 0.0))
+        assert line.ranks() and line.reshuffles()
+        orders = []
+        for _ in range(3):
+            line.rank()
+            orders.append([r.index for r in line.requests()])
+        return orders
+
+    first = rounds("0 0")
+    assert first == rounds("0 0")  # the same draws for the same seed
+    assert first != rounds("1 0")
+    assert all(sorted(order) == list(range(12)) for order in first)
+    assert first[0] != list(range(12)) and first[0] != first[1] != first[2]
+    # Seated in a shuffled order, one seat at a time, each round drawing anew.
+    groups = [GROUP_A, GROUP_B] * 4
+    orders = {seed: seating_order(groups, policy="random", line_seed=seed)
+              for seed in ("0 0", "1 0", "2 0")}
+    assert all(order[0] == 0 and sorted(order) == list(range(8)) for order in orders.values())
+    assert len({tuple(order) for order in orders.values()}) == 3
+    assert seating_order(groups, policy="random", line_seed="1 0") == orders["1 0"]
+
+
+def test_a_random_line_is_the_same_for_a_seed_and_another_for_another():
+    data = many_groups("random")
+    data["stop"]["num_requests"] = 300
+    runs = [run_scenario(scenario_from_dict({**data, "seed": seed})).systems["s"].requests
+            for seed in (0, 0)]
+    pd.testing.assert_frame_equal(runs[0], runs[1])
+    # Seated out of arrival order.
+    seated = runs[0].sort_values("arrival_s")["admitted_s"].to_numpy()
+    assert (np.diff(seated) < 0).any()
+    # Another seed draws other shuffles of the same trace (the workload's own draws are
+    # the same: its seed is the scenario's, so compare with a shuffle of the line alone).
+    other = run_scenario(scenario_from_dict({**data, "seed": 1})).systems["s"].requests
+    assert not other.equals(runs[0])
+
+
+@pytest.mark.parametrize("policy", ["dfs_weight", "random"])
+@pytest.mark.parametrize("seed", range(6))
+def test_jump_equals_step_for_the_other_orders(policy, seed):
+    data = crowded_groups(seed)
+    scheduler = data["systems"][0]["scheduler"]
+    scheduler["policy"] = policy
+    del scheduler["max_lpm_queue_size"]
+    tables = {}
+    for mode in ("jump", "step"):
+        data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
+        tables[mode] = run_scenario(scenario_from_dict(data)).systems["s"]
+    pd.testing.assert_frame_equal(tables["jump"].requests, tables["step"].requests)
+    assert len(tables["jump"].steps) <= len(tables["step"].steps)
