@@ -1130,7 +1130,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "export wrote)")
     common.add_argument("--columns", type=_column_map, metavar="KEY=NAME,...",
                         help="a generic CSV/JSONL file's columns: arrival, prompt_len, "
-                        "output_len required; hash_ids, priority, predicted_output optional "
+                        "output_len required; hash_ids, priority, predicted_output, max_tokens "
+                        "optional "
                         "(arrival=t,prompt_len=in,output_len=out)")
     common.add_argument("--time-unit", choices=["s", "ms", "us", "datetime"],
                         help="unit of the arrival column (default: the format's; s for a "

@@ -568,7 +568,7 @@ def test_trace_columns_read_a_generic_file(tmp_path):
         ("arrival=t,prompt_len=in", "missing output_len: arrival, prompt_len, output_len are "
          "required"),
         ("arrival=t,size=in", "unknown key 'size': expected one of arrival, prompt_len, "
-         "output_len, hash_ids, priority, predicted_output"),
+         "output_len, hash_ids, priority, predicted_output, max_tokens"),
         ("arrival=t,arrival=u", "key 'arrival' given twice"),
         ("arrival", "expected KEY=NAME pairs separated by commas (arrival=t,prompt_len=in,"
          "output_len=out), got 'arrival'"),

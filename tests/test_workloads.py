@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
+from sim.engine import run_scenario
 from sim.memory.content import BlockHasher
+from sim.scenario import scenario_from_dict
 from sim.trace_stats import sharing_potential, trace_stats
 from workloads import Trace, TraceImportError, build_trace
 from workloads.distributions import (
@@ -315,6 +317,43 @@ def test_hash_ids_of_a_generic_file_are_checked_row_by_row(tmp_path):
     kept = build_trace(TraceWorkload(path=str(tmp_path / "words.csv"), columns=columns,
                                      skip_invalid=True), seed=0, max_model_len=4096)
     assert len(kept) == 1 and "skipped 1 row with bad 'h'" in kept.notes[0]
+
+
+def test_each_clients_max_tokens_from_a_generic_file(tmp_path):
+    columns = {"arrival": "t", "prompt_len": "in", "output_len": "out", "max_tokens": "m"}
+    path = write(tmp_path, "t,in,out,m\n0,100,10,50\n1,200,20,4000\n2,50,5,5\n", "m.csv")
+    trace = build_trace(TraceWorkload(path=str(path), columns=columns), seed=0,
+                        max_model_len=4096)
+    # Each row's own, within the context limit (4,096 − 200 left for the second).
+    assert trace.max_tokens.tolist() == [50, 3896, 5]
+    assert trace.output_len.tolist() == [10, 20, 5]
+    # Within the workload's cap too; without the column, the cap alone.
+    capped = build_trace(TraceWorkload(path=str(path), columns=columns, max_tokens=30),
+                         seed=0, max_model_len=4096)
+    assert capped.max_tokens.tolist() == [30, 30, 5]
+    del columns["max_tokens"]
+    plain = build_trace(TraceWorkload(path=str(path), columns=columns, max_tokens=30),
+                        seed=0, max_model_len=4096)
+    assert plain.max_tokens.tolist() == [30, 30, 30]
+    # A request_max reservation holds each one's prompt and max_tokens.
+    data = {"name": "m", "model": "llama-2-7b", "memory": {"kv_memory_gib": 4},
+            "workload": {"kind": "trace", "path": str(path),
+                         "columns": {**columns, "max_tokens": "m"}},
+            "systems": [{"name": "c", "allocator": {"kind": "contiguous",
+                                                     "reserve_policy": "request_max"}}],
+            "stop": {"num_requests": 3}}
+    requests = run_scenario(scenario_from_dict(data)).systems["c"].requests
+    assert requests["allocated_at_finish"].tolist() == [150, 4096, 55]
+    # A client never gets more than it asked for: a smaller max_tokens is a bad row.
+    columns["max_tokens"] = "m"
+    bad = write(tmp_path, "t,in,out,m\n0,100,10,50\n1,200,20,19\n2,50,5,x\n", "bad.csv")
+    with pytest.raises(TraceImportError) as err:
+        build_trace(TraceWorkload(path=str(bad), columns=columns), seed=0, max_model_len=4096)
+    assert str(err.value).startswith(f"{bad}:3: column 'm': expected an integer at least the "
+                                     "row's 'out', got '19'")
+    kept = build_trace(TraceWorkload(path=str(bad), columns=columns, skip_invalid=True),
+                       seed=0, max_model_len=4096)
+    assert len(kept) == 1 and "skipped 2 rows with bad 'm'" in kept.notes[0]
 
 
 def test_trace_speed_and_frame_round_trip():

@@ -220,7 +220,7 @@ def read_trace_table(
     workload: TraceWorkload, base_dir: Path
 ) -> tuple[pd.DataFrame, list[str]]:
     """The trace as a clean table (arrival_s from 0, prompt_len, output_len[, priority]
-    [, predicted_output][, hash_ids]) and notes on what was skipped."""
+    [, predicted_output][, max_tokens][, hash_ids]) and notes on what was skipped."""
     path = resolve_path(workload.path, base_dir)
     fmt_name = _format_of(workload, path)
     if fmt_name in KNOWN_FORMATS:
@@ -234,8 +234,8 @@ def read_trace_table(
         columns, reader = workload.columns, fmt_name
         unit = workload.time_unit or "s"
     wanted = [columns.arrival, columns.prompt_len, columns.output_len]
-    wanted += [c for c in (columns.priority, columns.predicted_output, columns.hash_ids)
-               if c is not None]
+    wanted += [c for c in (columns.priority, columns.predicted_output, columns.max_tokens,
+                           columns.hash_ids) if c is not None]
     raw, lines = read_rows(path, reader, wanted)
     arrival = _times(raw[columns.arrival], unit)
     prompt = _numbers(raw[columns.prompt_len])
@@ -253,6 +253,11 @@ def read_trace_table(
     if columns.predicted_output is not None:
         predicted = _numbers(raw[columns.predicted_output])
         problems.append((_not_a_count(predicted), columns.predicted_output, "an integer >= 1"))
+    if columns.max_tokens is not None:
+        asked = _numbers(raw[columns.max_tokens])
+        # (A server stops a request at its max_tokens: it never generates more.)
+        problems.append((_not_a_count(asked) | (asked < output), columns.max_tokens,
+                         f"an integer at least the row's {columns.output_len!r}"))
     if columns.hash_ids is not None:
         hash_lists = [_hash_id_list(value) for value in raw[columns.hash_ids]]
         problems.append((np.array([ids is None for ids in hash_lists], dtype=bool),
@@ -281,6 +286,8 @@ def read_trace_table(
         table["priority"] = priority[keep].astype(np.int64)
     if columns.predicted_output is not None:
         table["predicted_output"] = predicted[keep].astype(np.int64)
+    if columns.max_tokens is not None:
+        table["max_tokens"] = asked[keep].astype(np.int64)
     if columns.hash_ids is not None:
         table["hash_ids"] = [ids for ids, kept in zip(hash_lists, keep, strict=True) if kept]
     if table.empty:
@@ -341,6 +348,8 @@ def import_trace(
     clipped = int((prompt > max_model_len - 1).sum())
     prompt = np.minimum(prompt, max_model_len - 1)
     cap = workload.max_tokens or max_model_len
+    if "max_tokens" in table:  # each client's own, within the workload's and the context's
+        cap = np.minimum(table["max_tokens"].to_numpy(), cap)
     max_tokens = np.maximum(np.minimum(cap, max_model_len - prompt), 1)
     output = np.minimum(table["output_len"].to_numpy(), max_tokens)
     if clipped:

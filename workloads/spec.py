@@ -204,6 +204,10 @@ class ColumnMap(ConfigModel):
     predicted_output: str | None = Field(
         default=None, description="the output length a predictor expected for the request "
         "(integer >= 1), for a system whose predictor has source: trace")
+    max_tokens: str | None = Field(
+        default=None, description="the max_tokens the client asked for (an integer, at "
+        "least the row's output length): what a request_max reservation holds for the "
+        "request, within workload.max_tokens and the context limit (absent: those limits)")
 
 
 class TraceWorkload(ConfigModel):
