@@ -72,7 +72,7 @@ from sim.timing import (
     roofline,
     with_transfer,
 )
-from workloads import Trace, WorkloadError, build_trace
+from workloads import Trace, TraceError, WorkloadError, build_trace
 from workloads.spec import clients_time_out
 
 MEMORY_COLUMNS = MemorySnapshot._fields  # the taxonomy, then duplicate
@@ -932,9 +932,15 @@ class _SystemRun:
 
     def __init__(self, scenario: Scenario, system: SystemConfig, trace: Trace,
                  decode: _RoleSetup, prefill: _RoleSetup,
-                 progress: Callable[[int], None] | None) -> None:
+                 progress: Callable[[int], None] | None,
+                 request_of: np.ndarray | None = None) -> None:
         self.system = system
         self.trace = trace
+        # Under parallel_sampling fan_out, the request each of the trace's samples is of,
+        # and how many of each request's samples are not done yet (None: one row each).
+        self.request_of = request_of
+        self.samples_left = (np.bincount(request_of).tolist() if request_of is not None
+                             else None)
         # The replicas' setups: the scenario's (colocated, or decode replicas), and the
         # prefill replicas' under disaggregation (the same one unless spread otherwise).
         self.decode_setup, self.prefill_setup = decode, prefill
@@ -1269,6 +1275,15 @@ class _SystemRun:
         applied the end of the try before)."""
         return request.index + (request.attempts - 1) * len(self.arrival_s)
 
+    def _last_sample(self, index: int) -> bool:
+        """Whether the trace's request ``index``, now done, was the last of its request's
+        samples to be (always, where each request is one)."""
+        if self.samples_left is None or self.request_of is None:
+            return True
+        request = int(self.request_of[index])
+        self.samples_left[request] -= 1
+        return self.samples_left[request] == 0
+
     def on_done(self, replica: _Replica, request: Request, now_s: float,
                 step_start_s: float | None = None) -> None:
         """A request finished (in the step from ``step_start_s``), was rejected or shed, or
@@ -1306,7 +1321,7 @@ class _SystemRun:
             row += (replica.index if replica.role == "decode" else -1,)
         self.request_rows.append(row)
         self.done += 1
-        if self.progress:
+        if self.progress and self._last_sample(request.index):
             self.progress(1)
         dependents = self.dependents.get(request.index)
         if not dependents:
@@ -1398,6 +1413,8 @@ class _SystemRun:
         requests = requests.reset_index(drop=True)
         for column in ("admitted_s", "first_token_s", "finished_s", "abandoned_s", "max_itl_s"):
             requests[column] = requests[column].where(requests[column] >= 0)
+        if self.request_of is not None:
+            requests = gather_samples(requests, self.request_of)
         requests["finished_s"] = requests["finished_s"].astype(float)
         steps = self.recorder.steps.frame()
         memory = self.recorder.memory.frame()
@@ -1675,13 +1692,54 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
     if pool_slots < smallest:
         raise SizingError(f"memory: the KV pool ({pool_slots} slots) is smaller than the "
                           f"smallest request ({smallest} tokens)")
+    # vLLM v1 runs a request's samples as requests of their own: the engine sees those, and
+    # the results gather them back into their request's row.
+    sample_of: np.ndarray | None = None
+    if system.scheduler.parallel_sampling == "fan_out" and len(trace) and trace.n.max() > 1:
+        try:
+            trace, sample_of = trace.fan_out()
+        except TraceError as exc:
+            raise WorkloadError(f"systems[{system.name}].scheduler.parallel_sampling: fan_out: "
+                                f"{exc}") from None
     decode = _RoleSetup.build(scenario, system, trace, timing, pool_slots, base_dir)
     prefill = decode
     view = scenario.prefill_view()
     if view is not scenario:  # prefill replicas spread over GPUs otherwise
         prefill = _RoleSetup.build(view, system, trace, build_timing(view, base_dir),
                                    prefill_slots, base_dir)
-    return _SystemRun(scenario, system, trace, decode, prefill, progress).run()
+    return _SystemRun(scenario, system, trace, decode, prefill, progress, sample_of).run()
+
+
+def gather_samples(samples: pd.DataFrame, request_of: np.ndarray) -> pd.DataFrame:
+    """The rows of samples run as requests of their own (parallel_sampling fan_out) as
+    rows of their requests: seated with the first, a first token with the first, finished
+    with the last (unfinished while one is), their preemptions, hits, recomputed tokens and
+    memory summed, the longest gap of any (each sample streams its own tokens); the
+    replicas of the first sample."""
+    samples = samples.assign(request=request_of[samples["request"].to_numpy()])
+    groups = samples.groupby("request", sort=True)
+    first = groups.first()
+    rows = pd.DataFrame({
+        "arrival_s": first["arrival_s"],
+        "admitted_s": groups["admitted_s"].min(),
+        "first_token_s": groups["first_token_s"].min(),
+        "finished_s": groups["finished_s"].max().where(
+            groups["finished_s"].count() == groups.size()),
+        "prompt_len": first["prompt_len"],
+        "output_len": first["output_len"],
+        "n": pd.Series(np.bincount(request_of), name="n").reindex(first.index),
+        "priority": first["priority"],
+        **{column: groups[column].sum() for column in (
+            "preemptions", "prefix_hit_tokens", "recomputed_tokens")},
+        **{column: groups[column].any() for column in ("rejected", "shed")},
+        "abandoned_s": groups["abandoned_s"].min(),
+        "attempts": groups["attempts"].max(),
+        "replica": first["replica"],
+        "allocated_at_finish": groups["allocated_at_finish"].sum(),
+        "max_itl_s": groups["max_itl_s"].max(),
+        **({"decode_replica": first["decode_replica"]} if "decode_replica" in samples else {}),
+    })
+    return rows.reset_index().astype({column: samples[column].dtype for column in samples})
 
 
 def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) -> Trace:

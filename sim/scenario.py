@@ -393,6 +393,14 @@ class SchedulerConfig(ConfigModel):
         "victim that does not fit there, or has several samples, is still recomputed)")
     swap_space_gib: float = Field(default=4.0, gt=0, description="host memory per GPU for "
                                   "swapped KV, as vLLM's --swap-space")
+    parallel_sampling: Literal["fork", "fan_out"] = Field(
+        default="fork", description="how a request of n samples (workload.sampling.n) runs: "
+        "fork (vLLM v0, the PagedAttention paper), its samples seated, preempted and "
+        "finished together, forks sharing the prompt's blocks, a shared partial block copied "
+        "on write; or fan_out (vLLM v1), each sample a request of its own, seated, preempted "
+        "and finished on its own, finding the prompt's full blocks through the prefix cache "
+        "(each reads it without one); either way a request's row in the results is all its "
+        "samples (from the first seated and first token to the last finish)")
     max_queued_requests: PositiveInt | None = Field(
         default=None, description="a bounded waiting line, as SGLang's --max-queued-requests "
         "(Ray Serve's max_queued_requests, TGI's --max-concurrent-requests less the batch): a "
@@ -1045,10 +1053,34 @@ class Scenario(ConfigModel):
 
     @model_validator(mode="after")
     def _disaggregation_has_one_sample(self):  # type: ignore[no-untyped-def]
-        if self.engine.disaggregation is not None and self.workload.sampling.forks > 1:
+        if self.engine.disaggregation is not None and self.workload.sampling.forks > 1 and any(
+                s.scheduler.parallel_sampling == "fork" for s in self.systems):
             raise ValueError("engine.disaggregation: one sample per request (workload."
-                             "sampling n and beam_width 1); parallel samples across a "
-                             "prefill/decode split are not modelled")
+                             "sampling n and beam_width 1), or samples that are requests of "
+                             "their own (every system's scheduler.parallel_sampling: "
+                             "fan_out); forks across a prefill/decode split are not modelled")
+        return self
+
+    @model_validator(mode="after")
+    def _samples_fanned_out(self):  # type: ignore[no-untyped-def]
+        fanned = [s.name for s in self.systems if s.scheduler.parallel_sampling == "fan_out"]
+        if not fanned:
+            return self
+        where = f"system {fanned[0]!r}: scheduler.parallel_sampling: fan_out"
+        workload = self.workload
+        if workload.sampling.beam_width > 1:
+            raise ValueError(f"{where} makes each of n samples a request of its own; beam "
+                             "search (workload.sampling.beam_width) keeps its beams together")
+        unmodelled = [what for what, used in (
+            ("client time-outs", clients_time_out(workload)),
+            ("retries", workload.retry is not None),
+            ("a bounded line (scheduler.max_queued_requests)", any(
+                s.scheduler.max_queued_requests is not None for s in self.systems)),
+        ) if used]
+        if unmodelled:
+            raise ValueError(f"{where}: not modelled with {unmodelled[0]} (a client gives "
+                             "up on, or is turned away with, all the samples of its request "
+                             "at once, where the engine sees requests of their own)")
         return self
 
     @model_validator(mode="after")

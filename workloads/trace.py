@@ -269,5 +269,38 @@ class Trace:
         return Trace(**cut, seg_offsets=self.seg_offsets[: count + 1], seg_ids=self.seg_ids[:hi],
                      seg_lens=self.seg_lens[:hi], source=self.source, notes=list(self.notes))
 
+    def fan_out(self) -> tuple[Trace, np.ndarray]:
+        """Each request of n samples as n requests of one sample each, in a row, as vLLM v1
+        fans a request out: the same arrival and prompt (its content shared, so that a
+        prefix cache finds it), each its own answer; and the request of this trace each
+        one stands for. A request that waits on or continues one of several samples
+        (``after``, ``context_parent``) cannot say which sample: refused."""
+        for name in ("after", "context_parent"):
+            column = getattr(self, name)
+            waits = np.flatnonzero((column >= 0) & (self.n[np.maximum(column, 0)] > 1))
+            if len(waits):
+                request = int(waits[0])
+                raise TraceError(f"{name} names request {int(column[request])}, of "
+                                 f"{int(self.n[column[request]])} samples: which one it "
+                                 "follows is unknown once they are requests of their own",
+                                 request=request)
+        parent = np.repeat(np.arange(len(self), dtype=np.int64), self.n)
+        first = np.concatenate(([0], np.cumsum(self.n)[:-1]))  # each request's first sample
+        columns = {name: getattr(self, name)[parent] for name in COLUMNS}
+        columns["n"] = np.ones(len(parent), dtype=np.int64)
+        for name in ("after", "context_parent"):
+            column = columns[name]
+            columns[name] = np.where(column >= 0, first[np.maximum(column, 0)], -1)
+        counts = np.diff(self.seg_offsets)[parent]
+        offsets = np.concatenate(([0], np.cumsum(counts)))
+        # Each sample's segments: its request's, from where they start.
+        take = (np.repeat(self.seg_offsets[:-1][parent], counts)
+                + np.arange(offsets[-1]) - np.repeat(offsets[:-1], counts))
+        samples = Trace(**columns, seg_offsets=offsets, seg_ids=self.seg_ids[take],
+                        seg_lens=self.seg_lens[take], source=self.source,
+                        notes=list(self.notes))
+        samples.validate()
+        return samples, parent
+
     def total_tokens(self) -> int:
         return int(self.prompt_len.sum() + (self.output_len * self.n).sum())

@@ -1,0 +1,189 @@
+"""A request's n samples as vLLM v1 runs them (``scheduler.parallel_sampling: fan_out``):
+requests of their own that share the prompt through the prefix cache, gathered back into
+their request's row; against forks that share its blocks (``fork``, the default)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sim.engine import run_scenario, scenario_trace
+from sim.scenario import ScenarioError, scenario_from_dict
+from workloads import Trace, TraceError, WorkloadError
+
+
+def rollouts(**workload: object) -> dict:
+    """Eight samples a prompt, more than 4 GiB of Llama-2-7B's KV holds at this rate."""
+    return {"name": "rollouts", "model": "llama-2-7b", "memory": {"kv_memory_gib": 4},
+            "workload": {"arrival": {"process": "poisson", "rate": 2},
+                         "prompt_len": {"dist": "lognormal", "mean": 300, "sigma": 0.5,
+                                        "max": 1200},
+                         "output_len": {"dist": "uniform", "low": 20, "high": 400},
+                         "sampling": {"n": 8}, **workload},
+            "systems": [{"name": "fork", "allocator": {"kind": "paged"}},
+                        {"name": "fan_out", "allocator": {"kind": "paged"},
+                         "scheduler": {"parallel_sampling": "fan_out"}}],
+            "stop": {"num_requests": 60}, "seed": 4}
+
+
+def test_a_trace_fans_out_into_one_request_a_sample():
+    trace = Trace.from_columns(
+        arrival_s=np.array([0.0, 1.0, 2.0]), prompt_len=np.array([10, 20, 5 + 20 + 4]),
+        output_len=np.array([3, 4, 5]), n=np.array([1, 3, 2]), priority=np.array([0, 2, 1]))
+    samples, request_of = trace.fan_out()
+    assert request_of.tolist() == [0, 1, 1, 1, 2, 2]
+    assert samples.n.tolist() == [1] * 6
+    assert samples.arrival_s.tolist() == [0.0, 1.0, 1.0, 1.0, 2.0, 2.0]
+    assert samples.priority.tolist() == [0, 2, 2, 2, 1, 1]
+    # The samples of a request read the same prompt, and each writes its own answer.
+    assert samples.prompt_segments(1) == samples.prompt_segments(3) == trace.prompt_segments(1)
+    assert samples.prompt_segments(4) == trace.prompt_segments(2)
+    assert samples.total_tokens() == trace.total_tokens() + 2 * 20 + 1 * 29
+    # A request that continues one of one sample continues that sample.
+    chat = Trace.from_columns(
+        arrival_s=np.zeros(3), prompt_len=np.array([10, 10, 10 + 3 + 4]),
+        output_len=np.array([3, 2, 2]), n=np.array([1, 2, 2]),
+        context_parent=np.array([-1, -1, 0]),
+        seg_offsets=np.array([0, 1, 2, 3]), seg_ids=np.array([7, 8, 9]),
+        seg_lens=np.array([10, 10, 4]))
+    samples, request_of = chat.fan_out()
+    assert samples.context_parent.tolist() == [-1, -1, -1, 0, 0]
+    assert samples.prompt_segments(4) == chat.prompt_segments(2)
+    # One that continues one of several samples cannot say which.
+    with pytest.raises(TraceError, match=r"request 2: context_parent names request 1, of 2 "
+                                         r"samples: which one it follows is unknown"):
+        Trace.from_columns(
+            arrival_s=np.zeros(3), prompt_len=np.array([10, 10, 10 + 2 + 4]),
+            output_len=np.array([3, 2, 2]), n=np.array([1, 2, 1]),
+            context_parent=np.array([-1, -1, 1]), seg_offsets=np.array([0, 1, 2, 3]),
+            seg_ids=np.array([7, 8, 9]), seg_lens=np.array([10, 10, 4])).fan_out()
+
+
+def test_fanned_out_samples_share_the_prompt_through_the_prefix_cache(tmp_path):
+    # One request of four samples, a 100-token prompt: six full blocks and a partial one.
+    (tmp_path / "t.csv").write_text("t,p,o\n0,100,10\n")
+    data = {"name": "one", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1},
+            "workload": {"kind": "trace", "path": "t.csv", "format": "csv",
+                         "columns": {"arrival": "t", "prompt_len": "p", "output_len": "o"},
+                         "sampling": {"n": 4}},
+            "systems": [{"name": "fork", "allocator": {"kind": "paged"}},
+                        {"name": "fan_out", "allocator": {"kind": "paged"},
+                         "scheduler": {"parallel_sampling": "fan_out"}},
+                        {"name": "fan_out-nocache",
+                         "allocator": {"kind": "paged", "prefix_caching": False},
+                         "scheduler": {"parallel_sampling": "fan_out"}}],
+            "stop": {"num_requests": 1}, "engine": {"mode": "step", "debug_invariants": True}}
+    runs = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems
+    rows = {name: run.requests.iloc[0] for name, run in runs.items()}
+    # Forks share the prompt's blocks; three of the four samples find its 96 tokens of full
+    # blocks cached (the first sample put them there as it was seated); without a cache
+    # each reads the whole prompt.
+    assert rows["fork"]["prefix_hit_tokens"] == 0
+    assert rows["fan_out"]["prefix_hit_tokens"] == 3 * 96
+    assert rows["fan_out-nocache"]["prefix_hit_tokens"] == 0
+    for row in rows.values():
+        assert row["n"] == 4 and row["finished_s"] > row["first_token_s"] > 0
+    steps = {name: run.steps for name, run in runs.items()}
+    assert steps["fork"]["prefill_tokens"].sum() == 100
+    assert steps["fan_out"]["prefill_tokens"].sum() == 100 + 3 * 4
+    assert steps["fan_out-nocache"]["prefill_tokens"].sum() == 4 * 100
+    # Every sample generates its own ten tokens.
+    assert all(run.summary["throughput_tok_s"] * run.summary["makespan_s"]
+               == pytest.approx(40) for run in runs.values())
+
+
+def test_a_requests_row_gathers_its_samples_rows(tmp_path):
+    # The samples, written out as a trace of their own and replayed one request each,
+    # run exactly as the fanned-out system runs them: gathered, their rows are its rows.
+    data = rollouts()
+    scenario = scenario_from_dict(data)
+    samples, request_of = scenario_trace(scenario, tmp_path).fan_out()
+    samples.to_frame().to_csv(tmp_path / "samples.csv", index=False)
+    replay = rollouts()
+    replay["workload"] = {"kind": "trace", "path": "samples.csv", "format": "kvsim"}
+    replay["systems"] = [{"name": "one_each", "allocator": {"kind": "paged"}}]
+    replay["stop"] = {"num_requests": len(samples)}
+    one_each = run_scenario(scenario_from_dict(replay), base_dir=tmp_path)
+    fanned = run_scenario(scenario).systems["fan_out"].requests
+    rows = one_each.systems["one_each"].requests.assign(request=lambda r: request_of[r.request])
+    groups = rows.groupby("request")
+    assert fanned["request"].tolist() == list(range(60))
+    assert fanned["n"].eq(8).all()
+    assert fanned["admitted_s"].tolist() == groups["admitted_s"].min().tolist()
+    assert fanned["first_token_s"].tolist() == groups["first_token_s"].min().tolist()
+    assert fanned["finished_s"].tolist() == groups["finished_s"].max().tolist()
+    for column in ("preemptions", "prefix_hit_tokens", "recomputed_tokens",
+                   "allocated_at_finish"):
+        assert fanned[column].tolist() == groups[column].sum().tolist(), column
+    assert fanned["max_itl_s"].tolist() == groups["max_itl_s"].max().tolist()
+    assert fanned["preemptions"].sum() > 0  # (memory is short: samples were preempted)
+    assert list(fanned.columns) == list(one_each.systems["one_each"].requests.columns)
+    assert fanned.dtypes.equals(one_each.systems["one_each"].requests.dtypes)
+
+
+def test_fanned_out_samples_outrun_forks_that_restart_together():
+    data = rollouts()
+    data["stop"]["num_requests"] = 150  # past what 4 GiB sustains
+    runs = run_scenario(scenario_from_dict(data)).systems
+    fork, fan_out = runs["fork"].summary, runs["fan_out"].summary
+    assert fork["completed"] == fan_out["completed"] == 150
+    # A preempted fork group starts over, all its samples; a sample alone loses its own
+    # (135,865 tokens recomputed against 268,574; 2,483 tok/s against 1,684).
+    assert fan_out["recomputed_tokens"] < 0.6 * fork["recomputed_tokens"]
+    assert fan_out["throughput_tok_s"] > 1.3 * fork["throughput_tok_s"]
+    assert fan_out["ttft_p50_s"] < fork["ttft_p50_s"]
+    # Seven samples of eight find the prompt's full blocks cached by the first.
+    assert fan_out["prefix_hit_rate"] > 0.8 > fork["prefix_hit_rate"]
+
+
+def test_one_sample_a_request_runs_alike_either_way():
+    data = rollouts(sampling={"n": 1})
+    runs = run_scenario(scenario_from_dict(data)).systems
+    pd.testing.assert_frame_equal(runs["fork"].requests, runs["fan_out"].requests)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_jump_equals_step_with_samples_fanned_out(seed):
+    data = rollouts()
+    data["seed"] = seed
+    data["systems"] = data["systems"][1:]
+    tables = {}
+    for mode in ("jump", "step"):
+        data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
+        tables[mode] = run_scenario(scenario_from_dict(data)).systems["fan_out"]
+    pd.testing.assert_frame_equal(tables["jump"].requests, tables["step"].requests)
+
+
+def test_samples_fanned_out_cross_a_prefill_decode_split():
+    data = rollouts()
+    data["systems"] = data["systems"][1:]
+    data["engine"] = {"replicas": 2, "disaggregation": {"prefill_replicas": 1}}
+    run = run_scenario(scenario_from_dict(data)).systems["fan_out"]
+    assert run.summary["completed"] == 60
+    assert (run.requests["decode_replica"] == 1).all()
+    data["systems"].append({"name": "fork", "allocator": {"kind": "paged"}})
+    with pytest.raises(ScenarioError, match="or samples that are requests of their own"):
+        scenario_from_dict(data)
+
+
+@pytest.mark.parametrize(("workload", "message"), [
+    ({"sampling": {"beam_width": 4}}, "beam search (workload.sampling.beam_width) keeps its "
+                                      "beams together"),
+    ({"e2e_timeout_s": 30}, "not modelled with client time-outs"),
+    ({"queue_timeout_s": 30, "retry": {}}, "not modelled with client time-outs"),
+])
+def test_what_fanned_out_samples_do_not_model_is_refused(workload, message):
+    with pytest.raises(ScenarioError, match=r"system 'fan_out': scheduler.parallel_sampling: "
+                                            r"fan_out.*" + message.replace("(", r"\(")
+                       .replace(")", r"\)").replace(".", r"\.")):
+        scenario_from_dict(rollouts(**workload))
+
+
+def test_a_session_that_continues_one_of_several_samples_is_refused():
+    data = rollouts(sessions={"turns": {"dist": "constant", "value": 2},
+                              "think_time_s": 1.0})
+    with pytest.raises(WorkloadError, match=r"^systems\[fan_out\]\.scheduler\.parallel_sampling: "
+                       r"fan_out: request \d+: after names request \d+, of 8 samples: which one "
+                       r"it follows is unknown"):
+        run_scenario(scenario_from_dict(data))
