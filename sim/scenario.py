@@ -352,7 +352,7 @@ class SchedulerConfig(ConfigModel):
         "finds memory short preempts as a decode step does. Without chunked prefill a prompt "
         "is one chunk, and the two are the same")
     policy: Literal["fcfs", "priority", "shortest_predicted", "lpm", "dfs_weight",
-                    "random"] = Field(
+                    "random", "lof"] = Field(
         default="fcfs", description="as vLLM's --scheduling-policy: first come, first served, "
         "or by each request's priority (lower first, then arrival): the waiting request with "
         "the best priority is seated first and the running one with the worst is preempted; "
@@ -366,7 +366,8 @@ class SchedulerConfig(ConfigModel):
         "branch with the most requests waiting first, so that the requests sharing a cached "
         "prefix are seated together (first come, first served without a prefix cache); or "
         "random (SGLang's): the line shuffled each step with a seat to fill, with draws "
-        "seeded by the scenario's seed")
+        "seeded by the scenario's seed; or lof (SGLang's): the request that may generate "
+        "most (its max_tokens) first, the line sorted stably each step with a seat to fill")
     max_lpm_queue_size: int | None = Field(
         default=None, ge=0, description="under lpm: a line longer than this is not ranked, as "
         "SGLang's past 128, the default (ranking looks up every request waiting): it keeps "
@@ -1310,6 +1311,11 @@ class Scenario(ConfigModel):
                 notes.append(f"system {system.name!r}: scheduler.policy {scheduler.policy} is "
                              f"first come, first served here: its memory has no prefix cache "
                              f"to rank the line by")
+            if scheduler.policy == "lof" and isinstance(self.workload, SyntheticWorkload):
+                notes.append(f"system {system.name!r}: scheduler.policy lof orders by each "
+                             f"request's max_tokens, which a synthetic workload gives all "
+                             f"alike but where the context limit cuts it (nearly first come, "
+                             f"first served); a trace's columns.max_tokens gives each its own")
             if scheduler.prefill_allocation != "per_chunk":
                 continue
             if not scheduler.chunked_prefill:

@@ -232,7 +232,9 @@ class WaitingLine:
     is, as SGLang's: in the order its last ranking left, with arrivals behind. SGLang's
     ``dfs-weight`` (``dfs_weight``) orders the same deque by a walk down the cache's tree,
     every request of a cached prefix together, the prefix most of them share first; its
-    ``random`` shuffles it each round, with draws seeded by ``seed``. The others
+    ``random`` shuffles it each round, with draws seeded by ``seed``; its ``lof`` (longest
+    output first) sorts it stably by the tokens each request may generate (max_tokens),
+    most first. The others
     are heaps, lower first, ordered by (priority, arrival, request index) — vLLM
     v1's ``--scheduling-policy priority`` — or by (tokens the predictor expects the request
     still to generate, arrival, request index); a preempted request simply goes back in,
@@ -272,6 +274,7 @@ class WaitingLine:
         self.by_length = order == "shortest_predicted"
         self.by_prefix = order == "lpm"
         self.by_cache_tree = order == "dfs_weight"
+        self.by_output = order == "lof"
         self._heaped = self.by_priority or self.by_length
         # Under lpm, the prompt tokens a waiting request finds cached now (set by the
         # scheduler of a pool that caches prefixes; without, the line is first come, first
@@ -317,11 +320,12 @@ class WaitingLine:
 
     def ranks(self) -> bool:
         """Whether :meth:`rank` would order the line now: lpm with a prefix cache, the line
-        no longer than ``max_lpm_queue_size``; dfs_weight with a prefix cache; random."""
+        no longer than ``max_lpm_queue_size``; dfs_weight with a prefix cache; random;
+        lof."""
         if self.prefix_tokens is not None:
             limit = self.max_lpm_queue_size
             return not (limit and self._count > limit)
-        return self.cached_path is not None or self._shuffler is not None
+        return self.cached_path is not None or self._shuffler is not None or self.by_output
 
     def reshuffles(self) -> bool:
         """Whether every ranking draws a new order (random), whatever changed or not."""
@@ -331,7 +335,8 @@ class WaitingLine:
         """Order the line, in place, as the scheduler does before it seats anyone (if it
         :meth:`ranks`): longest prefix match sorts it stably by the prompt tokens each
         request finds cached now, most first; dfs_weight puts it in the order of a walk
-        down the cache's tree (:meth:`_walk_cache_tree`); random shuffles it."""
+        down the cache's tree (:meth:`_walk_cache_tree`); random shuffles it; lof sorts it
+        stably by max_tokens, most first."""
         if not self.ranks():
             return
         prefix_tokens = self.prefix_tokens
@@ -339,6 +344,8 @@ class WaitingLine:
             ranked = sorted(self._line, key=lambda request: -prefix_tokens(request))
         elif self.cached_path is not None:
             ranked = self._walk_cache_tree(self.cached_path)
+        elif self.by_output:
+            ranked = sorted(self._line, key=lambda request: request.prompt_len - request.max_len)
         else:
             assert self._shuffler is not None
             ranked = list(self._line)
@@ -768,9 +775,9 @@ class Scheduler:
             self.waiting.prefix_tokens = self._ready_prompt_tokens
         elif self._by_cache:
             self.waiting.cached_path = self._cached_path
-        # Whether the line is ordered anew each round with a seat to fill (by the cache, or
-        # at random).
-        self._ranked_line = self._by_cache or self.waiting.reshuffles()
+        # Whether the line is ordered anew each round with a seat to fill (by the cache, at
+        # random, or by max_tokens).
+        self._ranked_line = self._by_cache or self.waiting.reshuffles() or self.waiting.by_output
         if (self._predicts or self.waiting.by_length) and predicted_output is None:
             raise ValueError("a predicted reservation, or a line by predicted length, needs "
                              "the predicted output lengths")

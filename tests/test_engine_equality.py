@@ -263,7 +263,7 @@ def random_scenario(seed: int) -> dict:
         # Drawn last, as the above: SGLang's other orders of the line, a walk down the
         # cache's tree and a shuffle each round (seeded by replica).
         if rng.random() < 0.5:
-            scheduler["policy"] = rng.choice(["dfs_weight", "random"])
+            scheduler["policy"] = rng.choice(["dfs_weight", "random", "lof"])
             del scheduler["max_lpm_queue_size"]
     # Drawn last, as the above: parallel samples as requests of their own (vLLM v1), where
     # nothing they do not model is in use.

@@ -1,7 +1,7 @@
 """Longest prefix match first (``scheduler.policy: lpm``): the waiting line ranked by the
 prompt tokens each request finds in the prefix cache now, as SGLang's ``--schedule-policy
 lpm`` ranks it; SGLang's other orders of its line: a walk down the cache's tree
-(``dfs_weight``), and a shuffle (``random``)."""
+(``dfs_weight``), a shuffle (``random``), and the longest max_tokens first (``lof``)."""
 
 from __future__ import annotations
 
@@ -353,3 +353,40 @@ def test_jump_equals_step_for_the_other_orders(policy, seed):
         tables[mode] = run_scenario(scenario_from_dict(data)).systems["s"]
     pd.testing.assert_frame_equal(tables["jump"].requests, tables["step"].requests)
     assert len(tables["jump"].steps) <= len(tables["step"].steps)
+
+
+def test_the_longest_output_first_line_sorts_by_max_tokens_stably(tmp_path):
+    trace = Trace.from_columns(arrival_s=np.zeros(5), prompt_len=np.full(5, 10),
+                               output_len=np.full(5, 3), max_tokens=np.array([5, 50, 20, 50, 3]))
+    line = WaitingLine("lof")
+    requests = [Request(trace, i, 0.0) for i in range(5)]
+    for request in requests:
+        line.arrive(request)
+    assert line.ranks() and line.may_be_passed() and not line.reshuffles()
+    line.rank()
+    assert [r.index for r in line.requests()] == [1, 3, 2, 0, 4]
+    # Seated, then preempted, a request goes back to the front: first among its equals.
+    assert [line.pop().index for _ in range(2)] == [1, 3]
+    line.readmit(requests[3])
+    line.arrive(requests[1])
+    line.rank()
+    assert [r.index for r in line.requests()] == [3, 1, 2, 0, 4]
+    # One seat, four requests of a trace's own max_tokens: seated by it, most first.
+    (tmp_path / "t.csv").write_text("t,p,o,m\n0,50,8,8\n0,50,8,400\n0,50,8,30\n0,50,8,900\n")
+    data = {"name": "lof", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1},
+            "workload": {"kind": "trace", "path": "t.csv", "format": "csv",
+                         "columns": {"arrival": "t", "prompt_len": "p", "output_len": "o",
+                                     "max_tokens": "m"}},
+            "systems": [{"name": "s", "allocator": {"kind": "paged"},
+                         "scheduler": {"policy": "lof", "max_num_seqs": 1}}],
+            "stop": {"num_requests": 4}}
+    for mode in ("jump", "step"):
+        data["engine"] = {"mode": mode}
+        seated = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["s"]
+        assert seated.requests.sort_values("admitted_s")["request"].tolist() == [3, 1, 2, 0]
+    # A synthetic workload gives every request the same max_tokens: said so.
+    notes = scenario_from_dict(many_groups("lof")).setting_notes()
+    assert notes == ["system 's': scheduler.policy lof orders by each request's max_tokens, "
+                     "which a synthetic workload gives all alike but where the context limit "
+                     "cuts it (nearly first come, first served); a trace's columns.max_tokens "
+                     "gives each its own"]
