@@ -1072,6 +1072,11 @@ class Scenario(ConfigModel):
         if workload.sampling.beam_width > 1:
             raise ValueError(f"{where} makes each of n samples a request of its own; beam "
                              "search (workload.sampling.beam_width) keeps its beams together")
+        if isinstance(workload, SyntheticWorkload) and workload.sampling.n > 1 and (
+                workload.sessions is not None or workload.arrival.process == "closed_loop"):
+            raise ValueError(f"{where} makes each of n samples a request of its own; a "
+                             "session's next turn (a closed-loop user's next request) follows "
+                             "one request, and which of its samples is unknown")
         unmodelled = [what for what, used in (
             ("client time-outs", clients_time_out(workload)),
             ("retries", workload.retry is not None),

@@ -180,10 +180,19 @@ def test_what_fanned_out_samples_do_not_model_is_refused(workload, message):
         scenario_from_dict(rollouts(**workload))
 
 
-def test_a_session_that_continues_one_of_several_samples_is_refused():
+def test_a_session_that_continues_one_of_several_samples_is_refused(tmp_path):
     data = rollouts(sessions={"turns": {"dist": "constant", "value": 2},
                               "think_time_s": 1.0})
+    with pytest.raises(ScenarioError, match=r"a session's next turn \(a closed-loop user's "
+                                            r"next request\) follows one request"):
+        scenario_from_dict(data)
+    # A trace table says so when it is read: its rows name the requests they follow.
+    data["systems"] = data["systems"][:1]
+    forked = scenario_from_dict(data)
+    scenario_trace(forked, tmp_path).to_frame().to_csv(tmp_path / "chat.csv", index=False)
+    data = rollouts()
+    data["workload"] = {"kind": "trace", "path": "chat.csv", "format": "kvsim"}
     with pytest.raises(WorkloadError, match=r"^systems\[fan_out\]\.scheduler\.parallel_sampling: "
                        r"fan_out: request \d+: after names request \d+, of 8 samples: which one "
                        r"it follows is unknown"):
-        run_scenario(scenario_from_dict(data))
+        run_scenario(scenario_from_dict(data), base_dir=tmp_path)
