@@ -597,8 +597,10 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
     from sim.trace_stats import trace_stats
 
     for target in args.targets:
-        trace, _ = _load_trace_arg(target, args)
-        stats = trace_stats(trace, args.block_size)
+        trace, scenario = _load_trace_arg(target, args)
+        # (A bare file's requests may fill --max-model-len unless it gives max_tokens.)
+        stats = trace_stats(trace, args.block_size,
+                            args.max_model_len if scenario is None else None)
         print(f"== {target}")
         for note in trace.notes:
             print(f"note: {note}")

@@ -49,8 +49,11 @@ def _common_prefix_tokens(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, in
     return tokens
 
 
-def trace_stats(trace: Trace, block_size: int = 16) -> dict[str, Any]:
-    """Count, duration, rate, length percentiles, sharing potential, where requests differ
+def trace_stats(trace: Trace, block_size: int = 16,
+                context_limit: int | None = None) -> dict[str, Any]:
+    """Count, duration, rate, length percentiles, max_tokens and the share of it a
+    request_max reservation holds in vain (unless every request may fill
+    ``context_limit``), sharing potential, where requests differ
     in priority the share of each level, and where a predictor's guesses are given how often
     they fall short and the log-normal ``sigma`` they amount to, of ``trace``."""
     duration = float(trace.arrival_s[-1] - trace.arrival_s[0]) if len(trace) > 1 else 0.0
@@ -66,6 +69,16 @@ def trace_stats(trace: Trace, block_size: int = 16) -> dict[str, Any]:
         for p in (50, 90, 99):
             stats[f"{name}_p{p}"] = float(np.percentile(values, p))
         stats[f"{name}_max"] = int(values.max())
+    # What each request may generate, and the share of it a reservation of prompt +
+    # max_tokens (contiguous request_max) holds for tokens that never come; not where the
+    # trace sets no limit (each request may fill ``context_limit``, a bare file's).
+    unlimited = context_limit is not None and bool(
+        (trace.max_tokens == np.maximum(context_limit - trace.prompt_len, 1)).all())
+    if not unlimited:
+        stats["max_tokens_p50"] = float(np.percentile(trace.max_tokens, 50))
+        stats["max_tokens_max"] = int(trace.max_tokens.max())
+        stats["max_tokens_unused_share"] = float(
+            1.0 - trace.output_len.sum() / trace.max_tokens.sum())
     stats["total_tokens"] = trace.total_tokens()
     stats["dependent_requests"] = int((trace.after >= 0).sum())
     stats["mean_samples_n"] = float(trace.n.mean())

@@ -335,6 +335,16 @@ def test_each_clients_max_tokens_from_a_generic_file(tmp_path):
     plain = build_trace(TraceWorkload(path=str(path), columns=columns, max_tokens=30),
                         seed=0, max_model_len=4096)
     assert plain.max_tokens.tolist() == [30, 30, 30]
+    # What a request_max reservation of them holds for tokens never generated.
+    stats = trace_stats(trace, context_limit=4096)
+    assert (stats["max_tokens_p50"], stats["max_tokens_max"]) == (50, 3896)
+    assert stats["max_tokens_unused_share"] == pytest.approx(1 - 35 / (50 + 3896 + 5))
+    assert trace_stats(plain, context_limit=4096)["max_tokens_max"] == 30
+    # A file that sets no limit: every request may fill the context; nothing to say.
+    unlimited = build_trace(TraceWorkload(path=str(path), columns=columns), seed=0,
+                            max_model_len=4096)
+    assert "max_tokens_max" not in trace_stats(unlimited, context_limit=4096)
+    assert "max_tokens_max" in trace_stats(unlimited)  # (a scenario's: its own limit)
     # A request_max reservation holds each one's prompt and max_tokens.
     data = {"name": "m", "model": "llama-2-7b", "memory": {"kv_memory_gib": 4},
             "workload": {"kind": "trace", "path": str(path),
