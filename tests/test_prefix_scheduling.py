@@ -341,7 +341,7 @@ def test_a_random_line_is_the_same_for_a_seed_and_another_for_another():
 
 
 @pytest.mark.parametrize("policy", ["dfs_weight", "random"])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(1, 5))  # (seed 0's 150 requests take seconds)
 def test_jump_equals_step_for_the_other_orders(policy, seed):
     data = crowded_groups(seed)
     scheduler = data["systems"][0]["scheduler"]
