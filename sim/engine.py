@@ -1694,10 +1694,10 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
                           f"smallest request ({smallest} tokens)")
     # vLLM v1 runs a request's samples as requests of their own: the engine sees those, and
     # the results gather them back into their request's row.
-    sample_of: np.ndarray | None = None
+    request_of: np.ndarray | None = None
     if system.scheduler.parallel_sampling == "fan_out" and len(trace) and trace.n.max() > 1:
         try:
-            trace, sample_of = trace.fan_out()
+            trace, request_of = trace.fan_out()
         except TraceError as exc:
             raise WorkloadError(f"systems[{system.name}].scheduler.parallel_sampling: fan_out: "
                                 f"{exc}") from None
@@ -1707,7 +1707,7 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
     if view is not scenario:  # prefill replicas spread over GPUs otherwise
         prefill = _RoleSetup.build(view, system, trace, build_timing(view, base_dir),
                                    prefill_slots, base_dir)
-    return _SystemRun(scenario, system, trace, decode, prefill, progress, sample_of).run()
+    return _SystemRun(scenario, system, trace, decode, prefill, progress, request_of).run()
 
 
 def gather_samples(samples: pd.DataFrame, request_of: np.ndarray) -> pd.DataFrame:
