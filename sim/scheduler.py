@@ -318,14 +318,19 @@ class WaitingLine:
         long to rank, and can only grow until someone is seated or gives up)."""
         return self._heaped or self.ranks()
 
+    def reorders(self) -> bool:
+        """Whether the scheduler orders this line anew each round with a seat to fill: lpm
+        or dfs_weight with a prefix cache, random, lof."""
+        return (self.prefix_tokens is not None or self.cached_path is not None
+                or self._shuffler is not None or self.by_output)
+
     def ranks(self) -> bool:
-        """Whether :meth:`rank` would order the line now: lpm with a prefix cache, the line
-        no longer than ``max_lpm_queue_size``; dfs_weight with a prefix cache; random;
-        lof."""
-        if self.prefix_tokens is not None:
-            limit = self.max_lpm_queue_size
-            return not (limit and self._count > limit)
-        return self.cached_path is not None or self._shuffler is not None or self.by_output
+        """Whether :meth:`rank` would order the line now: as it :meth:`reorders`, but for
+        an lpm line longer than ``max_lpm_queue_size``."""
+        limit = self.max_lpm_queue_size
+        if self.prefix_tokens is not None and limit and self._count > limit:
+            return False
+        return self.reorders()
 
     def reshuffles(self) -> bool:
         """Whether every ranking draws a new order (random), whatever changed or not."""
@@ -777,7 +782,7 @@ class Scheduler:
             self.waiting.cached_path = self._cached_path
         # Whether the line is ordered anew each round with a seat to fill (by the cache, at
         # random, or by max_tokens).
-        self._ranked_line = self._by_cache or self.waiting.reshuffles() or self.waiting.by_output
+        self._ranked_line = self.waiting.reorders()
         if (self._predicts or self.waiting.by_length) and predicted_output is None:
             raise ValueError("a predicted reservation, or a line by predicted length, needs "
                              "the predicted output lengths")
