@@ -1301,7 +1301,8 @@ class _SystemRun:
         if replica.role == "prefill" and served:
             replica.scheduler.release(request)  # one token: nothing to send on
         if request.abandoned_s >= 0:
-            self.abandoned_output_tokens += request.gen_sync * request.n
+            self.abandoned_output_tokens += (
+                request.gen_sync + request.discarded_output) * request.n
         if request.token_runs is not None:
             if request.abandoned_s >= 0:
                 for step_waits_us, first, stop in request.token_runs:

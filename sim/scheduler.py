@@ -64,8 +64,11 @@ MAX_SAMPLES = 256  # sequences per request (n / beam width); seq id = request ×
 # asks the prefix cache about every request waiting.
 LPM_QUEUE_LIMIT = 128
 # Event kinds; at one step, grows come before finishes. WINDOW: a sequence's context
-# outgrows a sliding window (its attention time, not its memory, changes).
-GROW, FINISH, WINDOW = 0, 1, 2
+# outgrows a sliding window (its attention time, not its memory, changes). CAUGHT_UP: a
+# fork group started over generates a token its client has not had yet.
+GROW, FINISH, WINDOW, CAUGHT_UP = 0, 1, 2, 3
+# A run of tokens that starts at no step (a fork group regenerating what its client has).
+NO_STEP = 1 << 62
 
 
 def wait_us(wait_s: float) -> int:
@@ -83,9 +86,11 @@ class Request:
         "arrival_s",
         "attempts",
         "c_sync",
+        "client_tokens",
         "computed",
         "computed_tokens",
         "decoding",
+        "discarded_output",
         "finished_s",
         "first_arrival_s",
         "first_token_s",
@@ -108,6 +113,7 @@ class Request:
         "prompt_len",
         "prompt_segments",
         "recomputed_tokens",
+        "regenerating",
         "rejected",
         "resumed",
         "shed",
@@ -154,6 +160,11 @@ class Request:
         self.last_token_s = -1.0
         self.max_itl_s = -1.0
         self.streak_step = 0  # decoding: the step that gives it its first token of the run
+        # Generated tokens its client has received: a fork group started over regenerates
+        # them unseen (``regenerating``), and its client's next token is the one after.
+        self.client_tokens = 0
+        self.regenerating = False
+        self.discarded_output = 0  # tokens of each sample generated before it started over
         # Where a client may give up mid-answer: the tokens it has received after another,
         # as runs (waits by step, first, stop) of a scheduler's Scheduler.step_waits_us (a
         # token received alone, its own list of one), so that the engine can take them back
@@ -449,15 +460,16 @@ class WaitingLine:
     def deadline_s(self, request: Request) -> float:
         """When the client of ``request`` gives up if it is still in the line (or seated)
         then (inf: never): unseated after ``timeout_s``, without a first token after
-        ``ttft_timeout_s``, unanswered after ``e2e_timeout_s``, or, not decoding, without a
-        token ``itl_timeout_s`` after its last, whichever comes first."""
+        ``ttft_timeout_s``, unanswered after ``e2e_timeout_s``, or, not decoding (or only
+        regenerating), without a token ``itl_timeout_s`` after its last, whichever comes
+        first."""
         deadline = math.inf
         if self.e2e_timeout_s is not None:
             deadline = request.arrival_s + self.e2e_timeout_s
         if self.ttft_timeout_s is not None and request.first_token_s < 0:
             deadline = min(deadline, request.arrival_s + self.ttft_timeout_s)
         if (self.itl_timeout_s is not None and request.last_token_s >= 0
-                and not request.decoding):
+                and (not request.decoding or request.regenerating)):
             deadline = min(deadline, request.last_token_s + self.itl_timeout_s)
         if self.timeout_s is not None and request.admitted_s < 0:
             deadline = min(deadline, request.arrival_s + self.timeout_s)
@@ -726,6 +738,7 @@ class Scheduler:
         self.step_waits_us: list[int] | None = (
             [] if (e2e_timeout_s, itl_timeout_s) != (None, None) else None)
         self.decode_requests = 0
+        self.regenerating = 0  # of them, fork groups started over, their tokens unseen
         self.num_preemptions = 0
         # Prefix-cache lookups of first admissions: a preempted request looking its own
         # blocks up again is counted apart (vLLM v1's ``preempted_queries``), else every
@@ -740,7 +753,7 @@ class Scheduler:
         # Per event kind, clock reading -> [(admit_seq, version, request)]; an entry is
         # stale once the request's version moved on. Buckets, not a heap: every step boundary
         # visits the readings the clock passed, so dict lookups find its events.
-        self._events: tuple[dict[int, list], dict[int, list], dict[int, list]] = ({}, {}, {})
+        self._events: tuple[dict[int, list], ...] = ({}, {}, {}, {})
         # Lazy decode sums over decoding requests (each weighted by its sequences).
         self.decode_seqs = 0
         self._tok_sync_sum = 0
@@ -1074,6 +1087,14 @@ class Scheduler:
         self._c_sync_sum += seqs * request.c_sync
         request.version += 1
         self._push_events(request, start=True)
+        if request.gen_sync <= request.client_tokens:
+            # Started over: its client has these tokens, and waits for the one after.
+            request.regenerating = True
+            self.regenerating += 1
+            request.streak_step = NO_STEP
+            caught_up = request.c_sync + request.client_tokens + 1 - request.gen_sync
+            self._events[CAUGHT_UP].setdefault(caught_up, []).append(
+                (request.admit_seq, request.version, request))
         if self.sliding_window:
             past = self._past_window_offset(request)
             if past + request.c_sync > 0:
@@ -1130,6 +1151,9 @@ class Scheduler:
             request.past_window = False
             self._past_window -= seqs
             self._skip_base -= seqs * self._past_window_offset(request)
+        if request.regenerating:
+            request.regenerating = False
+            self.regenerating -= 1
         request.decoding = False
         request.version += 1
         self.decode_requests -= 1
@@ -1253,7 +1277,10 @@ class Scheduler:
         request.preemptions += 1
         request.resumed = request.resumed or (request.computed and not request.swapped)
         if request.n > 1:
-            request.gen_sync = 0  # forks cannot be rebuilt from sample 0: restart the request
+            # Forks cannot be rebuilt from sample 0: restart the request.
+            request.client_tokens = max(request.client_tokens, request.gen_sync)
+            request.discarded_output += request.gen_sync
+            request.gen_sync = 0
         del self.running[request.admit_seq]
         self.waiting.readmit(request)
         self.num_preemptions += 1
@@ -1579,14 +1606,17 @@ class Scheduler:
             # again, the first since it was preempted or handed over, a wait with no step).
             if request.first_token_s < 0:
                 request.first_token_s = end_s
-            if request.last_token_s >= 0:
+            if request.gen_sync <= request.client_tokens:
+                pass  # a fork group started over: its client has this token
+            elif request.last_token_s >= 0:
                 wait_s = end_s - request.last_token_s
                 self._delivered(wait_s, 1)
                 if self.step_waits_us is not None:
                     _keep_run(request, [wait_us(wait_s)], 0, 1)
                 if wait_s > request.max_itl_s:
                     request.max_itl_s = wait_s
-            request.last_token_s = end_s
+            if request.gen_sync > request.client_tokens:
+                request.last_token_s = end_s
             if request.gen_sync >= request.output_len:
                 self._finish(request, end_s)
                 finished.append(request)
@@ -1627,16 +1657,35 @@ class Scheduler:
         return aborted
 
     def _deliver_step(self) -> int:
-        """The step that just ended gave each request decoding in it a token: a client who
-        waited longer than ``itl_timeout_s`` for it has gone (aborted; how many were), the
-        others count it."""
-        if not self.decode_requests:
-            return 0
-        wait_s = self._last_end_s - self._prev_end_s
-        if wait_s > self._itl_timeout_s:
-            return self._abort_stalled()
-        self._delivered(wait_s, self.decode_requests)
-        return 0
+        """The step that just ended gave each request decoding in it a token (but a fork
+        group regenerating what its client has, until it catches up): a client who waited
+        longer than ``itl_timeout_s`` for it has gone (aborted; how many were), the others
+        count it."""
+        aborted = 0
+        if self.decode_requests:
+            wait_s = self._last_end_s - self._prev_end_s
+            if wait_s > self._itl_timeout_s:
+                aborted = self._abort_stalled()
+            else:
+                self._delivered(wait_s, self.decode_requests - self.regenerating)
+        if self._events[CAUGHT_UP]:
+            for request in self._due(CAUGHT_UP):
+                self._catch_up(request)
+        return aborted
+
+    def _catch_up(self, request: Request) -> None:
+        """A fork group started over generated, in the step that just ended, the first token
+        its client had not had: the client's wait for it runs from its last one."""
+        request.regenerating = False
+        self.regenerating -= 1
+        wait_s = self._last_end_s - request.last_token_s
+        self._delivered(wait_s, 1)
+        if self.step_waits_us is not None:
+            _keep_run(request, [wait_us(wait_s)], 0, 1)
+        if wait_s > request.max_itl_s:
+            request.max_itl_s = wait_s
+        request.last_token_s = self._last_end_s
+        request.streak_step = self.steps + 1
 
     def _delivered(self, wait_s: float, tokens: int) -> None:
         """Count ``tokens`` received ``wait_s`` after the one before each."""
@@ -1648,7 +1697,9 @@ class Scheduler:
         ``itl_timeout_s``, so each one's client, whose last token came at the end of the step
         before, gave up that long after it. How many were."""
         gave_up_s = self._prev_end_s + self._itl_timeout_s
-        stalled = [request for request in self.running.values() if request.decoding]
+        # (A fork group regenerating gave its client no token: its own deadline holds.)
+        stalled = [request for request in self.running.values()
+                   if request.decoding and not request.regenerating]
         for request in stalled:
             self._abort(request, gave_up_s)
         return len(stalled)
@@ -1714,7 +1765,7 @@ class Scheduler:
         seqs = self.decode_seqs
         slots = seqs * self._groups  # written each tick of the clock
         context = self._tok_sync_sum + self._pending() + seqs * self.step_tokens
-        grows, finishes, windows = self._events
+        grows, finishes, windows = self._events[GROW], self._events[FINISH], self._events[WINDOW]
         past, base = self._past_window, self._skip_base  # (skipped_context, inlined)
         # A pool that logs KV events stamps them with each step's time (nothing to do else).
         pool = self._pool if self._pool is not None and self._pool.events is not None else None

@@ -238,3 +238,84 @@ def test_a_request_given_up_after_its_preemption_takes_its_tokens_out_of_the_itl
     expected = itl_of(every, np.ones(len(every), dtype=int))
     for key, value in expected.items():
         assert result.summary[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+def restarted_fork_group(tmp_path: Path, mode: str) -> dict:
+    """Two requests of two forked samples that cannot both grow to their 300 tokens: the
+    later group is preempted once, and starts over in the same step (its prompt is cached,
+    and the blocks its samples had generated into are free)."""
+    data = two_requests(tmp_path, (200, 200))
+    data["workload"]["sampling"] = {"n": 2}
+    data["engine"]["mode"] = mode
+    return data
+
+
+def test_a_fork_group_started_over_gives_its_client_only_the_tokens_it_had_not_had(tmp_path):
+    # Its client had k tokens when the group was preempted; the group regenerates them
+    # from its prompt, and the client's next token is the k + 1st: its wait runs from its
+    # k-th, and the k regenerated are not counted again.
+    runs = {mode: run_scenario(scenario_from_dict(restarted_fork_group(tmp_path, mode)),
+                               base_dir=tmp_path).systems["s"] for mode in ("step", "jump")}
+    result = runs["step"]
+    pd.testing.assert_frame_equal(runs["jump"].requests, result.requests)
+    requests, steps = result.requests, result.steps
+    ends = step_ends(steps)
+    assert requests["preemptions"].tolist() == [0, 1]
+    preempted = int(np.flatnonzero(steps["preempted"].to_numpy())[0])
+    back = preempted + int(np.flatnonzero(steps["prefill_tokens"].to_numpy()[preempted:])[0])
+    other, victim = requests.iloc[0], requests.iloc[1]
+    before = np.concatenate([[victim["first_token_s"]],
+                             ends[(ends > victim["first_token_s"])
+                                  & (ends <= ends[preempted - 1])]])
+    had = len(before)
+    assert 20 < had < 199
+    # Seated again at step `back` (the preemption's), whose end gives it its first token
+    # again, and each later step one more: the k + 1st at the end of step back + k.
+    after = ends[back + had:]
+    assert after[0] > ends[back + had - 1]
+    times = np.concatenate([before, after])
+    assert len(times) == 200 and times[-1] == victim["finished_s"]
+    assert victim["max_itl_s"] == pytest.approx(ends[back + had] - ends[preempted - 1],
+                                                rel=1e-12)
+    assert victim["max_itl_s"] == pytest.approx(longest_gap(times), rel=1e-12)
+    # The ITL: every token of each client after its first, once, by its own wait.
+    mine = ends[(ends > other["first_token_s"]) & (ends <= other["finished_s"])]
+    waits = np.concatenate([np.diff(times),
+                            np.diff(np.concatenate([[other["first_token_s"]], mine]))])
+    assert len(waits) == (requests["output_len"] - 1).sum()
+    expected = itl_of(waits, np.ones(len(waits), dtype=int))
+    for key, value in expected.items():
+        assert result.summary[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+        assert runs["jump"].summary[key] == result.summary[key], key
+
+
+def test_a_client_of_a_fork_group_started_over_gives_up_a_wait_after_its_last_token(
+        tmp_path):
+    # Regenerating what its client has gives that client nothing: with a next token due
+    # within 0.5 s, it gives up 0.5 s after the last token it had before the preemption.
+    data = restarted_fork_group(tmp_path, "step")
+    whole = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["s"]
+    assert whole.requests["max_itl_s"].iloc[1] > 1.0
+    data["workload"]["itl_timeout_s"] = 0.5
+    result = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["s"]
+    requests, ends = result.requests, step_ends(result.steps)
+    assert requests["abandoned_s"].notna().tolist() == [False, True]
+    preempted = int(np.flatnonzero(result.steps["preempted"].to_numpy())[0])
+    assert requests["abandoned_s"].iloc[1] == pytest.approx(ends[preempted - 1] + 0.5,
+                                                            rel=1e-12)
+    # Seated again at once, it was regenerating when its client left, after the other
+    # had finished: stepping that long from its seating gave the client nothing.
+    assert requests["preemptions"].iloc[1] == 1
+    assert requests["abandoned_s"].iloc[1] > requests["finished_s"].iloc[0]
+    # In vain: both samples' tokens, those its client had and those regenerated since (by
+    # the step in which it left, too).
+    back = preempted + int(np.flatnonzero(result.steps["prefill_tokens"].to_numpy()[
+        preempted:])[0])
+    had = int(((ends > requests["first_token_s"].iloc[1])
+               & (ends <= ends[preempted - 1])).sum()) + 1
+    regenerated = int((ends[back:] < requests["abandoned_s"].iloc[1]).sum()) + 1
+    assert 0 < regenerated < had
+    assert result.summary["abandoned_output_tokens"] == 2 * (had + regenerated)
+    data["engine"]["mode"] = "jump"
+    jumped = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["s"]
+    pd.testing.assert_frame_equal(jumped.requests, requests)
