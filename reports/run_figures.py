@@ -15,7 +15,13 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from reports.style import TAXONOMY_COLORS, TAXONOMY_LABELS, new_figure, system_color
+from reports.style import (
+    TAXONOMY_COLORS,
+    TAXONOMY_LABELS,
+    inner_legend,
+    new_figure,
+    system_color,
+)
 from sim.engine import slot_layers
 from sim.memory import TAXONOMY
 from sim.results import ScenarioResult
@@ -179,7 +185,7 @@ def batch_and_queue(result: ScenarioResult) -> Figure:
     if dynamic:
         axes[2].set_ylabel("drafts a step verifies (K)")
     axes[-1].set_xlabel("simulated time (s)")
-    axes[0].legend(fontsize=8, frameon=False)
+    inner_legend(axes[0])
     axes[0].set_title(f"{result.scenario['name']}: batch size and queue length{note}",
                       loc="left", fontsize=11)
     fig.kvsim_data = data  # type: ignore[attr-defined]
@@ -225,7 +231,7 @@ def latency_cdfs(result: ScenarioResult) -> Figure:
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8, frameon=False)
+    inner_legend(axes[0])
     fig.suptitle(f"{result.scenario['name']}: latency distributions", fontsize=11)
     fig.kvsim_data = data  # type: ignore[attr-defined]
     return fig
@@ -280,7 +286,7 @@ def hits_and_preemptions(result: ScenarioResult, bins: int = 40) -> Figure:
     axes[1].set_ylim(bottom=0, top=max(axes[1].get_ylim()[1], 1))
     axes[1].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[1].set_xlabel("simulated time (s)")
-    axes[1].legend(fontsize=8, frameon=False)
+    inner_legend(axes[1])
     axes[0].set_title(f"{result.scenario['name']}: prefix-cache hits and preemptions{note}",
                       loc="left", fontsize=11)
     fig.kvsim_data = data  # type: ignore[attr-defined]

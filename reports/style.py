@@ -56,10 +56,17 @@ def legend(ax: Any, entries: int) -> None:
     """A few lines: a legend inside the axes; more: two columns under the figure, where
     they cover no data."""
     if entries <= 5:
-        ax.legend(fontsize=8, frameon=False)
+        inner_legend(ax)
     else:
         ax.figure.legend(*ax.get_legend_handles_labels(), loc="outside lower center",
                          ncols=2, fontsize=8, frameon=False)
+
+
+def inner_legend(ax: Any) -> None:
+    """A legend inside the axes, if anything drawn there is labelled (a run that served no
+    request draws no line)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, frameon=False)
 
 
 def close(fig: Figure) -> None:

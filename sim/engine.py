@@ -73,7 +73,7 @@ from sim.timing import (
     with_transfer,
 )
 from workloads import Trace, TraceError, WorkloadError, build_trace
-from workloads.spec import clients_time_out
+from workloads.spec import MAX_SAMPLES, clients_time_out
 
 MEMORY_COLUMNS = MemorySnapshot._fields  # the taxonomy, then duplicate
 
@@ -1696,6 +1696,12 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
     # vLLM v1 runs a request's samples as requests of their own: the engine sees those, and
     # the results gather them back into their request's row.
     request_of: np.ndarray | None = None
+    if system.scheduler.parallel_sampling == "fork" and len(trace) and trace.n.max() > MAX_SAMPLES:
+        request = int(np.argmax(trace.n > MAX_SAMPLES))
+        raise WorkloadError(f"systems[{system.name}].scheduler.parallel_sampling: fork: request "
+                            f"{request} of {trace.source} has {int(trace.n[request])} samples; "
+                            f"at most {MAX_SAMPLES} run together (fan_out runs more, each a "
+                            "request of its own)")
     if system.scheduler.parallel_sampling == "fan_out" and len(trace) and trace.n.max() > 1:
         try:
             trace, request_of = trace.fan_out()

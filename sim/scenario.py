@@ -43,7 +43,13 @@ from sim.router import DYNAMO_TTL_S, VLLM_DP_STATS_INTERVAL_S
 from sim.timing import DEFAULT_ALLREDUCE_LATENCY_S, DEFAULT_PIPELINE_NETWORK_GBPS
 from sim.yaml_file import read_yaml
 from workloads.distributions import ConfigModel
-from workloads.spec import MAX_REQUESTS, SyntheticWorkload, Workload, clients_time_out
+from workloads.spec import (
+    MAX_REQUESTS,
+    MAX_SAMPLES,
+    SyntheticWorkload,
+    Workload,
+    clients_time_out,
+)
 
 
 class ScenarioError(ValueError):
@@ -1061,6 +1067,20 @@ class Scenario(ConfigModel):
                              "their own (every system's scheduler.parallel_sampling: "
                              "fan_out); forks across a prefill/decode split are not modelled")
         return self
+
+    @model_validator(mode="after")
+    def _forks_are_few_enough(self):  # type: ignore[no-untyped-def]
+        sampling = self.workload.sampling
+        forked = [s.name for s in self.systems if s.scheduler.parallel_sampling == "fork"]
+        if sampling.forks <= MAX_SAMPLES or not forked:
+            return self
+        if sampling.beam_width > MAX_SAMPLES:
+            raise ValueError(f"workload.sampling.beam_width: at most {MAX_SAMPLES} beams (got "
+                             f"{sampling.beam_width})")
+        raise ValueError(f"workload.sampling.n: at most {MAX_SAMPLES} samples of one request "
+                         f"run together (got {sampling.n}, forked by system {forked[0]!r}); "
+                         "scheduler.parallel_sampling: fan_out runs more, each a request of "
+                         "its own")
 
     @model_validator(mode="after")
     def _samples_fanned_out(self):  # type: ignore[no-untyped-def]

@@ -57,9 +57,9 @@ from sim.memory import (
 from sim.memory.block_pool import BlockPool
 from sim.memory.content import BlockHasher
 from sim.scenario import SchedulerConfig, SpeculativeConfig
+from workloads.spec import MAX_SAMPLES
 from workloads.trace import Trace, output_segment_id
 
-MAX_SAMPLES = 256  # sequences per request (n / beam width); seq id = request × 256 + sample
 # SGLang's line length past which longest prefix match leaves the line unranked: ranking
 # asks the prefix cache about every request waiting.
 LPM_QUEUE_LIMIT = 128

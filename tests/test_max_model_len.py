@@ -49,11 +49,22 @@ def test_the_limit_is_what_a_max_model_len_reservation_sets_aside():
     assert short["paged-16"].summary == long["paged-16"].summary
 
 
-def test_requests_are_clipped_to_the_limit():
-    data = scenario_from_dict(scenario(max_model_len=1024))
-    requests = run_scenario(data).systems["paged-16"].requests
+def test_requests_are_clipped_to_the_limit_and_the_run_says_how_many():
+    clipped = run_scenario(scenario_from_dict(scenario(max_model_len=1024)))
+    requests = clipped.systems["paged-16"].requests
     assert (requests["prompt_len"] + requests["output_len"] <= 1024).all()
     assert (requests["prompt_len"] == 1023).any()  # prompts of up to 2,000 tokens, clipped
+    # The same draws under the model's own context: what the limit cut.
+    whole = run_scenario(scenario_from_dict(scenario()))
+    assert whole.trace_notes == []
+    drawn = whole.systems["paged-16"].requests
+    prompts = int((drawn["prompt_len"] > 1023).sum())
+    outputs = int((drawn["output_len"] > 1024 - requests["prompt_len"]).sum())
+    assert 0 < prompts < outputs < 150
+    assert clipped.trace_notes == [
+        f"clipped {prompts} of 150 prompts to the context limit 1,023",
+        f"clipped {outputs} of 150 outputs to the room the context limit (1,024 tokens) "
+        "leaves after their prompts"]
 
 
 def test_a_limit_past_the_models_context_is_refused_in_one_line():

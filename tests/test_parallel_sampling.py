@@ -196,3 +196,31 @@ def test_a_session_that_continues_one_of_several_samples_is_refused(tmp_path):
                        r"fan_out: request \d+: after names request \d+, of 8 samples: which one "
                        r"it follows is unknown"):
         run_scenario(scenario_from_dict(data), base_dir=tmp_path)
+
+
+def test_more_samples_than_a_request_runs_together_are_refused_as_forks(tmp_path):
+    # A request's sequences are numbered request × 256 + sample: forks stop at 256, samples
+    # that are requests of their own do not.
+    data = rollouts(sampling={"n": 300})
+    with pytest.raises(ScenarioError, match=r"workload\.sampling\.n: at most 256 samples of "
+                                            r"one request run together \(got 300, forked by "
+                                            r"system 'fork'\)"):
+        scenario_from_dict(data)
+    with pytest.raises(ScenarioError, match=r"workload\.sampling\.beam_width: at most 256 "
+                                            r"beams \(got 257\)"):
+        scenario_from_dict(rollouts(sampling={"beam_width": 257}))
+    data["systems"] = data["systems"][1:]
+    data["stop"] = {"num_requests": 2}
+    fanned = run_scenario(scenario_from_dict(data)).systems["fan_out"]
+    assert fanned.requests["n"].tolist() == [300, 300]
+    assert fanned.summary["completed"] == 2
+    # A trace table's own: refused when a forking system runs it.
+    data["stop"] = {"num_requests": 2}
+    scenario_trace(scenario_from_dict(data), tmp_path).to_frame().to_csv(
+        tmp_path / "many.csv", index=False)
+    data["workload"] = {"kind": "trace", "path": "many.csv", "format": "kvsim"}
+    data["systems"] = [{"name": "fork", "allocator": {"kind": "paged"}}]
+    with pytest.raises(WorkloadError, match=r"^systems\[fork\]\.scheduler\.parallel_sampling: "
+                       r"fork: request 0 of .*many\.csv has 300 samples; at most 256 run "
+                       r"together"):
+        run_scenario(scenario_from_dict(data), base_dir=tmp_path)

@@ -465,3 +465,20 @@ ROWS_BY_SCENARIO = {
     "mooncake_conversation": PUBLIC_TRACE_ROWS["mooncake_fast25_conversation_trace.jsonl"],
     "mooncake_synthetic": PUBLIC_TRACE_ROWS["mooncake_fast25_synthetic_trace.jsonl"],
 }
+
+
+def test_a_generic_file_past_the_context_limit_is_clipped_and_says_how_much(tmp_path):
+    columns = {"arrival": "t", "prompt_len": "in", "output_len": "out"}
+    path = write(tmp_path, "t,in,out\n0,100,10\n1,5000,20\n2,4000,200\n3,3000,50\n",
+                 "long.csv")
+    trace = build_trace(TraceWorkload(path=str(path), columns=columns), seed=0,
+                        max_model_len=4096)
+    assert trace.prompt_len.tolist() == [100, 4095, 4000, 3000]
+    assert trace.output_len.tolist() == [10, 1, 96, 50]
+    assert trace.notes == [
+        "clipped 1 of 4 prompts to the context limit 4,095",
+        "clipped 2 of 4 outputs to the room the context limit (4,096 tokens) leaves after "
+        "their prompts"]
+    within = build_trace(TraceWorkload(path=str(path), columns=columns), seed=0,
+                         max_model_len=8192)
+    assert within.notes == [] and within.output_len.tolist() == [10, 20, 200, 50]

@@ -19,7 +19,7 @@ import pandas as pd
 
 from workloads.distributions import EmpiricalLength
 from workloads.spec import ColumnMap, TraceWorkload
-from workloads.trace import SHARED_SEGMENT_BASE, UNIQUE_SEGMENT_BASE, Trace
+from workloads.trace import SHARED_SEGMENT_BASE, UNIQUE_SEGMENT_BASE, Trace, context_clip_notes
 from workloads.trace_file import (
     REQUIRED_COLUMNS,
     SEGMENTS_COLUMN,
@@ -351,9 +351,10 @@ def import_trace(
     if "max_tokens" in table:  # each client's own, within the workload's and the context's
         cap = np.minimum(table["max_tokens"].to_numpy(), cap)
     max_tokens = np.maximum(np.minimum(cap, max_model_len - prompt), 1)
-    output = np.minimum(table["output_len"].to_numpy(), max_tokens)
-    if clipped:
-        notes.append(f"clipped {clipped} prompts to the context limit {max_model_len - 1}")
+    drawn_output = table["output_len"].to_numpy()
+    clipped_outputs = int((drawn_output > max_model_len - prompt).sum())
+    output = np.minimum(drawn_output, max_tokens)
+    notes += context_clip_notes(clipped, clipped_outputs, size, max_model_len)
     if "hash_ids" in table:
         offsets, seg_ids, seg_lens = _hash_segments(
             table["hash_ids"].to_list(), prompt, workload.hash_block_tokens)

@@ -22,6 +22,9 @@ from workloads.distributions import (
 # arrays alone outgrow any machine, and the run would take days.
 MAX_REQUESTS = 50_000_000
 MAX_SHARED_PROMPTS = 1_000_000
+# The most sequences (samples, beams) one request runs together: a scheduler numbers them
+# request × MAX_SAMPLES + sample.
+MAX_SAMPLES = 256
 
 
 class PrefixGroups(ConfigModel):

@@ -13,7 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from workloads.spec import FewShot, PrefixGroups, SyntheticWorkload
-from workloads.trace import SHARED_SEGMENT_BASE, UNIQUE_SEGMENT_BASE, Trace
+from workloads.trace import (
+    SHARED_SEGMENT_BASE,
+    UNIQUE_SEGMENT_BASE,
+    Trace,
+    context_clip_notes,
+)
 
 FEW_SHOT_SEGMENT_BASE = SHARED_SEGMENT_BASE + (1 << 40)
 
@@ -96,8 +101,11 @@ def generate(
     output = spec.output_len.sample(rng, size, base_dir)
     ids, lens, present = _shared_prefix(rng, size, spec.prefix_groups, spec.few_shot)
     prefix = (lens * present).sum(axis=1)
-    own = np.minimum(own, max_model_len - 1 - prefix)
+    room = max_model_len - 1 - prefix
+    clipped_prompts = int((own > room).sum())
+    own = np.minimum(own, room)
     prompt = prefix + own
+    clipped_outputs = int((output > max_model_len - prompt).sum())
     max_tokens = _max_tokens(spec, prompt, max_model_len)
     output = np.minimum(output, max_tokens)
     idx = np.arange(size, dtype=np.int64)
@@ -114,7 +122,7 @@ def generate(
         columns["session_id"] = idx % users
     else:
         columns["arrival_s"] = spec.arrival.sample(rng, size)
-    return Trace.from_columns(
+    trace = Trace.from_columns(
         prompt_len=prompt,
         output_len=output,
         max_tokens=max_tokens,
@@ -125,6 +133,9 @@ def generate(
         source="synthetic",
         **columns,
     )
+    trace.notes.extend(context_clip_notes(clipped_prompts, clipped_outputs, size,
+                                          max_model_len))
+    return trace
 
 
 def _max_tokens(spec: SyntheticWorkload, prompt: np.ndarray, max_model_len: int) -> np.ndarray:

@@ -68,6 +68,19 @@ def segments_from_text(cells: Iterable[str]) -> dict[str, np.ndarray]:
             "seg_lens": np.array(seg_lens, dtype=np.int64)}
 
 
+def context_clip_notes(prompts: int, outputs: int, size: int, max_model_len: int) -> list[str]:
+    """Notes on what the context limit (``max_model_len``) cut of ``size`` requests: prompts
+    clipped to ``max_model_len - 1`` tokens, outputs to the room their prompts left."""
+    notes = []
+    if prompts:
+        notes.append(f"clipped {prompts:,} of {size:,} prompts to the context limit "
+                     f"{max_model_len - 1:,}")
+    if outputs:
+        notes.append(f"clipped {outputs:,} of {size:,} outputs to the room the context limit "
+                     f"({max_model_len:,} tokens) leaves after their prompts")
+    return notes
+
+
 class TraceError(ValueError):
     """A trace that breaks its own rules (negative length, a parent after its child, …);
     ``request`` is the index of the first offending one, where there is one."""
