@@ -975,6 +975,11 @@ class _SystemRun:
         self.patience_s = min(timeouts) if timeouts else None
         # Output tokens generated for tries whose clients gave up (every try's).
         self.abandoned_output_tokens = 0
+        # Output tokens of every sample that fork groups had generated when they started
+        # over (None in the summary where no request runs forks).
+        self.discarded_output_tokens = 0
+        self.forks = (system.scheduler.parallel_sampling == "fork" and len(trace) > 0
+                      and int(trace.n.max()) > 1)
         # The waits of the tokens those tries' clients received (µs → tokens): taken out of
         # the ITL, which vLLM's benchmark counts over the requests served alone.
         self.vain_token_waits_us: Counter[int] = Counter()
@@ -1300,6 +1305,7 @@ class _SystemRun:
             return
         if replica.role == "prefill" and served:
             replica.scheduler.release(request)  # one token: nothing to send on
+        self.discarded_output_tokens += request.discarded_output * request.n
         if request.abandoned_s >= 0:
             self.abandoned_output_tokens += (
                 request.gen_sync + request.discarded_output) * request.n
@@ -1490,6 +1496,8 @@ class _SystemRun:
             if self.seated_time_out else None)
         extra["abandoned_output_tokens"] = (self.abandoned_output_tokens
                                             if self.mid_answer_time_out else None)
+        extra["discarded_output_tokens"] = (self.discarded_output_tokens if self.forks
+                                            else None)
         extra["retries"] = (int((requests["attempts"] - 1).sum())
                             if self.retry is not None else None)
         # None (shown "—") where the line is unbounded (no scheduler.max_queued_requests).

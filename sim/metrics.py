@@ -55,6 +55,7 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("swap_preemptions", "preemptions by swap", "{:,.0f}"),
     ("reservation_overflows", "preemptions: outgrew a predicted reservation", "{:,.0f}"),
     ("recomputed_tokens", "recomputed tokens", "{:,.0f}"),
+    ("discarded_output_tokens", "output tokens thrown away (forks started over)", "{:,.0f}"),
     ("swapped_out_slots", "KV slots swapped out", "{:,.0f}"),
     ("makespan_s", "makespan (s)", "{:,.1f}"),
     # kvsim capacity --sweep: the search's answer, beside the summary of the run at it.
@@ -121,7 +122,8 @@ ONLY_WHEN_SET = {"shed", "abandoned", "abandoned_seated", "abandoned_output_toke
                  "host_hit_rate", "slo_attainment", "slo_tightest_attainment", "goodput_req_s",
                  "capacity_req_s", "capacity_req_s_per_gpu", "swap_preemptions",
                  "swapped_out_slots", "reservation_overflows", "usd_per_million_tokens",
-                 "mean_draft_tokens", "rank_wait_frac", "pipeline_bubble_frac"}
+                 "mean_draft_tokens", "rank_wait_frac", "pipeline_bubble_frac",
+                 "discarded_output_tokens"}
 # A total and its share per GPU, shown beside it where runs use different numbers of GPUs.
 PER_GPU = {"throughput_tok_s": "throughput_tok_s_per_gpu",
            "capacity_req_s": "capacity_req_s_per_gpu"}

@@ -128,9 +128,13 @@ def test_fanned_out_samples_outrun_forks_that_restart_together():
     runs = run_scenario(scenario_from_dict(data)).systems
     fork, fan_out = runs["fork"].summary, runs["fan_out"].summary
     assert fork["completed"] == fan_out["completed"] == 150
-    # A preempted fork group starts over, all its samples; a sample alone loses its own
-    # (135,865 tokens recomputed against 268,574; 2,483 tok/s against 1,684).
+    # A preempted fork group starts over, all its samples, their answers thrown away and
+    # generated again step by step; a sample alone loses its own, and reads it again with
+    # its prompt (135,865 tokens recomputed against 268,574 of prompts and 203,008 of
+    # answers thrown away; 2,483 tok/s against 1,684).
     assert fan_out["recomputed_tokens"] < 0.6 * fork["recomputed_tokens"]
+    assert fork["discarded_output_tokens"] > 0.5 * fork["recomputed_tokens"]
+    assert fan_out["discarded_output_tokens"] is None
     assert fan_out["throughput_tok_s"] > 1.3 * fork["throughput_tok_s"]
     assert fan_out["ttft_p50_s"] < fork["ttft_p50_s"]
     # Seven samples of eight find the prompt's full blocks cached by the first.

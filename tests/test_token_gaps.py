@@ -114,6 +114,9 @@ def test_a_request_never_preempted_waits_a_step_at_most_and_jumps_agree():
     assert runs["step"].summary["max_itl_p99_s"] == pytest.approx(
         float(np.percentile(served, 99)), rel=1e-12)
     assert "longest token gap p99 (s)" in format_summary({"s": runs["step"].summary})
+    # One sample a request: nothing forks, nothing to throw away.
+    assert runs["step"].summary["discarded_output_tokens"] is None
+    assert "thrown away" not in format_summary({"s": runs["step"].summary})
 
 
 def test_a_decode_replica_counts_the_wait_since_the_prefill_replicas_token():
@@ -275,6 +278,10 @@ def test_a_fork_group_started_over_gives_its_client_only_the_tokens_it_had_not_h
     assert after[0] > ends[back + had - 1]
     times = np.concatenate([before, after])
     assert len(times) == 200 and times[-1] == victim["finished_s"]
+    # Both samples' first k tokens were thrown away, and generated again.
+    assert result.summary["discarded_output_tokens"] == 2 * had
+    assert "output tokens thrown away (forks started over)" in format_summary(
+        {"s": result.summary})
     assert victim["max_itl_s"] == pytest.approx(ends[back + had] - ends[preempted - 1],
                                                 rel=1e-12)
     assert victim["max_itl_s"] == pytest.approx(longest_gap(times), rel=1e-12)
@@ -316,6 +323,7 @@ def test_a_client_of_a_fork_group_started_over_gives_up_a_wait_after_its_last_to
     regenerated = int((ends[back:] < requests["abandoned_s"].iloc[1]).sum()) + 1
     assert 0 < regenerated < had
     assert result.summary["abandoned_output_tokens"] == 2 * (had + regenerated)
+    assert result.summary["discarded_output_tokens"] == 2 * had
     data["engine"]["mode"] = "jump"
     jumped = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["s"]
     pd.testing.assert_frame_equal(jumped.requests, requests)
