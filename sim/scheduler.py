@@ -51,6 +51,7 @@ from sim.memory import (
     HybridPagedAllocator,
     KVAllocator,
     MemorySnapshot,
+    PagedAllocator,
     SeqSpec,
     final_kv_tokens,
 )
@@ -688,6 +689,10 @@ class Scheduler:
         self.config = config
         self.debug = debug
         self.swap_slots = swap_slots  # 0: preempt by recompute only
+        # Paged memory swaps a group of forked samples whole (vLLM v0); it starts over on
+        # contiguous memory, where a fork is a copy whose room a prediction may have sized.
+        self._paged: PagedAllocator | None = (
+            allocator if isinstance(allocator, PagedAllocator) else None)
         # A prefill replica keeps a finished request's KV until it has been sent on: the
         # engine calls release() then.
         self.keep_finished = False
@@ -1268,7 +1273,7 @@ class Scheduler:
             request.c_sync = now
         if decoding:
             request.computed_tokens = final_kv_tokens(request.prompt_len, request.gen_sync)
-        if decoding and request.n == 1 and self.swap_slots:
+        if decoding and self.swap_slots and (request.n == 1 or self._paged is not None):
             self._swap_out(request, batch)
         for seq_id in request.seq_ids():
             self.allocator.free(seq_id)
@@ -1276,7 +1281,7 @@ class Scheduler:
         request.prefilled = request.prefill_target = 0
         request.preemptions += 1
         request.resumed = request.resumed or (request.computed and not request.swapped)
-        if request.n > 1:
+        if request.n > 1 and not request.swapped:
             # Forks cannot be rebuilt from sample 0: restart the request.
             request.client_tokens = max(request.client_tokens, request.gen_sync)
             request.discarded_output += request.gen_sync
@@ -1294,6 +1299,11 @@ class Scheduler:
         tokens = final_kv_tokens(request.prompt_len, request.gen_sync)
         bs = self._block_size
         slots = -(-tokens // bs) * bs if bs else tokens  # paged memory moves whole blocks
+        paged = self._paged
+        if request.num_seqs > 1 and paged is not None:
+            # A group's blocks, each once: those of its prompt its samples share, their own.
+            held = {block for seq_id in request.seq_ids() for block in paged.block_table(seq_id)}
+            slots = len(held) * paged.block_size
         if self.swap_used + slots > self.swap_slots:
             return  # no room: recompute it
         request.swapped = tokens
@@ -1303,10 +1313,24 @@ class Scheduler:
         self.swapped_out_slots += slots
         batch.swapped_slots += slots
 
+    def _admit_group(self, request: Request, spec: SeqSpec) -> int | None:
+        """Seat a group of forked samples swapped out whole, as it was: its prompt (what
+        the cache holds of it found there), the samples forked from it, each with its own
+        tokens; the prompt tokens found cached, or None if the pool cannot hold it."""
+        assert self._paged is not None, "only paged memory swaps a group"
+        parent = SeqSpec(spec.seq_id, spec.segments, request.prompt_len, spec.final_len,
+                         spec.max_len, spec.predicted_len)
+        samples = [request.spec(sample) for sample in range(1, request.n)]
+        return self._paged.admit_forks(parent, samples, request.swapped)
+
     def _swap_in(self, request: Request, hits: int, batch: Batch) -> None:
         """Copy a parked request's KV back, but for the blocks still cached on the GPU (a
         host tier's blocks come up the same link: they count as copied)."""
-        self._write_ready(request, request.swapped, hits)
+        if request.n > 1:  # a group, seated whole with its samples' tokens
+            request.num_seqs = request.n
+            request.prefilled = request.swapped
+        else:
+            self._write_ready(request, request.swapped, hits)
         slots = max(request.swap_slots - (hits - self.allocator.last_loaded_tokens), 0)
         self.swapped_in_slots += slots
         batch.swapped_slots += slots
@@ -1474,7 +1498,9 @@ class Scheduler:
             # Per chunk (vLLM v1), a prompt computed here claims only its first chunk's memory
             # (a swapped or transferred one arrives whole).
             hits = None
-            if self._samples_fit(request, spec):
+            if request.swapped and request.n > 1:
+                hits = self._admit_group(request, spec)
+            elif self._samples_fit(request, spec):
                 hits = self.allocator.admit(spec, budget if self._per_chunk and not (
                     request.swapped or request.transferred) else None)
             if hits is None:
@@ -1561,9 +1587,15 @@ class Scheduler:
         was preempted instead."""
         history = request.prefilled
         completes = history + chunk == request.prefill_target
+        if request.num_seqs > 1:
+            # A group swapped back in: each sample reads its own last token.
+            for seq_id in request.seq_ids():
+                appended = self._append(seq_id, chunk)
+                assert appended, "admission counted the group's blocks"
         # Admission claimed the prompt's memory, or (per chunk) its first chunk's: a later
         # chunk preempts for its blocks as a decode step does.
-        while chunk and not self._append(request.index * MAX_SAMPLES, chunk):
+        while chunk and request.num_seqs == 1 and not self._append(
+                request.index * MAX_SAMPLES, chunk):
             assert self._per_chunk, "admission claimed the prompt's memory"
             if not self._preempt_victim(request, batch):
                 return False

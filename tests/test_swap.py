@@ -1,6 +1,7 @@
 """Preemption by swap: a victim's KV is parked in host memory and copied back when it is
-seated again, instead of being recomputed; a victim that does not fit the swap space, or
-has several samples, is still recomputed."""
+seated again, instead of being recomputed; a victim that does not fit the swap space is
+still recomputed. A group of forked samples is swapped whole, its prompt's shared blocks
+once."""
 
 from __future__ import annotations
 
@@ -105,11 +106,52 @@ def test_swap_with_a_prefix_cache_copies_back_only_what_it_lost():
     assert summary["recomputed_tokens"] == 0
 
 
-def test_requests_with_several_samples_are_recomputed():
-    summary = run_scenario(scenario_from_dict(scenario(
-        sampling={"n": 2}))).systems["swap"].summary
-    assert summary["preemptions"] > 0
-    assert summary["swap_preemptions"] == 0
+def test_a_group_of_samples_is_swapped_whole_and_comes_back_as_it_was():
+    # As vLLM v0 preempted a request of several samples: every sample's KV goes out and
+    # comes back, so none of the answers is thrown away; recomputing, the group starts over.
+    runs = {}
+    for mode in ("step", "jump"):
+        data = scenario(sampling={"n": 2})
+        data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
+        runs[mode] = run_scenario(scenario_from_dict(data)).systems
+    recompute, swap = runs["step"]["recompute"].summary, runs["step"]["swap"]
+    pd.testing.assert_frame_equal(runs["jump"]["swap"].requests, swap.requests)
+    summary = swap.summary
+    assert summary["preemptions"] > 10
+    assert summary["swap_preemptions"] == summary["preemptions"]
+    assert summary["recomputed_tokens"] == summary["discarded_output_tokens"] == 0
+    assert recompute["discarded_output_tokens"] > 10_000
+    # Without a prefix cache the blocks that went out come back; each seating reads the
+    # prompts or, swapped in, the group's last tokens (one a sample, counted once).
+    assert summary["swapped_out_slots"] == summary["swapped_in_slots"] > 0
+    assert swap.steps["prefill_tokens"].sum() == (swap.requests["prompt_len"].sum()
+                                                  + summary["swap_preemptions"])
+    assert summary["throughput_tok_s"] > recompute["throughput_tok_s"]
+
+
+def test_a_group_swapped_out_holds_its_shared_blocks_once(tmp_path):
+    # Two requests of a 100-token prompt and two samples of 200 tokens in 0.4 GiB: the later
+    # is swapped out with k tokens of each sample: the prompt's 6 full blocks, which both
+    # samples share, and each one's own 15 - 6 (its copy of the partial block among them).
+    (tmp_path / "trace.csv").write_text("t,p,o\n0,100,200\n0,100,200\n")
+    data = {"name": "two", "model": "llama-2-7b", "memory": {"kv_memory_gib": 0.4},
+            "workload": {"kind": "trace", "path": "trace.csv", "format": "csv",
+                         "columns": {"arrival": "t", "prompt_len": "p", "output_len": "o"},
+                         "sampling": {"n": 2}},
+            "systems": [{"name": "s", "allocator": {"kind": "paged"},
+                         "scheduler": {"preemption_mode": "swap", "swap_space_gib": 1}}],
+            "stop": {"num_requests": 2}, "engine": {"mode": "step", "debug_invariants": True}}
+    result = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["s"]
+    steps, summary = result.steps, result.summary
+    assert summary["swap_preemptions"] == summary["preemptions"] == 1
+    preempted = int(np.flatnonzero(steps["preempted"].to_numpy())[0])
+    had = int(steps["decode_seqs"].iloc[1:preempted].gt(0).sum()) + 1  # tokens of each
+    tokens = 100 + had - 1  # KV of each: all but its last token's
+    blocks = 6 + 2 * (-(-tokens // 16) - 6)
+    assert summary["swapped_out_slots"] == 16 * blocks
+    # Seated again, its prompt's full blocks still cached: only the samples' own come back.
+    assert summary["swapped_in_slots"] == 16 * (blocks - 6)
+    assert summary["discarded_output_tokens"] == 0
 
 
 def test_the_summary_shows_swaps_only_where_a_system_swaps():

@@ -185,7 +185,10 @@ class PagedAllocator(KVAllocator):
             found += 1
         return found
 
-    def admit(self, spec: SeqSpec, max_new_tokens: int | None = None) -> int | None:
+    def admit(self, spec: SeqSpec, max_new_tokens: int | None = None,
+              extra_blocks: int = 0) -> int | None:
+        """As :meth:`KVAllocator.admit`; with ``extra_blocks``, only if that many free blocks
+        are left besides (for what the caller writes next)."""
         if spec.seq_id in self._seqs:
             raise AllocatorError(f"sequence {spec.seq_id} is already admitted")
         hasher = BlockHasher(spec.segments, self.block_size)
@@ -196,7 +199,7 @@ class PagedAllocator(KVAllocator):
         # Loaded blocks are among those needed.
         need = self.blocks_for(claim_end(spec, ready, max_new_tokens)) - len(hits)
         reserve = self.watermark_blocks if self._seqs else 0
-        if need > self.pool.num_free - revived - reserve:
+        if need + extra_blocks > self.pool.num_free - revived - reserve:
             return None
         for block in hits:
             if block.ref_cnt == 0:
@@ -226,6 +229,29 @@ class PagedAllocator(KVAllocator):
         self.num_hit_blocks += len(hits) + loaded
         self.last_loaded_tokens = loaded * bs
         return seq.num_tokens
+
+    def admit_forks(self, parent: SeqSpec, samples: list[SeqSpec], tokens: int) -> int | None:
+        """Seat a group of samples whose KV comes back whole (swapped in): ``parent``'s
+        prompt, found cached or written; the ``samples`` forked from it at the prompt's end,
+        as they were; and each of them written on to ``tokens``, its own. The prompt tokens
+        found cached, or None (nothing taken) if the pool cannot hold the group with a slot
+        more for each sample, the next step's."""
+        prompt = parent.prompt_len
+        count = 1 + len(samples)
+        # Past the prompt's blocks, each sample's own; and a copy of the prompt's partial last
+        # block for each sample but the last to write into it (copy-on-write).
+        growth = count * (self.blocks_for(tokens + 1) - self.blocks_for(prompt)) + (
+            count - 1 if prompt % self.block_size else 0)
+        hits = self.admit(parent, extra_blocks=growth)
+        if hits is None:
+            return None
+        written = self.append(parent.seq_id, prompt - hits)
+        for sample in samples:
+            written = self.fork(parent.seq_id, sample) and written
+        for seq_id in (parent.seq_id, *(sample.seq_id for sample in samples)):
+            written = self.append(seq_id, tokens - prompt) and written
+        assert written, "admission counted the group's blocks"
+        return hits
 
     def append(self, seq_id: int, num_tokens: int, lookahead: int = 0) -> bool:
         seq = self._seqs.get(seq_id)
