@@ -273,6 +273,40 @@ class PagedMachine(_AllocatorMachine):
         else:
             assert cached <= hit
 
+    @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60),
+          samples=st.integers(1, 3), own=st.integers(0, 40), out=st.integers(1, 40))
+    def admit_forks(self, prefix_idx, prompt, samples, own, out):
+        """A group of forked samples swapped back in: seated as it was (the prompt's blocks
+        shared, each sample's own past them), with a free slot for each one's next token;
+        or, refused, nothing taken."""
+        parent = self.new_spec(prefix_idx, prompt, 0, own + out)
+        prompt_len, tokens = parent.prompt_len, parent.prompt_len + own
+        group = [parent]
+        for _ in range(samples):
+            group.append(SeqSpec(self.next_id, (*_prefix_of(parent.segments, prompt_len),
+                                                (100 + self.next_id, own + out)),
+                                 prompt_len, parent.final_len, parent.final_len))
+            self.next_id += 1
+        snap = self.allocator.snapshot()
+        hit = self.allocator.admit_forks(parent, group[1:], tokens)
+        if hit is None:
+            assert self.allocator.snapshot() == snap
+            return
+        assert 0 <= hit < prompt_len and hit % self.block_size == 0
+        bs, seq_ids = self.block_size, [spec.seq_id for spec in group]
+        tables = [self.allocator.block_table(seq_id) for seq_id in seq_ids]
+        shared = prompt_len // bs if tokens > prompt_len else -(-prompt_len // bs)
+        assert len({block for table in tables for block in table}) == (
+            shared + len(group) * (-(-tokens // bs) - shared))
+        assert all(table[:shared] == tables[0][:shared] for table in tables)
+        for spec in group:
+            self.specs[spec.seq_id] = spec
+            self.tokens[spec.seq_id] = tokens
+            self.claims[spec.seq_id] = tokens
+        self.forked = True
+        # The step after writes each sample's next token without a block more.
+        assert self.allocator.max_uniform_append(seq_ids, 1) == 1
+
     @invariant()
     def paged_accounting(self):
         snap = self.allocator.snapshot()
