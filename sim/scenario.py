@@ -397,8 +397,8 @@ class SchedulerConfig(ConfigModel):
     preemption_mode: Literal["recompute", "swap"] = Field(
         default="recompute", description="as vLLM v0's: drop a victim's KV and recompute it "
         "when it is seated again, or copy it to host memory and back over the host link (a "
-        "victim that does not fit there is still recomputed; on paged memory a group of "
-        "forked samples goes whole, the blocks they share once)")
+        "victim that does not fit there is still recomputed; a group of forked samples goes "
+        "whole, the blocks they share once)")
     swap_space_gib: float = Field(default=4.0, gt=0, description="host memory per GPU for "
                                   "swapped KV, as vLLM's --swap-space")
     parallel_sampling: Literal["fork", "fan_out"] = Field(

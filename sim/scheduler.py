@@ -689,10 +689,6 @@ class Scheduler:
         self.config = config
         self.debug = debug
         self.swap_slots = swap_slots  # 0: preempt by recompute only
-        # Paged memory swaps a group of forked samples whole (vLLM v0); it starts over on
-        # contiguous memory, where a fork is a copy whose room a prediction may have sized.
-        self._paged: PagedAllocator | None = (
-            allocator if isinstance(allocator, PagedAllocator) else None)
         # A prefill replica keeps a finished request's KV until it has been sent on: the
         # engine calls release() then.
         self.keep_finished = False
@@ -1273,7 +1269,7 @@ class Scheduler:
             request.c_sync = now
         if decoding:
             request.computed_tokens = final_kv_tokens(request.prompt_len, request.gen_sync)
-        if decoding and self.swap_slots and (request.n == 1 or self._paged is not None):
+        if decoding and self.swap_slots:
             self._swap_out(request, batch)
         for seq_id in request.seq_ids():
             self.allocator.free(seq_id)
@@ -1295,15 +1291,17 @@ class Scheduler:
         """Park a decoding request's KV in host memory if the swap space has room: all of
         it, which is all but its last token's (never yet a step's input): seated again, that
         token is computed as a fully cached prompt's last token is (so that step computes a
-        token for it, as a decode step would)."""
+        token for it, as a decode step would). A request's samples go together."""
         tokens = final_kv_tokens(request.prompt_len, request.gen_sync)
         bs = self._block_size
         slots = -(-tokens // bs) * bs if bs else tokens  # paged memory moves whole blocks
-        paged = self._paged
-        if request.num_seqs > 1 and paged is not None:
+        paged = self.allocator
+        if request.num_seqs > 1 and isinstance(paged, PagedAllocator):
             # A group's blocks, each once: those of its prompt its samples share, their own.
             held = {block for seq_id in request.seq_ids() for block in paged.block_table(seq_id)}
             slots = len(held) * paged.block_size
+        elif request.num_seqs > 1:
+            slots *= request.num_seqs  # contiguous samples share nothing
         if self.swap_used + slots > self.swap_slots:
             return  # no room: recompute it
         request.swapped = tokens
@@ -1317,11 +1315,10 @@ class Scheduler:
         """Seat a group of forked samples swapped out whole, as it was: its prompt (what
         the cache holds of it found there), the samples forked from it, each with its own
         tokens; the prompt tokens found cached, or None if the pool cannot hold it."""
-        assert self._paged is not None, "only paged memory swaps a group"
         parent = SeqSpec(spec.seq_id, spec.segments, request.prompt_len, spec.final_len,
                          spec.max_len, spec.predicted_len)
         samples = [request.spec(sample) for sample in range(1, request.n)]
-        return self._paged.admit_forks(parent, samples, request.swapped)
+        return self.allocator.admit_forks(parent, samples, request.swapped)
 
     def _swap_in(self, request: Request, hits: int, batch: Batch) -> None:
         """Copy a parked request's KV back, but for the blocks still cached on the GPU (a

@@ -268,6 +268,7 @@ class HybridMachine(PagedMachine):
     decode syncs them), against a reference of tokens and the blocks each window needs."""
 
     block_size = 4
+    swaps_groups = False  # (swapping is not modelled under the hybrid manager)
     full_groups = 1
     sliding_groups = 2
     window = 10

@@ -26,6 +26,7 @@ class _AllocatorMachine(RuleBasedStateMachine):
     """Shared rules; subclasses build the allocator and add family-specific checks."""
 
     per_chunk = False  # admissions claim a first prompt chunk only (vLLM v1's allocation)
+    swaps_groups = True  # seats a group of samples swapped back in (admit_forks)
     claims_hold = True  # appends within an admission's claim never fail
     holds_lookahead = True  # appends may hold slots past their tokens (speculative drafts)
 
@@ -154,6 +155,40 @@ class _AllocatorMachine(RuleBasedStateMachine):
             self.forked_at[child.seq_id] = written
             self.forked = True
 
+    @precondition(lambda self: self.swaps_groups)
+    @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60),
+          samples=st.integers(1, 3), own=st.integers(0, 40), out=st.integers(1, 40))
+    def admit_forks(self, prefix_idx, prompt, samples, own, out):
+        """A group of forked samples swapped back in: seated as it was, each sample with its
+        own tokens and a free slot for its next one; or, refused, nothing taken."""
+        parent = self.new_spec(prefix_idx, prompt, 0, own + out)
+        prompt_len, tokens = parent.prompt_len, parent.prompt_len + own
+        group = [parent]
+        for _ in range(samples):
+            group.append(self.predict(SeqSpec(
+                self.next_id, (*_prefix_of(parent.segments, prompt_len),
+                               (100 + self.next_id, own + out)),
+                prompt_len, parent.final_len, parent.final_len)))
+            self.next_id += 1
+        snap = self.allocator.snapshot()
+        hit = self.allocator.admit_forks(parent, group[1:], tokens)
+        if hit is None:
+            assert self.allocator.snapshot() == snap
+            return
+        assert 0 <= hit < prompt_len
+        self._check_group(group, tokens, hit)
+        for spec in group:
+            self.specs[spec.seq_id] = spec
+            self.tokens[spec.seq_id] = tokens
+            self.claims[spec.seq_id] = tokens
+            self.forked_at[spec.seq_id] = tokens + 1
+        self.forked = True
+        # The step after writes each sample's next token without a block more.
+        assert self.allocator.max_uniform_append([spec.seq_id for spec in group], 1) == 1
+
+    def _check_group(self, group: list[SeqSpec], tokens: int, hit: int) -> None:
+        """What else the allocator's kind says of a group seated whole."""
+
     @invariant()
     def consistent(self):
         self.allocator.check_invariants()
@@ -273,39 +308,17 @@ class PagedMachine(_AllocatorMachine):
         else:
             assert cached <= hit
 
-    @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60),
-          samples=st.integers(1, 3), own=st.integers(0, 40), out=st.integers(1, 40))
-    def admit_forks(self, prefix_idx, prompt, samples, own, out):
-        """A group of forked samples swapped back in: seated as it was (the prompt's blocks
-        shared, each sample's own past them), with a free slot for each one's next token;
-        or, refused, nothing taken."""
-        parent = self.new_spec(prefix_idx, prompt, 0, own + out)
-        prompt_len, tokens = parent.prompt_len, parent.prompt_len + own
-        group = [parent]
-        for _ in range(samples):
-            group.append(SeqSpec(self.next_id, (*_prefix_of(parent.segments, prompt_len),
-                                                (100 + self.next_id, own + out)),
-                                 prompt_len, parent.final_len, parent.final_len))
-            self.next_id += 1
-        snap = self.allocator.snapshot()
-        hit = self.allocator.admit_forks(parent, group[1:], tokens)
-        if hit is None:
-            assert self.allocator.snapshot() == snap
-            return
-        assert 0 <= hit < prompt_len and hit % self.block_size == 0
-        bs, seq_ids = self.block_size, [spec.seq_id for spec in group]
-        tables = [self.allocator.block_table(seq_id) for seq_id in seq_ids]
+    def _check_group(self, group: list[SeqSpec], tokens: int, hit: int) -> None:
+        """Paged: the samples share the prompt's blocks (a partial last one only until
+        they write past it) and own the rest."""
+        bs = self.block_size
+        assert hit % bs == 0
+        prompt_len = group[0].prompt_len
+        tables = [self.allocator.block_table(spec.seq_id) for spec in group]
         shared = prompt_len // bs if tokens > prompt_len else -(-prompt_len // bs)
         assert len({block for table in tables for block in table}) == (
             shared + len(group) * (-(-tokens // bs) - shared))
         assert all(table[:shared] == tables[0][:shared] for table in tables)
-        for spec in group:
-            self.specs[spec.seq_id] = spec
-            self.tokens[spec.seq_id] = tokens
-            self.claims[spec.seq_id] = tokens
-        self.forked = True
-        # The step after writes each sample's next token without a block more.
-        assert self.allocator.max_uniform_append(seq_ids, 1) == 1
 
     @invariant()
     def paged_accounting(self):

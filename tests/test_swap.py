@@ -129,6 +129,35 @@ def test_a_group_of_samples_is_swapped_whole_and_comes_back_as_it_was():
     assert summary["throughput_tok_s"] > recompute["throughput_tok_s"]
 
 
+def test_a_contiguous_group_outgrowing_its_predicted_extents_is_swapped_whole():
+    # Contiguous samples share nothing: each comes back into an extent of its own, one
+    # slot past its tokens at least (the next step's), the prediction doubled.
+    def data(mode: str, scheduler: dict) -> dict:
+        return {"name": "c", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1.0},
+                "workload": {"arrival": {"process": "poisson", "rate": 20},
+                             "prompt_len": {"dist": "uniform", "low": 100, "high": 400},
+                             "output_len": {"dist": "uniform", "low": 50, "high": 600},
+                             "sampling": {"n": 2}},
+                "systems": [{"name": "s", "allocator": {"kind": "contiguous",
+                                                         "reserve_policy": "predicted"},
+                             "predictor": {"sigma": 1.0}, "scheduler": scheduler}],
+                "stop": {"num_requests": 50}, "seed": 1,
+                "engine": {"mode": mode, "debug_invariants": mode == "step"}}
+
+    swap = {"preemption_mode": "swap", "swap_space_gib": 4}
+    runs = {mode: run_scenario(scenario_from_dict(data(mode, swap))).systems["s"]
+            for mode in ("step", "jump")}
+    pd.testing.assert_frame_equal(runs["jump"].requests, runs["step"].requests)
+    summary = runs["step"].summary
+    assert summary["swap_preemptions"] == summary["preemptions"] == summary[
+        "reservation_overflows"] > 5
+    assert summary["recomputed_tokens"] == summary["discarded_output_tokens"] == 0
+    assert summary["swapped_out_slots"] == summary["swapped_in_slots"] > 0
+    restarted = run_scenario(scenario_from_dict(data("jump", {}))).systems["s"].summary
+    assert restarted["discarded_output_tokens"] > 5_000
+    assert summary["throughput_tok_s"] > restarted["throughput_tok_s"]
+
+
 def test_a_group_swapped_out_holds_its_shared_blocks_once(tmp_path):
     # Two requests of a 100-token prompt and two samples of 200 tokens in 0.4 GiB: the later
     # is swapped out with k tokens of each sample: the prompt's 6 full blocks, which both

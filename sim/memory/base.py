@@ -156,6 +156,14 @@ class KVAllocator(ABC):
     def fork(self, parent_id: int, child: SeqSpec) -> bool:
         """Start ``child`` as a copy of ``parent_id``'s current tokens; False if no memory."""
 
+    def admit_forks(self, parent: SeqSpec, samples: list[SeqSpec], tokens: int) -> int | None:
+        """Seat a group of samples whose KV comes back whole (swapped in), as it was:
+        ``parent``'s prompt (found cached, or written), the ``samples`` forked from it at the
+        prompt's end, and each of them written on to ``tokens``, its own. The prompt tokens
+        found cached, or None (nothing taken) if the pool cannot hold the group with a slot
+        more for each sample, the next step's."""
+        raise AllocatorError(f"{type(self).__name__} does not seat a group swapped back in")
+
     @abstractmethod
     def num_tokens(self, seq_id: int) -> int:
         """Tokens the sequence has written (its computed context)."""

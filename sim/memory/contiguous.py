@@ -268,6 +268,21 @@ class ContiguousAllocator(KVAllocator):
         self._write(ext, parent.num_tokens)
         return True
 
+    def admit_forks(self, parent: SeqSpec, samples: list[SeqSpec], tokens: int) -> int | None:
+        """As :meth:`KVAllocator.admit_forks`: each sample has an extent of its own, the
+        prompt copied into it."""
+        group = [parent, *samples]
+        for spec in group:
+            if spec.seq_id in self._seqs:
+                raise AllocatorError(f"sequence {spec.seq_id} is already admitted")
+        if not self.can_place(group, at_least=tokens + 1):
+            return None
+        for spec in group:
+            ext = self._place(spec, at_least=tokens + 1)
+            assert ext is not None, "can_place found every extent"
+            self._write(ext, tokens)
+        return 0
+
     def max_uniform_append(self, seq_ids: list[int], limit: int) -> int:
         room = min(
             (self._seqs[s].will_write - self._seqs[s].num_tokens for s in seq_ids),

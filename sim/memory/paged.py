@@ -231,11 +231,8 @@ class PagedAllocator(KVAllocator):
         return seq.num_tokens
 
     def admit_forks(self, parent: SeqSpec, samples: list[SeqSpec], tokens: int) -> int | None:
-        """Seat a group of samples whose KV comes back whole (swapped in): ``parent``'s
-        prompt, found cached or written; the ``samples`` forked from it at the prompt's end,
-        as they were; and each of them written on to ``tokens``, its own. The prompt tokens
-        found cached, or None (nothing taken) if the pool cannot hold the group with a slot
-        more for each sample, the next step's."""
+        """As :meth:`KVAllocator.admit_forks`: the samples share the prompt's blocks, a
+        partial last one copied on write, and own the rest."""
         prompt = parent.prompt_len
         count = 1 + len(samples)
         # Past the prompt's blocks, each sample's own; and a copy of the prompt's partial last
