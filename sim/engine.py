@@ -159,7 +159,7 @@ def host_memory(scenario: Scenario, system: SystemConfig) -> tuple[int, int, flo
     tp = scenario.parallel.tensor_parallel_size
     model = scenario.model_spec()
     cache_gib = getattr(system.allocator, "host_cache_gib", 0)
-    swap = system.scheduler.preemption_mode == "swap"
+    swap = system.scheduler.swaps
     if not cache_gib and not swap:
         return 0, 0, 0.0
     link = scenario.gpu_spec().host_link_bytes_per_s
@@ -1458,7 +1458,7 @@ class _SystemRun:
         extra["host_hit_rate"] = (loaded / lookup if lookup else 0.0) if has_host else None
         extra["host_loaded_tokens"] = sum(s.loaded_tokens for s in schedulers)
         # None (shown "—") for systems that preempt by recompute.
-        swaps = self.system.scheduler.preemption_mode == "swap"
+        swaps = self.system.scheduler.swaps
         for key in ("swap_preemptions", "swapped_out_slots", "swapped_in_slots"):
             extra[key] = (sum(getattr(s, key) for s in schedulers) if swaps
                           else None)

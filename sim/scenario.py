@@ -394,13 +394,19 @@ class SchedulerConfig(ConfigModel):
         default="last_admitted", description="under every policy but priority: which running "
         "request is preempted when memory runs short (priority always preempts the worst "
         "priority, latest arrival)")
-    preemption_mode: Literal["recompute", "swap"] = Field(
+    preemption_mode: Literal["recompute", "swap", "swap_groups"] = Field(
         default="recompute", description="as vLLM v0's: drop a victim's KV and recompute it "
-        "when it is seated again, or copy it to host memory and back over the host link (a "
-        "victim that does not fit there is still recomputed; a group of forked samples goes "
-        "whole, the blocks they share once)")
+        "when it is seated again (vLLM v1's only mode); swap: copy it to host memory and back "
+        "over the host link (a victim that does not fit there is still recomputed; a group of "
+        "forked samples goes whole, the blocks they share once); swap_groups: recompute a "
+        "request of one sequence, swap a group of samples or beams (vLLM v0's default)")
     swap_space_gib: float = Field(default=4.0, gt=0, description="host memory per GPU for "
                                   "swapped KV, as vLLM's --swap-space")
+    @property
+    def swaps(self) -> bool:
+        """Whether preemption swaps some victims to host memory (swap space is set aside)."""
+        return self.preemption_mode != "recompute"
+
     parallel_sampling: Literal["fork", "fan_out"] = Field(
         default="fork", description="how a request of n samples (workload.sampling.n) runs: "
         "fork (vLLM v0, the PagedAttention paper), its samples seated, preempted and "
@@ -1117,7 +1123,7 @@ class Scenario(ConfigModel):
             return self
         unmodelled = {
             "a host tier (allocator.host_cache_gib)": lambda s: s.allocator.host_cache_gib,
-            "preemption_mode: swap": lambda s: s.scheduler.preemption_mode == "swap",
+            "preemption by swap (scheduler.preemption_mode)": lambda s: s.scheduler.swaps,
             "engine.router.kv_events": lambda s: bool(self.engine.router.kv_events),
         }
         for system in self.systems:
@@ -1163,7 +1169,7 @@ class Scenario(ConfigModel):
         model = _model_spec(self.model)
         unmodelled = {
             "speculative decoding": lambda s: s.speculative is not None,
-            "preemption_mode: swap": lambda s: s.scheduler.preemption_mode == "swap",
+            "preemption by swap (scheduler.preemption_mode)": lambda s: s.scheduler.swaps,
             "a host tier (allocator.host_cache_gib)": lambda s: getattr(
                 s.allocator, "host_cache_gib", 0),
             "the hybrid KV cache manager (sliding-window layers; allocator."
@@ -1274,8 +1280,9 @@ class Scenario(ConfigModel):
             if isinstance(system.allocator, PagedConfig) and system.allocator.host_cache_gib:
                 raise ValueError(f"system {system.name!r}: a host cache needs "
                                  "gpu.host_link_gbps (GPU-to-host GB/s, one direction)")
-            if system.scheduler.preemption_mode == "swap":
-                raise ValueError(f"system {system.name!r}: preemption_mode swap needs "
+            if system.scheduler.swaps:
+                raise ValueError(f"system {system.name!r}: preemption_mode "
+                                 f"{system.scheduler.preemption_mode} needs "
                                  "gpu.host_link_gbps (GPU-to-host GB/s, one direction)")
         return systems
 

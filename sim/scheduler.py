@@ -1269,7 +1269,8 @@ class Scheduler:
             request.c_sync = now
         if decoding:
             request.computed_tokens = final_kv_tokens(request.prompt_len, request.gen_sync)
-        if decoding and self.swap_slots:
+        if decoding and self.swap_slots and (
+                request.n > 1 or self.config.preemption_mode == "swap"):
             self._swap_out(request, batch)
         for seq_id in request.seq_ids():
             self.allocator.free(seq_id)

@@ -639,7 +639,8 @@ def test_windows_given_back_seat_more_requests():
      "system 'hybrid': a host tier (allocator.host_cache_gib) is not modelled with the hybrid "
      "KV cache manager that gemma-3-27b's sliding-window layers use; set "
      "allocator.hybrid_kv_cache: false (every layer keeps every token)"),
-    ({"systems[hybrid].scheduler.preemption_mode": "swap"}, "preemption_mode: swap is not"),
+    ({"systems[hybrid].scheduler.preemption_mode": "swap_groups"},
+     "preemption by swap (scheduler.preemption_mode) is not"),
     ({"model": {"name": "m", "num_layers": 4, "num_heads": 4, "head_dim": 64,
                 "num_params": 1e8, "max_model_len": 4096, "num_sliding_layers": 2}},
      "num_sliding_layers needs sliding_window"),

@@ -196,7 +196,8 @@ def test_replicas_of_pipelines_are_routed_and_finish():
      r"not modelled"),
     ({"systems": [{"name": "s", "allocator": {"kind": "paged"},
                    "scheduler": {"preemption_mode": "swap"}}]},
-     r"system 's': preemption_mode: swap is not modelled with pipeline stages"),
+     r"system 's': preemption by swap \(scheduler.preemption_mode\) is not modelled with "
+     r"pipeline stages"),
     ({"systems": [{"name": "s", "allocator": {"kind": "paged", "host_cache_gib": 10}}]},
      r"system 's': a host tier \(allocator\.host_cache_gib\) is not modelled with pipeline"),
     ({"systems": [{"name": "s", "allocator": {"kind": "paged"},

@@ -129,6 +129,21 @@ def test_a_group_of_samples_is_swapped_whole_and_comes_back_as_it_was():
     assert summary["throughput_tok_s"] > recompute["throughput_tok_s"]
 
 
+@pytest.mark.parametrize("sampling", [{"n": 1}, {"n": 2}])
+def test_swap_groups_swaps_a_group_and_recomputes_a_request_alone(sampling):
+    # vLLM v0's default: a group of samples (or beams), which it cannot recompute, is
+    # swapped; a request of one sequence is recomputed.
+    data = scenario(sampling=sampling)
+    runs = run_scenario(scenario_from_dict(data)).systems
+    data["systems"][1]["scheduler"]["preemption_mode"] = "swap_groups"
+    groups = run_scenario(scenario_from_dict(data)).systems["swap"]
+    alike = runs["swap"] if sampling["n"] > 1 else runs["recompute"]
+    pd.testing.assert_frame_equal(groups.requests, alike.requests)
+    assert groups.summary["preemptions"] > 10
+    swaps = groups.summary["swap_preemptions"]
+    assert swaps == (groups.summary["preemptions"] if sampling["n"] > 1 else 0)
+
+
 def test_a_contiguous_group_outgrowing_its_predicted_extents_is_swapped_whole():
     # Contiguous samples share nothing: each comes back into an extent of its own, one
     # slot past its tokens at least (the next step's), the prediction doubled.
@@ -199,7 +214,8 @@ def test_swap_settings_are_checked():
         scenario_from_dict(data)
     data = scenario()
     data["systems"][1]["scheduler"]["preemption_mode"] = "offload"
-    with pytest.raises(ScenarioError, match=r"preemption_mode: .*'recompute' or 'swap'"):
+    with pytest.raises(ScenarioError, match=r"preemption_mode: .*'recompute', 'swap' or "
+                                            r"'swap_groups' \(got 'offload'\)"):
         scenario_from_dict(data)
     data = scenario()
     data["gpu"] = {"name": "mine", "memory_gib": 80, "hbm_bandwidth_gbps": 2000,
