@@ -1636,17 +1636,8 @@ class Scheduler:
             # again, the first since it was preempted or handed over, a wait with no step).
             if request.first_token_s < 0:
                 request.first_token_s = end_s
-            if request.gen_sync <= request.client_tokens:
-                pass  # a fork group started over: its client has this token
-            elif request.last_token_s >= 0:
-                wait_s = end_s - request.last_token_s
-                self._delivered(wait_s, 1)
-                if self.step_waits_us is not None:
-                    _keep_run(request, [wait_us(wait_s)], 0, 1)
-                if wait_s > request.max_itl_s:
-                    request.max_itl_s = wait_s
-            if request.gen_sync > request.client_tokens:
-                request.last_token_s = end_s
+            if request.gen_sync > request.client_tokens:  # (else a fork group started over)
+                self._token_alone(request, end_s)
             if request.gen_sync >= request.output_len:
                 self._finish(request, end_s)
                 finished.append(request)
@@ -1708,14 +1699,21 @@ class Scheduler:
         its client had not had: the client's wait for it runs from its last one."""
         request.regenerating = False
         self.regenerating -= 1
-        wait_s = self._last_end_s - request.last_token_s
-        self._delivered(wait_s, 1)
-        if self.step_waits_us is not None:
-            _keep_run(request, [wait_us(wait_s)], 0, 1)
-        if wait_s > request.max_itl_s:
-            request.max_itl_s = wait_s
-        request.last_token_s = self._last_end_s
+        self._token_alone(request, self._last_end_s)
         request.streak_step = self.steps + 1
+
+    def _token_alone(self, request: Request, end_s: float) -> None:
+        """Its client received a token at ``end_s`` that no run of decode steps counts (a
+        prompt's, or a fork group's first past what its client had): counted by its wait
+        since the client's last, if it had one."""
+        if request.last_token_s >= 0:
+            wait_s = end_s - request.last_token_s
+            self._delivered(wait_s, 1)
+            if self.step_waits_us is not None:
+                _keep_run(request, [wait_us(wait_s)], 0, 1)
+            if wait_s > request.max_itl_s:
+                request.max_itl_s = wait_s
+        request.last_token_s = end_s
 
     def _delivered(self, wait_s: float, tokens: int) -> None:
         """Count ``tokens`` received ``wait_s`` after the one before each."""
