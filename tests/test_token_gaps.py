@@ -1,7 +1,9 @@
 """Each request's longest wait between two of its tokens (``max_itl_s``): a step's length
 while it decodes, and, where it stops decoding, the whole wait until its next token —
-preempted (the line, the recompute or the swap back in) or handed to a decode replica.
-Checked against the token times the step table gives, stepping and jumping alike."""
+preempted (the line, the recompute or the swap back in), handed to a decode replica, or
+regenerating what its client had (a fork group started over); and the ITL, every token a
+served client received after its first, once. Checked against the token times the step
+table gives, stepping and jumping alike."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from test_engine_equality import random_scenario
 
+import sim.engine
 from sim.engine import run_scenario
 from sim.metrics import format_summary
 from sim.scenario import scenario_from_dict
@@ -327,3 +331,30 @@ def test_a_client_of_a_fork_group_started_over_gives_up_a_wait_after_its_last_to
     data["engine"]["mode"] = "jump"
     jumped = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["s"]
     pd.testing.assert_frame_equal(jumped.requests, requests)
+
+
+# Drawn scenarios (tests/test_engine_equality.py) whose fork groups start over: with and
+# without clients who give up (a seat, a first token, the answer, a next token), some
+# swapping where the swap space has room.
+RESTARTING_SEEDS = (34, 47, 107, 163, 223, 287, 311, 405, 544, 567, 619, 691)
+
+
+def test_the_itl_counts_each_token_a_served_client_received_after_its_first_once(monkeypatch):
+    # However often its group started over, and whatever its client had before.
+    counted: list[int] = []
+    real = sim.engine.token_wait_summary
+
+    def spy(waits_us: dict[int, int]) -> dict[str, float]:
+        counted.append(sum(waits_us.values()))
+        return real(waits_us)
+
+    monkeypatch.setattr(sim.engine, "token_wait_summary", spy)
+    discarded = 0
+    for seed in RESTARTING_SEEDS:
+        data = random_scenario(seed)
+        assert data["workload"]["sampling"].get("n", 1) > 1
+        result = run_scenario(scenario_from_dict(data)).systems["s"]
+        served = result.requests[result.requests["finished_s"].notna()]
+        assert counted[-1] == (served["output_len"] - 1).sum(), seed
+        discarded += result.summary["discarded_output_tokens"]
+    assert discarded > 10_000  # (the draws still restart groups)
