@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from test_token_gaps import two_requests
 
 from sim.engine import build_timing, host_memory, run_scenario
 from sim.metrics import format_summary
@@ -177,14 +178,8 @@ def test_a_group_swapped_out_holds_its_shared_blocks_once(tmp_path):
     # Two requests of a 100-token prompt and two samples of 200 tokens in 0.4 GiB: the later
     # is swapped out with k tokens of each sample: the prompt's 6 full blocks, which both
     # samples share, and each one's own 15 - 6 (its copy of the partial block among them).
-    (tmp_path / "trace.csv").write_text("t,p,o\n0,100,200\n0,100,200\n")
-    data = {"name": "two", "model": "llama-2-7b", "memory": {"kv_memory_gib": 0.4},
-            "workload": {"kind": "trace", "path": "trace.csv", "format": "csv",
-                         "columns": {"arrival": "t", "prompt_len": "p", "output_len": "o"},
-                         "sampling": {"n": 2}},
-            "systems": [{"name": "s", "allocator": {"kind": "paged"},
-                         "scheduler": {"preemption_mode": "swap", "swap_space_gib": 1}}],
-            "stop": {"num_requests": 2}, "engine": {"mode": "step", "debug_invariants": True}}
+    data = two_requests(tmp_path, (200, 200), preemption_mode="swap", swap_space_gib=1)
+    data["workload"]["sampling"] = {"n": 2}
     result = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["s"]
     steps, summary = result.steps, result.summary
     assert summary["swap_preemptions"] == summary["preemptions"] == 1

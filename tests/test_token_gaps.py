@@ -26,6 +26,22 @@ def step_ends(steps: pd.DataFrame) -> np.ndarray:
     return (steps["time_s"] + steps["duration_s"]).to_numpy()
 
 
+def preempted_and_back(steps: pd.DataFrame) -> tuple[int, int]:
+    """The step that preempted the one request preempted, and the step that seated it again
+    (the next that reads a prompt: a recompute, or the last tokens' KV after a swap back
+    in), which gives it its next token."""
+    preempted = int(np.flatnonzero(steps["preempted"].to_numpy())[0])
+    return preempted, preempted + int(np.flatnonzero(
+        steps["prefill_tokens"].to_numpy()[preempted:])[0])
+
+
+def received_before(ends: np.ndarray, first_token_s: float, preempted: int) -> np.ndarray:
+    """When a preempted request's client had its tokens before the preemption: its first,
+    and one at the end of every step after it, to the one before the preemption's."""
+    return np.concatenate([[first_token_s],
+                           ends[(ends > first_token_s) & (ends <= ends[preempted - 1])]])
+
+
 def longest_gap(times: np.ndarray) -> float:
     return float(np.diff(np.sort(times)).max())
 
@@ -53,15 +69,11 @@ def test_a_preempted_request_waits_from_its_last_token_to_its_next(tmp_path, sch
     requests, steps = result.requests, result.steps
     ends = step_ends(steps)
     assert requests["preemptions"].tolist() == [0, 1]
-    preempted = int(np.flatnonzero(steps["preempted"].to_numpy())[0])
-    # Seated again by the next step that reads a prompt (a recompute, or the last token's
-    # KV after a swap back in), which gives it its next token.
-    back = preempted + int(np.flatnonzero(steps["prefill_tokens"].to_numpy()[preempted:])[0])
+    preempted, back = preempted_and_back(steps)
     first, other = requests.iloc[1], requests.iloc[0]
     # It had a token at the end of every step from its first to the one before the
     # preemption, and of every step from its seating again to its last.
-    times = np.concatenate([[first["first_token_s"]],
-                            ends[(ends > first["first_token_s"]) & (ends <= ends[preempted - 1])],
+    times = np.concatenate([received_before(ends, first["first_token_s"], preempted),
                             ends[back:]])
     assert times[-1] == first["finished_s"]
     assert first["max_itl_s"] == pytest.approx(longest_gap(times), rel=1e-12)
@@ -268,12 +280,9 @@ def test_a_fork_group_started_over_gives_its_client_only_the_tokens_it_had_not_h
     requests, steps = result.requests, result.steps
     ends = step_ends(steps)
     assert requests["preemptions"].tolist() == [0, 1]
-    preempted = int(np.flatnonzero(steps["preempted"].to_numpy())[0])
-    back = preempted + int(np.flatnonzero(steps["prefill_tokens"].to_numpy()[preempted:])[0])
+    preempted, back = preempted_and_back(steps)
     other, victim = requests.iloc[0], requests.iloc[1]
-    before = np.concatenate([[victim["first_token_s"]],
-                             ends[(ends > victim["first_token_s"])
-                                  & (ends <= ends[preempted - 1])]])
+    before = received_before(ends, victim["first_token_s"], preempted)
     had = len(before)
     assert 20 < had < 199
     # Seated again at step `back` (the preemption's), whose end gives it its first token
@@ -311,7 +320,7 @@ def test_a_client_of_a_fork_group_started_over_gives_up_a_wait_after_its_last_to
     result = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["s"]
     requests, ends = result.requests, step_ends(result.steps)
     assert requests["abandoned_s"].notna().tolist() == [False, True]
-    preempted = int(np.flatnonzero(result.steps["preempted"].to_numpy())[0])
+    preempted, back = preempted_and_back(result.steps)
     assert requests["abandoned_s"].iloc[1] == pytest.approx(ends[preempted - 1] + 0.5,
                                                             rel=1e-12)
     # Seated again at once, it was regenerating when its client left, after the other
@@ -320,10 +329,7 @@ def test_a_client_of_a_fork_group_started_over_gives_up_a_wait_after_its_last_to
     assert requests["abandoned_s"].iloc[1] > requests["finished_s"].iloc[0]
     # In vain: both samples' tokens, those its client had and those regenerated since (by
     # the step in which it left, too).
-    back = preempted + int(np.flatnonzero(result.steps["prefill_tokens"].to_numpy()[
-        preempted:])[0])
-    had = int(((ends > requests["first_token_s"].iloc[1])
-               & (ends <= ends[preempted - 1])).sum()) + 1
+    had = len(received_before(ends, requests["first_token_s"].iloc[1], preempted))
     regenerated = int((ends[back:] < requests["abandoned_s"].iloc[1]).sum()) + 1
     assert 0 < regenerated < had
     assert result.summary["abandoned_output_tokens"] == 2 * (had + regenerated)
