@@ -35,7 +35,7 @@ import random
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -927,6 +927,17 @@ class _RoleSetup:
         return self.scenario.parallel.data_parallel_size
 
 
+@dataclass
+class _SampleGroup:
+    """The samples of one request run as requests of their own (``fan_out``) done so far:
+    the request is served only if all of them are, so what the others were given waits
+    here until the last is done."""
+
+    output_tokens: int = 0  # generated for the samples finished
+    token_runs: list[tuple[list[int], int, int]] = field(default_factory=list)  # theirs
+    given_up: bool = False  # the client gave up on one (on all that were not done)
+
+
 class _SystemRun:
     """Everything one system's simulation shares between its replicas."""
 
@@ -941,6 +952,7 @@ class _SystemRun:
         self.request_of = request_of
         self.samples_left = (np.bincount(request_of).tolist() if request_of is not None
                              else None)
+        self.sample_groups: dict[int, _SampleGroup] = {}  # by request, while it has samples
         # The replicas' setups: the scenario's (colocated, or decode replicas), and the
         # prefill replicas' under disaggregation (the same one unless spread otherwise).
         self.decode_setup, self.prefill_setup = decode, prefill
@@ -1280,14 +1292,33 @@ class _SystemRun:
         applied the end of the try before)."""
         return request.index + (request.attempts - 1) * len(self.arrival_s)
 
-    def _last_sample(self, index: int) -> bool:
-        """Whether the trace's request ``index``, now done, was the last of its request's
-        samples to be (always, where each request is one)."""
+    def _last_sample(self, sample: Request, served: bool) -> bool:
+        """Whether ``sample`` (``served``, or not), now done, was the last of its request's
+        samples to be (always, where each request is one). A request whose client gave up
+        on a sample gave up on all: what the others had was generated in vain."""
         if self.samples_left is None or self.request_of is None:
             return True
-        request = int(self.request_of[index])
+        request = int(self.request_of[sample.index])
         self.samples_left[request] -= 1
-        return self.samples_left[request] == 0
+        if not self.mid_answer_time_out:
+            return self.samples_left[request] == 0
+        group = self.sample_groups.setdefault(request, _SampleGroup())
+        if served:
+            group.output_tokens += sample.gen_sync
+        group.given_up = group.given_up or sample.abandoned_s >= 0
+        if self.samples_left[request]:
+            return False
+        del self.sample_groups[request]
+        if group.given_up:
+            self.abandoned_output_tokens += group.output_tokens
+            self._in_vain(group.token_runs)
+        return True
+
+    def _in_vain(self, token_runs: list[tuple[list[int], int, int]]) -> None:
+        """Take the tokens of ``token_runs``, received by a client who gave up, out of the
+        ITL (vLLM's benchmark counts the requests served)."""
+        for step_waits_us, first, stop in token_runs:
+            self.vain_token_waits_us.update(step_waits_us[first:stop])
 
     def on_done(self, replica: _Replica, request: Request, now_s: float,
                 step_start_s: float | None = None) -> None:
@@ -1311,11 +1342,15 @@ class _SystemRun:
                 request.gen_sync + request.discarded_output) * request.n
         if request.token_runs is not None:
             if request.abandoned_s >= 0:
-                for step_waits_us, first, stop in request.token_runs:
-                    self.vain_token_waits_us.update(step_waits_us[first:stop])
+                self._in_vain(request.token_runs)
+            elif self.request_of is not None:  # served only if its siblings are
+                group = self.sample_groups.setdefault(int(self.request_of[request.index]),
+                                                      _SampleGroup())
+                group.token_runs += request.token_runs
             request.token_runs = None
         if (request.abandoned_s >= 0 or request.shed) and self._retry(replica, request, now_s):
             return
+        last_sample = self._last_sample(request, served)
         routed_to = int(self.replica_of[request.index])
         row: tuple[object, ...] = (
             request.index, request.first_arrival_s, request.admitted_s, request.first_token_s,
@@ -1328,7 +1363,7 @@ class _SystemRun:
             row += (replica.index if replica.role == "decode" else -1,)
         self.request_rows.append(row)
         self.done += 1
-        if self.progress and self._last_sample(request.index):
+        if self.progress and last_sample:
             self.progress(1)
         dependents = self.dependents.get(request.index)
         if not dependents:

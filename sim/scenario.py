@@ -1104,8 +1104,12 @@ class Scenario(ConfigModel):
             raise ValueError(f"{where} makes each of n samples a request of its own; a "
                              "session's next turn (a closed-loop user's next request) follows "
                              "one request, and which of its samples is unknown")
+        # A whole answer's deadline is every sample's: they are given up together. A seat,
+        # a first token or a next token the client waits for of any sample, not each.
         unmodelled = [what for what, used in (
-            ("client time-outs", clients_time_out(workload)),
+            ("client time-outs but e2e_timeout_s (queue_timeout_s, ttft_timeout_s, "
+             "itl_timeout_s)", any(timeout is not None for timeout in (
+                 workload.queue_timeout_s, workload.ttft_timeout_s, workload.itl_timeout_s))),
             ("retries", workload.retry is not None),
             ("a bounded line (scheduler.max_queued_requests)", any(
                 s.scheduler.max_queued_requests is not None for s in self.systems)),

@@ -270,7 +270,7 @@ def random_scenario(seed: int) -> dict:
     if ("n" in workload.get("sampling", {}) and "sessions" not in workload
             and workload["arrival"]["process"] != "closed_loop" and not any(
                 key in workload for key in ("queue_timeout_s", "ttft_timeout_s",
-                                            "e2e_timeout_s", "itl_timeout_s", "retry"))
+                                            "itl_timeout_s", "retry"))
             and "max_queued_requests" not in scheduler and rng.random() < 0.5):
         scheduler["parallel_sampling"] = "fan_out"
     return {

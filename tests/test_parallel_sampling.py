@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import sim.engine
 from sim.engine import run_scenario, scenario_trace
 from sim.scenario import ScenarioError, scenario_from_dict
 from workloads import Trace, TraceError, WorkloadError
@@ -174,8 +175,9 @@ def test_samples_fanned_out_cross_a_prefill_decode_split():
 @pytest.mark.parametrize(("workload", "message"), [
     ({"sampling": {"beam_width": 4}}, "beam search (workload.sampling.beam_width) keeps its "
                                       "beams together"),
-    ({"e2e_timeout_s": 30}, "not modelled with client time-outs"),
-    ({"queue_timeout_s": 30, "retry": {}}, "not modelled with client time-outs"),
+    ({"ttft_timeout_s": 30}, "not modelled with client time-outs but e2e_timeout_s"),
+    ({"queue_timeout_s": 30, "retry": {}}, "not modelled with client time-outs but e2e"),
+    ({"e2e_timeout_s": 30, "retry": {}}, "not modelled with retries"),
 ])
 def test_what_fanned_out_samples_do_not_model_is_refused(workload, message):
     with pytest.raises(ScenarioError, match=r"system 'fan_out': scheduler.parallel_sampling: "
@@ -228,3 +230,54 @@ def test_more_samples_than_a_request_runs_together_are_refused_as_forks(tmp_path
                        r"fork: request 0 of .*many\.csv has 300 samples; at most 256 run "
                        r"together"):
         run_scenario(scenario_from_dict(data), base_dir=tmp_path)
+
+
+def test_a_clients_deadline_for_the_whole_answer_gives_up_all_its_samples(tmp_path):
+    # Two samples of 300 tokens in 0.2 GiB: both are seated, one is preempted and finishes
+    # after the other, past the 3.5 s the client waits for the whole answer. The request is
+    # given up: every token generated for it was generated in vain, the finished sample's
+    # too, and the ITL, of the requests served, has none.
+    (tmp_path / "t.csv").write_text("t,p,o\n0,100,300\n")
+    data = {"name": "one", "model": "llama-2-7b", "memory": {"kv_memory_gib": 0.2},
+            "workload": {"kind": "trace", "path": "t.csv", "format": "csv",
+                         "columns": {"arrival": "t", "prompt_len": "p", "output_len": "o"},
+                         "sampling": {"n": 2}, "e2e_timeout_s": 3.5},
+            "systems": [{"name": "fan_out", "allocator": {"kind": "paged"},
+                         "scheduler": {"parallel_sampling": "fan_out"}}],
+            "stop": {"num_requests": 1}, "engine": {"mode": "step", "debug_invariants": True}}
+    result = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["fan_out"]
+    row, steps, summary = result.requests.iloc[0], result.steps, result.summary
+    assert row["preemptions"] == 1 and row["abandoned_s"] == 3.5 and pd.isna(row["finished_s"])
+    # One sample was done long before: it alone ran at the end.
+    assert steps["decode_seqs"].iloc[-1] == 1 and steps["running"].iloc[-1] == 0
+    generated = steps["decode_seqs"].sum() + steps["prefill_requests"].sum()
+    assert summary["abandoned_output_tokens"] == generated > 300
+    assert np.isnan(summary["itl_p50_s"])
+
+
+def test_samples_given_up_together_keep_the_itl_to_the_requests_served(monkeypatch):
+    counted: list[int] = []
+    real = sim.engine.token_wait_summary
+
+    def spy(waits_us: dict[int, int]) -> dict[str, float]:
+        counted.append(sum(waits_us.values()))
+        return real(waits_us)
+
+    monkeypatch.setattr(sim.engine, "token_wait_summary", spy)
+    # (At 6 s some requests given up have samples that finished in time.)
+    data = rollouts(e2e_timeout_s=6)
+    data["systems"] = data["systems"][1:]
+    runs = {}
+    for mode in ("step", "jump"):
+        data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
+        runs[mode] = run_scenario(scenario_from_dict(data)).systems["fan_out"]
+    pd.testing.assert_frame_equal(runs["jump"].requests, runs["step"].requests)
+    assert counted[0] == counted[1]
+    rows = runs["step"].requests
+    gone, served = rows[rows["abandoned_s"].notna()], rows[rows["finished_s"].notna()]
+    assert len(gone) > 5 and len(served) > 10 and len(gone) + len(served) == 60
+    # Each sample's deadline is the request's.
+    np.testing.assert_allclose(gone["abandoned_s"], gone["arrival_s"] + 6, rtol=0, atol=1e-9)
+    assert (served["finished_s"] - served["arrival_s"] < 6).all()
+    # Every token of a served request's samples after each one's first, once.
+    assert counted[-1] == (served["n"] * (served["output_len"] - 1)).sum()
