@@ -1336,7 +1336,8 @@ class _SystemRun:
             return
         if replica.role == "prefill" and served:
             replica.scheduler.release(request)  # one token: nothing to send on
-        self.discarded_output_tokens += request.discarded_output * request.n
+        if request.discarded_output:
+            self.discarded_output_tokens += request.discarded_output * request.n
         if request.abandoned_s >= 0:
             self.abandoned_output_tokens += (
                 request.gen_sync + request.discarded_output) * request.n
@@ -1350,7 +1351,7 @@ class _SystemRun:
             request.token_runs = None
         if (request.abandoned_s >= 0 or request.shed) and self._retry(replica, request, now_s):
             return
-        last_sample = self._last_sample(request, served)
+        last_sample = self.samples_left is None or self._last_sample(request, served)
         routed_to = int(self.replica_of[request.index])
         row: tuple[object, ...] = (
             request.index, request.first_arrival_s, request.admitted_s, request.first_token_s,
