@@ -245,6 +245,25 @@ def shedding_note(summaries: dict[str, dict[str, Any]]) -> str | None:
             "percentiles are of the requests served")
 
 
+def restart_note(summaries: dict[str, dict[str, Any]]) -> str | None:
+    """A hint when preempted groups of forked samples started over, their answers thrown
+    away (``discarded_output_tokens``): what keeps them instead."""
+    thrown = {name: s for name, s in summaries.items() if s.get("discarded_output_tokens")}
+    if not thrown:
+        return None
+    swapping = {name for name, s in thrown.items() if s.get("swap_preemptions") is not None}
+    counts = ", ".join(f"{name} {s['discarded_output_tokens']:,}"
+                       + (" (its swap space full)" if name in swapping else "")
+                       for name, s in thrown.items())
+    note = ("preempted groups of forked samples started over, their answers thrown away and "
+            f"generated again (output tokens): {counts}")
+    if len(swapping) < len(thrown):
+        note += ("; scheduler.preemption_mode: swap_groups swaps a group whole instead (vLLM "
+                 "v0's default), and parallel_sampling: fan_out preempts samples alone "
+                 "(vLLM v1)")
+    return note
+
+
 def abandonment_note(summaries: dict[str, dict[str, Any]]) -> str | None:
     """A warning when clients gave up on requests that waited too long for a seat, a first
     token, the whole answer or a next token (``workload.queue_timeout_s``,
@@ -269,9 +288,10 @@ def abandonment_note(summaries: dict[str, dict[str, Any]]) -> str | None:
 
 def run_notes(summaries: dict[str, dict[str, Any]]) -> list[str]:
     """The warnings a reader of a run's summary needs: saturation, rejections, requests
-    shed and abandonments; and the drafts by batch size that an auto schedule chose."""
+    shed and abandonments, fork groups that started over; and the drafts by batch size that
+    an auto schedule chose."""
     notes = (saturation_note(summaries), rejection_note(summaries), shedding_note(summaries),
-             abandonment_note(summaries), *schedule_notes(summaries))
+             abandonment_note(summaries), restart_note(summaries), *schedule_notes(summaries))
     return [note for note in notes if note]
 
 

@@ -10,6 +10,7 @@ import pytest
 
 import sim.engine
 from sim.engine import run_scenario, scenario_trace
+from sim.results import run_notes
 from sim.scenario import ScenarioError, scenario_from_dict
 from workloads import Trace, TraceError, WorkloadError
 
@@ -136,6 +137,14 @@ def test_fanned_out_samples_outrun_forks_that_restart_together():
     assert fan_out["recomputed_tokens"] < 0.6 * fork["recomputed_tokens"]
     assert fork["discarded_output_tokens"] > 0.5 * fork["recomputed_tokens"]
     assert fan_out["discarded_output_tokens"] is None
+    # The run says so, and what keeps the answers instead.
+    thrown = [note for note in run_notes({"fork": fork, "fan_out": fan_out})
+              if "started over" in note]
+    assert thrown == [
+        "preempted groups of forked samples started over, their answers thrown away and "
+        f"generated again (output tokens): fork {fork['discarded_output_tokens']:,}; "
+        "scheduler.preemption_mode: swap_groups swaps a group whole instead (vLLM v0's "
+        "default), and parallel_sampling: fan_out preempts samples alone (vLLM v1)"]
     assert fan_out["throughput_tok_s"] > 1.3 * fork["throughput_tok_s"]
     assert fan_out["ttft_p50_s"] < fork["ttft_p50_s"]
     # Seven samples of eight find the prompt's full blocks cached by the first.

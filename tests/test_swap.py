@@ -15,6 +15,7 @@ from test_token_gaps import two_requests
 from sim.engine import build_timing, host_memory, run_scenario
 from sim.metrics import format_summary
 from sim.presets import GIB, lookup_gpu, lookup_model
+from sim.results import run_notes
 from sim.scenario import ScenarioError, scenario_from_dict
 
 
@@ -128,6 +129,16 @@ def test_a_group_of_samples_is_swapped_whole_and_comes_back_as_it_was():
     assert swap.steps["prefill_tokens"].sum() == (swap.requests["prompt_len"].sum()
                                                   + summary["swap_preemptions"])
     assert summary["throughput_tok_s"] > recompute["throughput_tok_s"]
+    # A group the swap space cannot hold starts over, and the run says why.
+    data = scenario(swap_space_gib=0.3, sampling={"n": 2})
+    summaries = {name: run.summary
+                 for name, run in run_scenario(scenario_from_dict(data)).systems.items()}
+    assert 0 < summaries["swap"]["swap_preemptions"] < summaries["swap"]["preemptions"]
+    thrown = summaries["swap"]["discarded_output_tokens"]
+    assert thrown > 0
+    assert (f"swap {thrown:,} (its swap space full)" in run_notes(summaries)[-1]
+            and "swap_groups swaps a group" in run_notes(summaries)[-1])
+    assert run_notes({"swap": summaries["swap"]})[-1].endswith("(its swap space full)")
 
 
 @pytest.mark.parametrize("sampling", [{"n": 1}, {"n": 2}])
