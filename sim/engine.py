@@ -1303,8 +1303,9 @@ class _SystemRun:
         if not self.mid_answer_time_out:
             return self.samples_left[request] == 0
         group = self.sample_groups.setdefault(request, _SampleGroup())
-        if served:
+        if served:  # (its tokens count only if its siblings are served too)
             group.output_tokens += sample.gen_sync
+            group.token_runs += sample.token_runs or ()
         group.given_up = group.given_up or sample.abandoned_s >= 0
         if self.samples_left[request]:
             return False
@@ -1341,17 +1342,12 @@ class _SystemRun:
         if request.abandoned_s >= 0:
             self.abandoned_output_tokens += (
                 request.gen_sync + request.discarded_output) * request.n
-        if request.token_runs is not None:
-            if request.abandoned_s >= 0:
-                self._in_vain(request.token_runs)
-            elif self.request_of is not None:  # served only if its siblings are
-                group = self.sample_groups.setdefault(int(self.request_of[request.index]),
-                                                      _SampleGroup())
-                group.token_runs += request.token_runs
-            request.token_runs = None
+        if request.token_runs is not None and request.abandoned_s >= 0:
+            self._in_vain(request.token_runs)
         if (request.abandoned_s >= 0 or request.shed) and self._retry(replica, request, now_s):
             return
         last_sample = self.samples_left is None or self._last_sample(request, served)
+        request.token_runs = None
         routed_to = int(self.replica_of[request.index])
         row: tuple[object, ...] = (
             request.index, request.first_arrival_s, request.admitted_s, request.first_token_s,

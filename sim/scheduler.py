@@ -43,7 +43,7 @@ import random
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 from sim.memory import (
@@ -1296,11 +1296,12 @@ class Scheduler:
         tokens = final_kv_tokens(request.prompt_len, request.gen_sync)
         bs = self._block_size
         slots = -(-tokens // bs) * bs if bs else tokens  # paged memory moves whole blocks
-        paged = self.allocator
-        if request.num_seqs > 1 and isinstance(paged, PagedAllocator):
+        allocator = self.allocator
+        if request.num_seqs > 1 and isinstance(allocator, PagedAllocator):
             # A group's blocks, each once: those of its prompt its samples share, their own.
-            held = {block for seq_id in request.seq_ids() for block in paged.block_table(seq_id)}
-            slots = len(held) * paged.block_size
+            held = {block for seq_id in request.seq_ids()
+                    for block in allocator.block_table(seq_id)}
+            slots = len(held) * allocator.block_size
         elif request.num_seqs > 1:
             slots *= request.num_seqs  # contiguous samples share nothing
         if self.swap_used + slots > self.swap_slots:
@@ -1316,8 +1317,7 @@ class Scheduler:
         """Seat a group of forked samples swapped out whole, as it was: its prompt (what
         the cache holds of it found there), the samples forked from it, each with its own
         tokens; the prompt tokens found cached, or None if the pool cannot hold it."""
-        parent = SeqSpec(spec.seq_id, spec.segments, request.prompt_len, spec.final_len,
-                         spec.max_len, spec.predicted_len)
+        parent = replace(spec, prompt_len=request.prompt_len)  # (sample 0's, less its tokens)
         samples = [request.spec(sample) for sample in range(1, request.n)]
         return self.allocator.admit_forks(parent, samples, request.swapped)
 
@@ -1590,13 +1590,13 @@ class Scheduler:
             for seq_id in request.seq_ids():
                 appended = self._append(seq_id, chunk)
                 assert appended, "admission counted the group's blocks"
-        # Admission claimed the prompt's memory, or (per chunk) its first chunk's: a later
-        # chunk preempts for its blocks as a decode step does.
-        while chunk and request.num_seqs == 1 and not self._append(
-                request.index * MAX_SAMPLES, chunk):
-            assert self._per_chunk, "admission claimed the prompt's memory"
-            if not self._preempt_victim(request, batch):
-                return False
+        else:
+            # Admission claimed the prompt's memory, or (per chunk) its first chunk's: a
+            # later chunk preempts for its blocks as a decode step does.
+            while chunk and not self._append(request.index * MAX_SAMPLES, chunk):
+                assert self._per_chunk, "admission claimed the prompt's memory"
+                if not self._preempt_victim(request, batch):
+                    return False
         request.prefilled += chunk
         if completes:
             self.prefilling -= 1

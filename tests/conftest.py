@@ -20,6 +20,23 @@ def _close_figures() -> Iterator[None]:
     yield
     plt.close("all")
 
+
+@pytest.fixture
+def itl_token_counts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many tokens each system's ITL counted, run after run: the engine's own
+    summary of the waits, watched (not replaced) as it is called."""
+    import sim.engine
+
+    counted: list[int] = []
+    summarize = sim.engine.token_wait_summary
+
+    def watched(waits_us: dict[int, int]) -> dict[str, float]:
+        counted.append(sum(waits_us.values()))
+        return summarize(waits_us)
+
+    monkeypatch.setattr(sim.engine, "token_wait_summary", watched)
+    return counted
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -8,7 +8,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import sim.engine
 from sim.engine import run_scenario, scenario_trace
 from sim.results import run_notes
 from sim.scenario import ScenarioError, scenario_from_dict
@@ -157,16 +156,23 @@ def test_one_sample_a_request_runs_alike_either_way():
     pd.testing.assert_frame_equal(runs["fork"].requests, runs["fan_out"].requests)
 
 
+def fanned_out_both_ways(data: dict) -> dict:
+    """The fan_out system of ``data`` run stepping (its invariants checked) and jumping,
+    by mode; the two request tables are the same."""
+    runs = {}
+    for mode in ("step", "jump"):
+        data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
+        runs[mode] = run_scenario(scenario_from_dict(data)).systems["fan_out"]
+    pd.testing.assert_frame_equal(runs["jump"].requests, runs["step"].requests)
+    return runs
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_jump_equals_step_with_samples_fanned_out(seed):
     data = rollouts()
     data["seed"] = seed
     data["systems"] = data["systems"][1:]
-    tables = {}
-    for mode in ("jump", "step"):
-        data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
-        tables[mode] = run_scenario(scenario_from_dict(data)).systems["fan_out"]
-    pd.testing.assert_frame_equal(tables["jump"].requests, tables["step"].requests)
+    fanned_out_both_ways(data)
 
 
 def test_samples_fanned_out_cross_a_prefill_decode_split():
@@ -264,23 +270,12 @@ def test_a_clients_deadline_for_the_whole_answer_gives_up_all_its_samples(tmp_pa
     assert np.isnan(summary["itl_p50_s"])
 
 
-def test_samples_given_up_together_keep_the_itl_to_the_requests_served(monkeypatch):
-    counted: list[int] = []
-    real = sim.engine.token_wait_summary
-
-    def spy(waits_us: dict[int, int]) -> dict[str, float]:
-        counted.append(sum(waits_us.values()))
-        return real(waits_us)
-
-    monkeypatch.setattr(sim.engine, "token_wait_summary", spy)
+def test_samples_given_up_together_keep_the_itl_to_the_requests_served(itl_token_counts):
+    counted = itl_token_counts
     # (At 6 s some requests given up have samples that finished in time.)
     data = rollouts(e2e_timeout_s=6)
     data["systems"] = data["systems"][1:]
-    runs = {}
-    for mode in ("step", "jump"):
-        data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
-        runs[mode] = run_scenario(scenario_from_dict(data)).systems["fan_out"]
-    pd.testing.assert_frame_equal(runs["jump"].requests, runs["step"].requests)
+    runs = fanned_out_both_ways(data)
     assert counted[0] == counted[1]
     rows = runs["step"].requests
     gone, served = rows[rows["abandoned_s"].notna()], rows[rows["finished_s"].notna()]

@@ -14,7 +14,6 @@ import pandas as pd
 import pytest
 from test_engine_equality import random_scenario
 
-import sim.engine
 from sim.engine import run_scenario
 from sim.metrics import format_summary
 from sim.scenario import scenario_from_dict
@@ -345,22 +344,15 @@ def test_a_client_of_a_fork_group_started_over_gives_up_a_wait_after_its_last_to
 RESTARTING_SEEDS = (34, 47, 163, 223, 287, 311, 403, 405, 544, 619, 691, 783)
 
 
-def test_the_itl_counts_each_token_a_served_client_received_after_its_first_once(monkeypatch):
+def test_the_itl_counts_each_token_a_served_client_received_after_its_first_once(
+        itl_token_counts):
     # However often its group started over, and whatever its client had before.
-    counted: list[int] = []
-    real = sim.engine.token_wait_summary
-
-    def spy(waits_us: dict[int, int]) -> dict[str, float]:
-        counted.append(sum(waits_us.values()))
-        return real(waits_us)
-
-    monkeypatch.setattr(sim.engine, "token_wait_summary", spy)
     discarded = 0
     for seed in RESTARTING_SEEDS:
         data = random_scenario(seed)
         assert data["workload"]["sampling"].get("n", 1) > 1
         result = run_scenario(scenario_from_dict(data)).systems["s"]
         served = result.requests[result.requests["finished_s"].notna()]
-        assert counted[-1] == (served["output_len"] - 1).sum(), seed
+        assert itl_token_counts[-1] == (served["output_len"] - 1).sum(), seed
         discarded += result.summary["discarded_output_tokens"]
     assert discarded > 10_000  # (the draws still restart groups)
