@@ -608,6 +608,9 @@ class Batch:
     seatings: list[tuple[Request, bool]] | None = None
     loaded_tokens: int = 0  # prefix-hit tokens read from host memory at admission
     swapped_slots: int = 0  # KV slots copied to host memory (swap out) or back (swap in)
+    # Fork groups swapped back in (each in ``prefill`` once): every sample reads its own
+    # last token, a token of work each, where the entry counts one.
+    resumed_groups: list[Request] | None = None
 
     @property
     def empty(self) -> bool:
@@ -1495,8 +1498,11 @@ class Scheduler:
                     break  # not blocked for good: a step without other prefills admits it
             # Per chunk (vLLM v1), a prompt computed here claims only its first chunk's memory
             # (a swapped or transferred one arrives whole).
+            group = request.swapped > 0 and request.n > 1
+            if group and budget < request.n and (batch.prefill or self.decode_seqs):
+                break  # its samples read a token each: a step with the budget seats it
             hits = None
-            if request.swapped and request.n > 1:
+            if group:
                 hits = self._admit_group(request, spec)
             elif self._samples_fit(request, spec):
                 hits = self.allocator.admit(spec, budget if self._per_chunk and not (
@@ -1552,7 +1558,7 @@ class Scheduler:
             chunk = min(remaining, budget) if self.config.chunked_prefill else remaining
             if not self._prefill(request, chunk, batch):
                 break
-            budget -= chunk
+            budget -= chunk * request.n if group else chunk
         if ranked and (self._admit_counter != admitted or self.waiting.reshuffles()):
             # Those seated changed what the others find cached (or the line is shuffled each
             # round): the next round ranks again (as stepping would), and may put another
@@ -1561,6 +1567,9 @@ class Scheduler:
         # Preemptions late in the step may have removed requests scheduled earlier.
         batch.prefill = [p for p in batch.prefill if p[0].num_seqs]
         computed = [(chunk, history) for _, chunk, history in batch.prefill]
+        if batch.resumed_groups:  # (one preempted since has no samples left)
+            computed += [(1, group.prefilled - 1) for group in batch.resumed_groups
+                         for _ in range(group.num_seqs - 1)]
         batch.prefill_tokens = sum(chunk for chunk, _ in computed)
         batch.prefill_pairs = sum(chunk * (history + chunk) for chunk, history in computed)
         window = self.sliding_window
@@ -1590,6 +1599,9 @@ class Scheduler:
             for seq_id in request.seq_ids():
                 appended = self._append(seq_id, chunk)
                 assert appended, "admission counted the group's blocks"
+            if batch.resumed_groups is None:
+                batch.resumed_groups = []
+            batch.resumed_groups.append(request)
         else:
             # Admission claimed the prompt's memory, or (per chunk) its first chunk's: a
             # later chunk preempts for its blocks as a decode step does.

@@ -124,10 +124,10 @@ def test_a_group_of_samples_is_swapped_whole_and_comes_back_as_it_was():
     assert summary["recomputed_tokens"] == summary["discarded_output_tokens"] == 0
     assert recompute["discarded_output_tokens"] > 10_000
     # Without a prefix cache the blocks that went out come back; each seating reads the
-    # prompts or, swapped in, the group's last tokens (one a sample, counted once).
+    # prompts or, swapped in, the group's last tokens (one a sample, each a token of work).
     assert summary["swapped_out_slots"] == summary["swapped_in_slots"] > 0
     assert swap.steps["prefill_tokens"].sum() == (swap.requests["prompt_len"].sum()
-                                                  + summary["swap_preemptions"])
+                                                  + 2 * summary["swap_preemptions"])
     assert summary["throughput_tok_s"] > recompute["throughput_tok_s"]
     # A group the swap space cannot hold starts over, and the run says why.
     data = scenario(swap_space_gib=0.3, sampling={"n": 2})
@@ -139,6 +139,24 @@ def test_a_group_of_samples_is_swapped_whole_and_comes_back_as_it_was():
     assert (f"swap {thrown:,} (its swap space full)" in run_notes(summaries)[-1]
             and "swap_groups swaps a group" in run_notes(summaries)[-1])
     assert run_notes({"swap": summaries["swap"]})[-1].endswith("(its swap space full)")
+
+
+def test_a_group_swapped_back_in_reads_a_token_per_sample_within_the_budget():
+    # As vLLM v0 resumed a swapped group: its n samples each decode their last token, n
+    # tokens of the step's budget and of its work (with that token's history each).
+    data = scenario(sampling={"n": 4})
+    data["engine"] = {"mode": "step", "debug_invariants": True}
+    for system in data["systems"]:
+        system.setdefault("scheduler", {}).update(
+            max_num_batched_tokens=256, chunked_prefill=True, max_num_seqs=64)
+    swap = run_scenario(scenario_from_dict(data)).systems["swap"]
+    swaps = swap.summary["swap_preemptions"]
+    assert swaps > 10
+    steps, requests = swap.steps, swap.requests
+    served = requests[~requests["rejected"]]  # (some groups never fit the pool)
+    assert steps["prefill_tokens"].sum() == served["prompt_len"].sum() + 4 * swaps
+    work = steps["decode_seqs"] + steps["prefill_tokens"]
+    assert work.max() == 256
 
 
 @pytest.mark.parametrize("sampling", [{"n": 1}, {"n": 2}])
