@@ -712,16 +712,16 @@ class SystemConfig(ConfigModel):
 
 class StopConfig(ConfigModel):
     """When to stop: after ``num_requests`` requests, or arrivals up to ``duration_s``
-    (in-flight requests always run to completion)."""
+    (in-flight requests always run to completion); neither, at a trace file's end (a
+    synthetic workload has none, see :meth:`Scenario._synthetic_stops`)."""
 
     num_requests: PositiveInt | None = Field(default=None, le=MAX_REQUESTS)
     duration_s: PositiveFloat | None = None
 
-    @model_validator(mode="after")
-    def _one(self):  # type: ignore[no-untyped-def]
-        if self.num_requests is None and self.duration_s is None:
-            raise ValueError("give num_requests, duration_s or both")
-        return self
+    @property
+    def open_ended(self) -> bool:
+        """Whether nothing bounds the requests but the workload's own end."""
+        return self.num_requests is None and self.duration_s is None
 
 
 class TimingConfig(ConfigModel):
@@ -1002,7 +1002,7 @@ class Scenario(ConfigModel):
     parallel: ParallelConfig = ParallelConfig()
     workload: Workload
     systems: list[SystemConfig] = Field(min_length=1)
-    stop: StopConfig
+    stop: StopConfig = StopConfig()
     seed: int = Field(default=0, ge=0)
     timing: TimingConfig = TimingConfig()
     engine: EngineConfig = EngineConfig()
@@ -1074,6 +1074,19 @@ class Scenario(ConfigModel):
                              "their own (every system's scheduler.parallel_sampling: "
                              "fan_out); forks across a prefill/decode split are not modelled")
         return self
+
+    @model_validator(mode="after")
+    def _synthetic_stops(self):  # type: ignore[no-untyped-def]
+        workload = self.workload
+        if not isinstance(workload, SyntheticWorkload):
+            return self
+        if workload.arrival.process == "closed_loop" and self.stop.num_requests is None:
+            raise ValueError("stop.num_requests: a closed_loop workload needs it (its users "
+                             "send requests for ever, each after the last is answered)")
+        if not self.stop.open_ended:
+            return self
+        raise ValueError("stop: give num_requests, duration_s or both (a synthetic workload "
+                         "draws requests for ever; a trace file's workload stops at its end)")
 
     @model_validator(mode="after")
     def _forks_are_few_enough(self):  # type: ignore[no-untyped-def]

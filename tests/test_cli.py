@@ -531,8 +531,8 @@ def test_trace_stats_and_export(tmp_path):
         "--columns arrival=NAME,prompt_len=NAME,output_len=NAME); it is none of the "
         "known formats (azure: 'TIMESTAMP', 'ContextTokens', 'GeneratedTokens'; burstgpt: "
         "'Timestamp', 'Request tokens', 'Response tokens'; mooncake: 'timestamp', "
-        "'input_length', 'output_length'; kvsim: 'arrival_s', 'prompt_len', 'output_len', "
-        "'segments'); its first line: 't,in,out'")
+        "'input_length', 'output_length'; kvsim: 'arrival_s', 'prompt_len', 'output_len'); "
+        "its first line: 't,in,out'")
     proc = kvsim("trace", "list")
     assert proc.returncode == 0, proc.stderr
     listed = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()

@@ -307,7 +307,7 @@ def test_guesses_in_the_trace_are_checked_and_needed(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("t,in,out,guess\n0,20,30,30\n1,20,30,0\n")
     with pytest.raises(TraceImportError, match=r"bad.csv:3: column 'guess': expected an "
-                                               r"integer >= 1, got '0'"):
+                                               r"integer from 1 to 2\^53, got '0'"):
         run_scenario(scenario_from_dict(trace_scenario(bad)))
     synthetic = scenario({"kind": "contiguous", "reserve_policy": "predicted",
                           "predictor": {"source": "trace"}})

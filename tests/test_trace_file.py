@@ -18,6 +18,7 @@ from pydantic import ValidationError
 import sim
 from sim.api import load
 from sim.engine import scenario_trace
+from sim.scenario import ScenarioError, scenario_from_dict
 from workloads import build_trace
 from workloads.spec import SyntheticWorkload, TraceWorkload
 from workloads.trace import COLUMNS
@@ -115,12 +116,17 @@ HEADER = "arrival_s,prompt_len,output_len,after,context_parent,segments\n"
 
 @pytest.mark.parametrize(("rows", "message"), [
     ("0,10,5,-1,-1,1:10\n0.5,ten,5,-1,-1,2:10\n",
-     ":3: column 'prompt_len': expected an integer, got 'ten'"),
+     ":3: column 'prompt_len': expected an integer within ±2^53, got 'ten'"),
+    ("0,10,5,-1,-1,1:10\n1,10,5,-1,-1,2:10\n2,1e20,5,-1,-1,3:10\n",
+     ":4: column 'prompt_len': expected an integer within ±2^53, got '1e20'"),
     ("0,10,5,-1,-1,1:10\nsoon,10,5,-1,-1,2:10\n",
      ":3: column 'arrival_s': expected a finite time in seconds, got 'soon'"),
     ("0,10,5,-1,-1,1:10\n1,10,5,-1,-1,2-10\n",
-     ":3: column 'segments': expected id:length pairs of whole numbers (id < 2^63) separated "
-     "by spaces, got '2-10'"),
+     ":3: column 'segments': expected id:length pairs of whole numbers (id < 2^63, length <= "
+     "2^53) separated by spaces, got '2-10'"),
+    ("0,10,5,-1,-1,1:99999999999999999999\n",
+     ":2: column 'segments': expected id:length pairs of whole numbers (id < 2^63, length <= "
+     "2^53) separated by spaces, got '1:99999999999999999999'"),
     ("0,10,5,-1,-1,1:10\n1,10,5,-1,-1,1:9\n",
      ":3: prompt_len != parent's prompt + output + own segment lengths"),
     ("0,10,5,-1,-1,1:10\n1,25,5,0,0,2:10\n1,30,5,3,-1,3:30\n",
@@ -128,7 +134,7 @@ HEADER = "arrival_s,prompt_len,output_len,after,context_parent,segments\n"
     ("2,10,5,-1,-1,1:10\n1,10,5,-1,-1,2:10\n", ":3: arrival_s must not decrease"),
     ("", ": no requests"),
     ("0,10,5,-1,-1,1:10\n\n0.5,ten,5,-1,-1,2:10\n",  # a blank line still counts
-     ":4: column 'prompt_len': expected an integer, got 'ten'"),
+     ":4: column 'prompt_len': expected an integer within ±2^53, got 'ten'"),
 ])
 def test_a_bad_row_names_its_line(tmp_path, rows, message):
     path = tmp_path / "bad.csv"
@@ -158,6 +164,16 @@ def test_what_a_table_needs_and_what_its_replay_refuses(tmp_path):
     plain = read_trace_file(path)
     assert plain.prompt_segments(0) != plain.prompt_segments(1)
     assert plain.max_tokens.tolist() == [5, 3] and plain.n.tolist() == [1, 1]
+    assert plain.notes == []
+    # Known by those columns where the format is not given; a column it does not read (a
+    # misspelt one, say) is named in the run's notes.
+    path.write_text("arrival_s,prompt_len,output_len,prioirty\n0,10,5,1\n1,12,3,0\n")
+    guessed = build_trace(TraceWorkload(path=str(path)), seed=0, max_model_len=4096)
+    assert guessed.prompt_len.tolist() == [10, 12] and guessed.priority.tolist() == [0, 0]
+    assert guessed.notes == [f"{path}: left column 'prioirty' unread: a kvsim trace table "
+                             "reads arrival_s, prompt_len, output_len, max_tokens, n, after, "
+                             "think_s, context_parent, session_id, turn, priority, "
+                             "predicted_output, segments"]
     # A continued request cannot be clipped: one that does not fit the context is refused,
     # and skip_invalid cannot drop it.
     path = tmp_path / "long.csv"
@@ -312,3 +328,24 @@ def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
     with_mark = kvsim("trace", "stats", str(marked))
     assert with_mark.returncode == 0, with_mark.stderr
     assert with_mark.stdout.replace(str(marked), str(table)) == plain.stdout
+
+
+def test_a_trace_runs_to_its_end_where_no_stop_is_given(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("arrival_s,prompt_len,output_len\n0,10,5\n1,12,3\n2.5,30,8\n")
+    scenario = replayed(SESSIONS, path)
+    del scenario["stop"]
+    run = sim.run(scenario)
+    assert [len(system.requests) for system in run.systems.values()] == [3, 3]
+    # A synthetic workload has no end: it needs a stop, and a closed loop a count.
+    endless = copy.deepcopy(SESSIONS)
+    del endless["stop"]
+    with pytest.raises(ScenarioError, match=r"stop: give num_requests, duration_s or both \(a "
+                       r"synthetic workload draws requests for ever; a trace file's workload "
+                       r"stops at its end\)"):
+        scenario_from_dict(endless)
+    closed = copy.deepcopy(CLOSED_LOOP)
+    closed["stop"] = {"duration_s": 60}
+    with pytest.raises(ScenarioError, match=r"stop.num_requests: a closed_loop workload needs "
+                       r"it"):
+        scenario_from_dict(closed)

@@ -166,8 +166,8 @@ def test_empirical_bad_rows_stop_or_are_skipped_and_reported(tmp_path):
     path = write(tmp_path, "tokens_in\n7\n0\nmany\n9\n", "lengths.csv")
     spec = {"dist": "empirical", "path": str(path), "file_column": "tokens_in"}
     with pytest.raises(TraceImportError, match=r"lengths\.csv:3: column 'tokens_in': expected "
-                       r"an integer >= 1, got '0' \(skip_invalid: true on the empirical length, "
-                       r"skips such rows\)$"):
+                       r"an integer from 1 to 2\^53, got '0' \(skip_invalid: true on the "
+                       r"empirical length, skips such rows\)$"):
         draw(spec)
     workload = WORKLOAD.validate_python(synthetic(
         prompt_len={**spec, "skip_invalid": True}, output_len={**spec, "skip_invalid": True}))
@@ -236,10 +236,13 @@ def write(tmp_path: Path, text: str, name: str = "t.csv") -> Path:
 @pytest.mark.parametrize(("text", "message"), [
     ("TIMESTAMP,ContextTokens\n2023-11-16 18:00:00,10\n", "missing column 'GeneratedTokens'"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,10,5\n"
-     "2023-11-16 18:00:01,-4,5\n", ":3: column 'ContextTokens': expected an integer >= 1, "
-     "got '-4'"),
+     "2023-11-16 18:00:01,-4,5\n", ":3: column 'ContextTokens': expected an integer from 1 to "
+     "2^53, got '-4'"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,99999999999999999999,5\n",
+     ":2: column 'ContextTokens': expected an integer from 1 to 2^53, got "
+     "'99999999999999999999'"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,ten,5\n",
-     ":2: column 'ContextTokens': expected an integer >= 1, got 'ten'"),
+     ":2: column 'ContextTokens': expected an integer from 1 to 2^53, got 'ten'"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:05,10,5\n"
      "2023-11-16 18:00:01,10,5\n", ":3: column 'TIMESTAMP': timestamps must not decrease"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n12.5,10,5\n",
@@ -250,7 +253,7 @@ def write(tmp_path: Path, text: str, name: str = "t.csv") -> Path:
     ("\nTIMESTAMP,ContextTokens,GeneratedTokens\n\n2023-11-16 18:00:00,10,5\n  \n"
      "2023-11-16 18:00:01,-4,5\n", ":6: column 'ContextTokens'"),
     ('Timestamp,Model,Request tokens,Response tokens\n1,"GPT\n4",10,5\n2,GPT-4,10,0\n',
-     ":4: column 'Response tokens': expected an integer >= 1, got '0'"),
+     ":4: column 'Response tokens': expected an integer from 1 to 2^53, got '0'"),
 ])
 def test_bad_rows_name_file_row_and_column(tmp_path, text, message):
     path = write(tmp_path, text)
@@ -359,8 +362,8 @@ def test_each_clients_max_tokens_from_a_generic_file(tmp_path):
     bad = write(tmp_path, "t,in,out,m\n0,100,10,50\n1,200,20,19\n2,50,5,x\n", "bad.csv")
     with pytest.raises(TraceImportError) as err:
         build_trace(TraceWorkload(path=str(bad), columns=columns), seed=0, max_model_len=4096)
-    assert str(err.value).startswith(f"{bad}:3: column 'm': expected an integer at least the "
-                                     "row's 'out', got '19'")
+    assert str(err.value).startswith(f"{bad}:3: column 'm': expected an integer from the "
+                                     "row's 'out' to 2^53, got '19'")
     kept = build_trace(TraceWorkload(path=str(bad), columns=columns, skip_invalid=True),
                        seed=0, max_model_len=4096)
     assert len(kept) == 1 and "skipped 2 rows with bad 'm'" in kept.notes[0]

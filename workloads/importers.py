@@ -19,10 +19,15 @@ import pandas as pd
 
 from workloads.distributions import EmpiricalLength
 from workloads.spec import ColumnMap, TraceWorkload
-from workloads.trace import SHARED_SEGMENT_BASE, UNIQUE_SEGMENT_BASE, Trace, context_clip_notes
+from workloads.trace import (
+    MAX_COUNT,
+    SHARED_SEGMENT_BASE,
+    UNIQUE_SEGMENT_BASE,
+    Trace,
+    context_clip_notes,
+)
 from workloads.trace_file import (
     REQUIRED_COLUMNS,
-    SEGMENTS_COLUMN,
     TRACE_ENCODING,
     RowLines,
     TraceImportError,
@@ -137,7 +142,7 @@ def _needs_columns(path: Path, fmt_name: str, guessed: bool) -> str:
     first = _first_line(path)[:120]
     known = "; ".join(f"{name}: {fmt.columns.arrival!r}, {fmt.columns.prompt_len!r}, "
                       f"{fmt.columns.output_len!r}" for name, fmt in KNOWN_FORMATS.items())
-    known += "; kvsim: " + ", ".join(map(repr, (*REQUIRED_COLUMNS, SEGMENTS_COLUMN)))
+    known += "; kvsim: " + ", ".join(map(repr, REQUIRED_COLUMNS))
     return (f"{path}: format {fmt_name} needs a columns map (workload.columns: {{arrival, "
             "prompt_len, output_len}: the names of its columns; on kvsim trace, --columns "
             "arrival=NAME,prompt_len=NAME,output_len=NAME)"
@@ -150,9 +155,13 @@ def _numbers(raw: pd.Series) -> np.ndarray:
     return pd.to_numeric(raw, errors="coerce").to_numpy(dtype=float)
 
 
+A_COUNT = "an integer from 1 to 2^53"  # a length or token count read from a file
+
+
 def _not_a_count(values: np.ndarray) -> np.ndarray:
-    """Where ``values`` are not integers >= 1 (a length, a token count)."""
-    return ~np.isfinite(values) | (values < 1) | (values != np.round(values))
+    """Where ``values`` are not integers from 1 to ``MAX_COUNT`` (a length, a token count)."""
+    return (~np.isfinite(values) | (values < 1) | (values > MAX_COUNT)
+            | (values != np.round(values)))
 
 
 def _rows(count: int) -> str:
@@ -243,8 +252,8 @@ def read_trace_table(
     problems = [
         (~np.isfinite(arrival) | (arrival < 0), columns.arrival,
          "a date and time" if unit == "datetime" else f"a time >= 0 (in {unit})"),
-        (_not_a_count(prompt), columns.prompt_len, "an integer >= 1"),
-        (_not_a_count(output), columns.output_len, "an integer >= 1"),
+        (_not_a_count(prompt), columns.prompt_len, A_COUNT),
+        (_not_a_count(output), columns.output_len, A_COUNT),
     ]
     if columns.priority is not None:
         priority = _numbers(raw[columns.priority])
@@ -252,12 +261,12 @@ def read_trace_table(
                          columns.priority, "an integer"))
     if columns.predicted_output is not None:
         predicted = _numbers(raw[columns.predicted_output])
-        problems.append((_not_a_count(predicted), columns.predicted_output, "an integer >= 1"))
+        problems.append((_not_a_count(predicted), columns.predicted_output, A_COUNT))
     if columns.max_tokens is not None:
         asked = _numbers(raw[columns.max_tokens])
         # (A server stops a request at its max_tokens: it never generates more.)
         problems.append((_not_a_count(asked) | (asked < output), columns.max_tokens,
-                         f"an integer at least the row's {columns.output_len!r}"))
+                         f"an integer from the row's {columns.output_len!r} to 2^53"))
     if columns.hash_ids is not None:
         hash_lists = [_hash_id_list(value) for value in raw[columns.hash_ids]]
         problems.append((np.array([ids is None for ids in hash_lists], dtype=bool),
@@ -325,7 +334,7 @@ def _length_values(
                 f"line: {_first_line(path)[:120]!r}")
     raw, lines = read_rows(path, reader, [name])
     values = _numbers(raw[name])
-    bad, notes = _bad_rows(raw, lines, [(_not_a_count(values), name, "an integer >= 1")],
+    bad, notes = _bad_rows(raw, lines, [(_not_a_count(values), name, A_COUNT)],
                            path, skip_invalid, "skip_invalid: true on the empirical length")
     kept = values[~bad]
     if not kept.size:

@@ -31,6 +31,10 @@ def output_segment_id(request: int, sample: int = 0) -> int:
     return OUTPUT_SEGMENT_BASE + sample * OUTPUT_SAMPLE_STRIDE + request
 
 
+# The largest length or token count a trace file may give: past 2^53 a float no longer holds
+# every integer (and an int64 soon overflows), and no trace means such a count.
+MAX_COUNT = 2**53
+
 COLUMNS = (
     "arrival_s",
     "prompt_len",
@@ -57,9 +61,10 @@ def segments_from_text(cells: Iterable[str]) -> dict[str, np.ndarray]:
         for pair in text.split():
             segment, colon, length = pair.partition(":")
             if not (colon and segment.isdigit() and length.isdigit()
-                    and int(segment) < 1 << 63):
+                    and int(segment) < 1 << 63 and int(length) <= MAX_COUNT):
                 raise TraceError(f"column 'segments': expected id:length pairs of whole numbers "
-                                 f"(id < 2^63) separated by spaces, got {pair!r}", request=row)
+                                 f"(id < 2^63, length <= 2^53) separated by spaces, got "
+                                 f"{pair!r}", request=row)
             seg_ids.append(int(segment))
             seg_lens.append(int(length))
         offsets.append(len(seg_ids))

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 import numpy as np
 import pandas as pd
 
-from workloads.trace import COLUMNS, Trace, TraceError, segments_from_text
+from workloads.trace import COLUMNS, MAX_COUNT, Trace, TraceError, segments_from_text
 
 
 class TraceImportError(ValueError):
@@ -38,8 +38,9 @@ TRACE_ENCODING = "utf-8-sig"
 
 
 def is_trace_table(names: list[str]) -> bool:
-    """Whether a file whose columns are ``names`` is one ``kvsim trace export`` wrote."""
-    return SEGMENTS_COLUMN in names and all(name in names for name in REQUIRED_COLUMNS)
+    """Whether a file whose columns are ``names`` is a kvsim trace table: one ``kvsim trace
+    export`` wrote, or one written by hand with the columns it needs."""
+    return all(name in names for name in REQUIRED_COLUMNS)
 
 
 def write_trace_file(trace: Trace, path: Path) -> None:
@@ -80,13 +81,14 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
             continue
         values = pd.to_numeric(frame[name], errors="coerce").to_numpy(dtype=float)
         whole = name not in _TIME_COLUMNS
-        bad = ~np.isfinite(values) | (whole & (values != np.round(values)))
+        bad = ~np.isfinite(values) | (whole & ((values != np.round(values))
+                                               | (np.abs(values) > MAX_COUNT)))
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
             raise TraceImportError(
                 f"{path}:{lines[row]}: column {name!r}: expected "
-                f"{'an integer' if whole else 'a finite time in seconds'}, got "
-                f"{frame[name].iloc[row]!r}")
+                f"{'an integer within ±2^53' if whole else 'a finite time in seconds'}, "
+                f"got {frame[name].iloc[row]!r}")
         columns[name] = values.astype(np.int64) if whole else values
     try:
         if SEGMENTS_COLUMN in frame:
@@ -96,6 +98,11 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
     except TraceError as exc:
         where = f"{path}:{lines[exc.request]}" if exc.request is not None else str(path)
         raise TraceImportError(f"{where}: {exc.problem}") from None
+    unread = [str(name) for name in frame.columns if name not in (*COLUMNS, SEGMENTS_COLUMN)]
+    if unread:  # (a misspelt column would otherwise be lost without a word)
+        trace.notes.append(
+            f"{path}: left {_columns(unread)} unread: a kvsim trace table reads "
+            f"{', '.join((*COLUMNS, SEGMENTS_COLUMN))}")
     if max_model_len is None:
         return trace
     room = max_model_len - trace.prompt_len
@@ -112,6 +119,10 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
             "its requests continue each other, so none is clipped")
     trace.max_tokens = np.minimum(trace.max_tokens, room)
     return trace
+
+
+def _columns(names: list[str]) -> str:
+    return ("column " if len(names) == 1 else "columns ") + ", ".join(map(repr, names))
 
 
 class RowLines:
