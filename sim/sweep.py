@@ -609,7 +609,21 @@ def load_sweep_points(path: Path, *, quick: bool = False,
 
     raw = with_overrides(read_scenario_file(path), overrides)
     source = f"{path} (with --set)" if overrides else str(path)
-    return scenario_from_dict(raw, source), expand(raw, source, quick=quick, notes=notes)
+    scenario = scenario_from_dict(raw, source)
+    if quick:
+        raw = counted_stop(raw, scenario, path.parent)
+    return scenario, expand(raw, source, quick=quick, notes=notes)
+
+
+def counted_stop(raw: dict[str, Any], scenario: Scenario, base_dir: Path) -> dict[str, Any]:
+    """``raw`` with a stop at its trace file's end given as that file's count of requests,
+    which ``--quick`` can quarter (the base scenario's file: a grid over files is cut
+    alike)."""
+    if not scenario.stop.open_ended:
+        return raw
+    from sim.engine import scenario_trace
+
+    return {**raw, "stop": {"num_requests": len(scenario_trace(scenario, base_dir))}}
 
 
 def run_sweep(

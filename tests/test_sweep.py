@@ -120,6 +120,21 @@ def test_expand_grid_zip_seeds():
     assert len(expand(data, "x.yaml", quick=True)) == 4
 
 
+def test_quick_quarters_a_trace_that_runs_to_its_end(tmp_path):
+    # A trace file with no stop runs whole; --quick runs a quarter of its requests.
+    (tmp_path / "t.csv").write_text("arrival_s,prompt_len,output_len\n" + "".join(
+        f"{i / 10},{20 + i},{5 + i % 7}\n" for i in range(100)))
+    data = dict(BASE, workload={"kind": "trace", "path": "t.csv"},
+                sweep={"grid": {"memory.kv_memory_gib": [1, 2]}})
+    del data["stop"]
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(data))
+    _, points = load_sweep_points(path)
+    assert [p.scenario["stop"]["num_requests"] for p in points] == [None, None]
+    _, points = load_sweep_points(path, quick=True)
+    assert [p.scenario["stop"]["num_requests"] for p in points] == [25, 25]
+
+
 def test_keys_ignore_optional_fields_left_unset():
     # A later kvsim that adds an optional field (null by default) must key every run that
     # does not use it as before, so a resumed sweep keeps what it ran.
