@@ -122,6 +122,13 @@ BAD = [
     ("prefix past the context", GOOD.replace("length: 64", "length: 4095"),
      "bad.yaml: workload.prefix_groups.length 4095: shared prefixes of 4095 tokens leave no "
      "room in the model's context of 4096; expected fewer than 4095"),
+    # YAML's flags are no numbers (pydantic would read true as 1: a one-token block).
+    ("a flag for a number", GOOD.replace("block_size: 16", "block_size: yes"),
+     "systems[1].allocator.block_size: Input should be a valid integer, unable to parse "
+     "string as an integer (got 'true')"),
+    ("a flag for an optional number", GOOD.replace("num_requests: 60", "num_requests: true"),
+     "stop.num_requests: Input should be a valid integer, unable to parse string as an "
+     "integer (got 'true')"),
     # Sizes past any machine are refused, not run out of memory on.
     ("requests past any machine", GOOD.replace("num_requests: 60", "num_requests: 1000000000000"),
      "stop.num_requests: Input should be less than or equal to 50000000"),

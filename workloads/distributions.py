@@ -8,8 +8,9 @@ an explicit ``numpy.random.Generator``, so a seed fixes everything.
 from __future__ import annotations
 
 import math
+import types
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
@@ -22,6 +23,36 @@ class ConfigModel(BaseModel):
     finite: an infinite weight or rate would turn the arithmetic into NaN, not an error)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_flag_for_a_number(cls, data: Any) -> Any:
+        # YAML reads true/false (and yes/no, on/off) as flags, which pydantic would take for
+        # 1 and 0: a block size of true is a mistake, not a block of one token. As text, the
+        # field refuses it as it refuses any word.
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        flags = {key: str(value).lower() for key, value in data.items()
+                 if isinstance(value, bool) and key in fields
+                 and _numbers_only(fields[key].annotation)}
+        return {**data, **flags} if flags else data
+
+
+def _numbers_only(annotation: Any) -> bool:
+    """Whether a field of this type holds nothing but numbers (or nothing at all)."""
+    members = [m for m in _members(annotation) if m is not type(None)]
+    return bool(members) and all(m in (int, float) for m in members)
+
+
+def _members(annotation: Any) -> list[Any]:
+    """The types a field's annotation admits, its unions and annotations unwrapped."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _members(get_args(annotation)[0])
+    if origin is Union or origin is types.UnionType:
+        return [member for arg in get_args(annotation) for member in _members(arg)]
+    return [annotation]
 
 
 # ---------------------------------------------------------------------- lengths
