@@ -506,9 +506,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from sim.api import load
-    from sim.engine import build_timing, memory_summary, with_speculation
+    from sim.engine import build_timing, memory_summary, scenario_trace, with_speculation
     from sim.scenario import scenario_from_dict
     from sim.sweep import load_sweep_points
+    from workloads.spec import SyntheticWorkload
 
     path = Path(args.scenario)
     overrides = dict(args.overrides or [])
@@ -516,11 +517,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     def check(checked: Scenario) -> str:
         """Its memory line, or an error: a pool the weights leave no room for, or less than
-        a block; a calibration file that is missing or times another model."""
+        a block; a calibration file that is missing or times another model; a trace file
+        (or one an empirical length resamples) missing or with a bad row."""
         memory = memory_summary(checked)
         timing = build_timing(checked, path.parent)
         for system in checked.systems:
             with_speculation(timing, checked, system, path.parent)
+        workload = checked.workload
+        if isinstance(workload, SyntheticWorkload):
+            workload.length_notes(path.parent)  # (drawing the requests would take long)
+        else:
+            scenario_trace(checked, path.parent)  # read as the run reads it
         return memory
 
     systems = ", ".join(s.name for s in scenario.systems)

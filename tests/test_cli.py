@@ -250,6 +250,35 @@ def test_a_bad_calibration_file_is_one_line(tmp_path, calibration, expected):
     assert proc.stderr.strip().endswith(f"{tmp_path / expected}"), proc.stderr
 
 
+def test_validate_reads_the_files_a_workload_reads(tmp_path):
+    # A trace file, or one an empirical length resamples, missing or with a bad row is
+    # found without running, as a run would find it.
+    traced = tmp_path / "traced.yaml"
+    traced.write_text(GOOD.replace("""workload:
+  arrival: {process: poisson, rate: 50}
+  prompt_len: {dist: uniform, low: 10, high: 200}
+  output_len: {dist: uniform, low: 5, high: 100}
+  prefix_groups: {groups: 2, length: 64, fraction: 0.5}""", "workload: {kind: trace, path: t.csv}"))
+    proc = kvsim("validate", str(traced))
+    assert proc.returncode == 2 and proc.stderr == (
+        f"kvsim: error: {traced}: {tmp_path / 't.csv'}: trace file not found\n")
+    (tmp_path / "t.csv").write_text("arrival_s,prompt_len,output_len\n0,10,5\n1,-3,5\n")
+    proc = kvsim("validate", str(traced))
+    assert proc.returncode == 2 and proc.stderr == (
+        f"kvsim: error: {traced}: {tmp_path / 't.csv'}:3: prompt_len must be >= 1\n")
+    (tmp_path / "t.csv").write_text("arrival_s,prompt_len,output_len\n0,10,5\n1,30,5\n")
+    assert kvsim("validate", str(traced)).returncode == 0
+    resampled = tmp_path / "resampled.yaml"
+    resampled.write_text(GOOD.replace("prompt_len: {dist: uniform, low: 10, high: 200}",
+                                      "prompt_len: {dist: empirical, path: lengths.csv, "
+                                      "file_column: n}"))
+    proc = kvsim("validate", str(resampled))
+    assert proc.returncode == 2 and "lengths.csv" in proc.stderr and "not found" in proc.stderr
+    (tmp_path / "lengths.csv").write_text("n\n40\nforty\n")
+    proc = kvsim("validate", str(resampled))
+    assert proc.returncode == 2 and "lengths.csv:3: column 'n'" in proc.stderr
+
+
 def test_missing_file_and_validate_and_schema(tmp_path):
     proc = kvsim("run", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2
