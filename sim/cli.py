@@ -506,10 +506,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from sim.api import load
-    from sim.engine import build_timing, memory_summary, scenario_trace, with_speculation
+    from sim.engine import build_timing, memory_summary, read_workload_files, with_speculation
     from sim.scenario import scenario_from_dict
     from sim.sweep import load_sweep_points
-    from workloads.spec import SyntheticWorkload
 
     path = Path(args.scenario)
     overrides = dict(args.overrides or [])
@@ -523,11 +522,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         timing = build_timing(checked, path.parent)
         for system in checked.systems:
             with_speculation(timing, checked, system, path.parent)
-        workload = checked.workload
-        if isinstance(workload, SyntheticWorkload):
-            workload.length_notes(path.parent)  # (drawing the requests would take long)
-        else:
-            scenario_trace(checked, path.parent)  # read as the run reads it
+        read_workload_files(checked, path.parent)
         return memory
 
     systems = ", ".join(s.name for s in scenario.systems)

@@ -73,7 +73,7 @@ from sim.timing import (
     with_transfer,
 )
 from workloads import Trace, TraceError, WorkloadError, build_trace
-from workloads.spec import MAX_SAMPLES, clients_time_out
+from workloads.spec import MAX_SAMPLES, SyntheticWorkload, clients_time_out
 
 MEMORY_COLUMNS = MemorySnapshot._fields  # the taxonomy, then duplicate
 
@@ -1787,6 +1787,17 @@ def gather_samples(samples: pd.DataFrame, request_of: np.ndarray) -> pd.DataFram
         **({"decode_replica": first["decode_replica"]} if "decode_replica" in samples else {}),
     })
     return rows.reset_index().astype({column: samples[column].dtype for column in samples})
+
+
+def read_workload_files(scenario: Scenario, base_dir: Path) -> None:
+    """Read the files a scenario's workload reads, as its run would, and refuse them as it
+    would: a trace file row by row, or the files its empirical lengths resample (a synthetic
+    workload's requests are not drawn: that may take long)."""
+    workload = scenario.workload
+    if isinstance(workload, SyntheticWorkload):
+        workload.length_notes(base_dir)
+    else:
+        scenario_trace(scenario, base_dir)
 
 
 def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) -> Trace:

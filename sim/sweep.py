@@ -615,6 +615,27 @@ def load_sweep_points(path: Path, *, quick: bool = False,
     return scenario, expand(raw, source, quick=quick, notes=notes)
 
 
+def read_files(points: list[SweepPoint], base_dir: Path, source: str) -> None:
+    """Read the files each workload of the sweep reads before any point runs: a trace file
+    missing or with a bad row fails every point that reads it, and is bad input."""
+    from sim.engine import read_workload_files
+    from workloads import TraceError, TraceImportError, WorkloadError
+
+    read: set[str] = set()
+    for point in points:
+        resolved = point.scenario
+        key = json.dumps([resolved["workload"], resolved["model"], resolved["max_model_len"]],
+                         sort_keys=True)
+        if key in read:
+            continue
+        read.add(key)
+        try:
+            read_workload_files(scenario_from_dict(resolved, source), base_dir)
+        except (TraceError, TraceImportError, WorkloadError) as exc:
+            where = ", ".join(f"{p}={v!r}" for p, v in point.params.items())
+            raise SweepError(f"{source}: {exc} [at sweep point {where}]") from None
+
+
 def counted_stop(raw: dict[str, Any], scenario: Scenario, base_dir: Path) -> dict[str, Any]:
     """``raw`` with a stop at its trace file's end given as that file's count of requests,
     which ``--quick`` can quarter (the base scenario's file: a grid over files is cut
@@ -642,6 +663,7 @@ def run_sweep(
     ``notify`` is told the layouts ``sweep.layouts`` refuses, before any run."""
     notes: list[str] = []
     scenario, points = load_sweep_points(path, quick=quick, overrides=overrides, notes=notes)
+    read_files(points, path.parent, str(path))
     if notify is not None:
         for note in notes:
             notify(note)

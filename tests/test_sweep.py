@@ -135,6 +135,26 @@ def test_quick_quarters_a_trace_that_runs_to_its_end(tmp_path):
     assert [p.scenario["stop"]["num_requests"] for p in points] == [25, 25]
 
 
+def test_a_sweep_reads_its_trace_files_before_any_run(tmp_path):
+    # A missing trace file (or a bad row) would fail every point that reads it: the sweep
+    # refuses it as bad input, naming the point, and runs nothing.
+    data = dict(BASE, workload={"kind": "trace", "path": "t.csv"},
+                sweep={"grid": {"memory.kv_memory_gib": [1, 2]}})
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    with pytest.raises(SweepError) as err:
+        run_sweep(path, out_dir=out, jobs=1)
+    assert str(err.value) == (f"{path}: {tmp_path / 't.csv'}: trace file not found [at sweep "
+                              "point memory.kv_memory_gib=1]")
+    assert not out.exists()
+    (tmp_path / "t.csv").write_text("arrival_s,prompt_len,output_len\n0,10,5\n1,ten,5\n")
+    with pytest.raises(SweepError, match=r"t\.csv:3: column 'prompt_len'"):
+        run_sweep(path, out_dir=out, jobs=1)
+    (tmp_path / "t.csv").write_text("arrival_s,prompt_len,output_len\n0,10,5\n1,12,5\n")
+    assert run_sweep(path, out_dir=out, jobs=1).failed == 0
+
+
 def test_keys_ignore_optional_fields_left_unset():
     # A later kvsim that adds an optional field (null by default) must key every run that
     # does not use it as before, so a resumed sweep keeps what it ran.
