@@ -170,10 +170,10 @@ def test_what_a_table_needs_and_what_its_replay_refuses(tmp_path):
     path.write_text("arrival_s,prompt_len,output_len,prioirty\n0,10,5,1\n1,12,3,0\n")
     guessed = build_trace(TraceWorkload(path=str(path)), seed=0, max_model_len=4096)
     assert guessed.prompt_len.tolist() == [10, 12] and guessed.priority.tolist() == [0, 0]
-    assert guessed.notes == [f"{path}: left column 'prioirty' unread: a kvsim trace table "
-                             "reads arrival_s, prompt_len, output_len, max_tokens, n, after, "
-                             "think_s, context_parent, session_id, turn, priority, "
-                             "predicted_output, segments"]
+    assert guessed.notes == [f"{path}: left column 'prioirty' (did you mean 'priority'?) "
+                             "unread: a kvsim trace table reads arrival_s, prompt_len, "
+                             "output_len, max_tokens, n, after, think_s, context_parent, "
+                             "session_id, turn, priority, predicted_output, segments"]
     # A continued request cannot be clipped: one that does not fit the context is refused,
     # and skip_invalid cannot drop it.
     path = tmp_path / "long.csv"

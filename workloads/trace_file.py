@@ -12,6 +12,7 @@ skipped or clipped without changing the rest; a bad one stops the read, naming i
 from __future__ import annotations
 
 import csv
+import difflib
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -122,7 +123,13 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
 
 
 def _columns(names: list[str]) -> str:
-    return ("column " if len(names) == 1 else "columns ") + ", ".join(map(repr, names))
+    """``names`` as a note names them, each with the column it may be a misspelling of."""
+    known = [*COLUMNS, SEGMENTS_COLUMN]
+    named = []
+    for name in names:
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        named.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    return ("column " if len(names) == 1 else "columns ") + ", ".join(named)
 
 
 class RowLines:
