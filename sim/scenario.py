@@ -1022,6 +1022,11 @@ class Scenario(ConfigModel):
                              f"(or give {explicit})")
         return value
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _no_stop(cls, value: Any) -> Any:
+        return {} if value is None else value  # ("stop:" left empty: none, as if not given)
+
     @field_validator("parallel")
     @classmethod
     def _splits_evenly(cls, value: ParallelConfig, info: ValidationInfo) -> ParallelConfig:

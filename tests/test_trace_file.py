@@ -337,6 +337,8 @@ def test_a_trace_runs_to_its_end_where_no_stop_is_given(tmp_path):
     del scenario["stop"]
     run = sim.run(scenario)
     assert [len(system.requests) for system in run.systems.values()] == [3, 3]
+    scenario["stop"] = None  # ("stop:" left empty)
+    assert scenario_from_dict(scenario).stop.open_ended
     # A synthetic workload has no end: it needs a stop, and a closed loop a count.
     endless = copy.deepcopy(SESSIONS)
     del endless["stop"]
