@@ -706,7 +706,10 @@ class _Replica:
             duration = with_transfer(duration, batch.loaded_tokens * setup.host_s_per_token,
                                      self.sim.pipelined_layers)
         if batch.swapped_slots:  # copied before the step computes, as vLLM v0 does
-            duration += batch.swapped_slots * setup.host_s_per_token
+            # A copy at a time: as long as the bytes take over the link, or, for many small
+            # blocks, as long as issuing their copies takes.
+            duration += max(batch.swapped_slots * setup.host_s_per_token,
+                            batch.swapped_units * setup.swap_unit_s)
         return duration
 
     def finish_step(self, batch: Batch, clock_s: float,
@@ -860,6 +863,9 @@ class _RoleSetup:
     host_slots: int
     swap_slots: int
     host_s_per_token: float
+    # Seconds to issue the copies of one swapped block (page, extent): vLLM v0 copies each
+    # layer's K and V of it apart, one cudaMemcpyAsync each.
+    swap_unit_s: float
     timing: StepTimeModel  # with its speculation
     rho: float
     # The model of a step that verifies K drafts, for every K a step may (one, unless K goes
@@ -900,13 +906,15 @@ class _RoleSetup:
                 timings, spec, context, rho, system.scheduler.max_num_seqs * widest)
             spec = spec.with_schedule(auto_schedule)
         host_slots, swap_slots, host_s_per_token = host_memory(scenario, system)
+        model = scenario.model_spec()
+        swap_unit_s = (system.scheduler.swap_copy_overhead_s * model.num_layers
+                       * model.kv_tensors_per_layer if swap_slots else 0.0)
         setup = cls(scenario, pool_slots, unit_slots, host_slots, swap_slots, host_s_per_token,
-                    timing, rho, timings, spec, auto_schedule)
+                    swap_unit_s, timing, rho, timings, spec, auto_schedule)
         parallel = scenario.parallel
         stages = parallel.pipeline_parallel_size
         if stages == 1:
             return setup
-        model = scenario.model_spec()
         return replace(
             setup, stage_shares=tuple(layers / model.num_layers
                                       for layers in model.pipeline_stage_layers(stages)),

@@ -402,6 +402,11 @@ class SchedulerConfig(ConfigModel):
         "request of one sequence, swap a group of samples or beams (vLLM v0's default)")
     swap_space_gib: float = Field(default=4.0, gt=0, description="host memory per GPU for "
                                   "swapped KV, as vLLM's --swap-space")
+    swap_copy_overhead_s: float = Field(
+        default=5e-6, ge=0, description="seconds to issue one copy of a swap: vLLM v0 copies "
+        "each block (page, contiguous extent) layer by layer, K and V apart, one "
+        "cudaMemcpyAsync each (about 5-7 us a call, DualPath 2026); a swap takes as long as "
+        "its bytes over the host link or its copies, whichever is longer; 0: bytes only")
     @property
     def swaps(self) -> bool:
         """Whether preemption swaps some victims to host memory (swap space is set aside)."""

@@ -332,7 +332,7 @@ def config_key(resolved: dict[str, Any]) -> str:
         material["engine"] = {**engine, "disaggregation": _without_as_before(
             engine["disaggregation"], _PREFILL_PARALLEL_AS_BEFORE_FIELDS)}
     if isinstance(material.get("systems"), list):
-        material["systems"] = [_without_as_before(system, _AS_BEFORE_FIELDS)
+        material["systems"] = [_without_idle_swap(_without_as_before(system, _AS_BEFORE_FIELDS))
                                for system in material["systems"]]
     text = json.dumps(_without_nulls(material), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -349,6 +349,17 @@ def _without_as_before(settings: Any, fields: dict[tuple[str, str], Any]) -> Any
         if isinstance(part, dict) and field_name in part and part[field_name] == value:
             settings[section] = {k: v for k, v in part.items() if k != field_name}
     return settings
+
+
+def _without_idle_swap(system: Any) -> Any:
+    """A system's resolved settings less how a swap copies where nothing swaps (a field
+    added later, with a default other than what kvsim did before: it changes the runs that
+    swap, and no other)."""
+    scheduler = system.get("scheduler") if isinstance(system, dict) else None
+    if not isinstance(scheduler, dict) or scheduler.get("preemption_mode") != "recompute":
+        return system
+    return {**system, "scheduler": {k: v for k, v in scheduler.items()
+                                    if k != "swap_copy_overhead_s"}}
 
 
 def _without_nulls(value: Any) -> Any:

@@ -71,15 +71,50 @@ def test_a_swap_costs_its_copy_over_the_host_link():
     assert swap_slots == 4 * GIB // per_token
     assert s_per_token == per_token / lookup_gpu("a100-80g").host_link_bytes_per_s
     timing = build_timing(swap_scenario, Path())
-    # Steps that only decode and swap: the step time plus the copy, exactly.
+    # Steps that only decode and swap: the step time plus the copy, exactly. vLLM v0 copies
+    # a block's K and V of each of its 32 layers apart: 64 copies a block, 5 us to issue
+    # each, longer than a 16-token copy's 128 KiB take over the link (4.1 us).
     copies = steps[(steps["steps"] == 1) & (steps["swapped_slots"] > 0)
                    & (steps["prefill_tokens"] == 0)]
     assert len(copies) > 5
+    issue_s = 5e-6 * 32 * 2 / 16  # a slot's share of its block's copies
+    assert issue_s > s_per_token
+    expected = [timing.step_time(int(seqs), int(context), 0, 0, timing.rho(16))
+                + slots * issue_s for seqs, context, slots in
+                zip(copies["decode_seqs"], copies["context_tokens"], copies["swapped_slots"],
+                    strict=True)]
+    np.testing.assert_allclose(copies["duration_s"], expected, rtol=1e-12)
+    # Without the cost of issuing copies, the bytes alone.
+    data["systems"][1]["scheduler"]["swap_copy_overhead_s"] = 0
+    steps = run_scenario(scenario_from_dict(data)).systems["swap"].steps
+    copies = steps[(steps["steps"] == 1) & (steps["swapped_slots"] > 0)
+                   & (steps["prefill_tokens"] == 0)]
     expected = [timing.step_time(int(seqs), int(context), 0, 0, timing.rho(16))
                 + slots * s_per_token for seqs, context, slots in
                 zip(copies["decode_seqs"], copies["context_tokens"], copies["swapped_slots"],
                     strict=True)]
     np.testing.assert_allclose(copies["duration_s"], expected, rtol=1e-12)
+
+
+def test_small_blocks_are_slow_to_swap():
+    # The PagedAttention paper's microbenchmark (its Fig. 19a): a copy a block, layer and K
+    # or V, so a token of small blocks swaps at the rate copies are issued, far below the
+    # link's; from blocks of 32 tokens on, the bytes take longer than issuing their copies.
+    link_s = 524288 / 32e9  # Llama-2-7B's 512 KiB a token over the A100's 32 GB/s
+    for block_size, slot_s in ((1, 5e-6 * 64), (4, 5e-6 * 16), (32, link_s), (64, link_s)):
+        data = scenario()
+        data["systems"][1]["allocator"]["block_size"] = block_size
+        swap_scenario = scenario_from_dict(data)
+        steps = run_scenario(swap_scenario).systems["swap"].steps
+        timing = build_timing(swap_scenario, Path())
+        copies = steps[(steps["steps"] == 1) & (steps["swapped_slots"] > 0)
+                       & (steps["prefill_tokens"] == 0)]
+        assert len(copies) > 3, block_size
+        expected = [timing.step_time(int(seqs), int(context), 0, 0, timing.rho(block_size))
+                    + slots * slot_s for seqs, context, slots in
+                    zip(copies["decode_seqs"], copies["context_tokens"],
+                        copies["swapped_slots"], strict=True)]
+        np.testing.assert_allclose(copies["duration_s"], expected, rtol=1e-12)
 
 
 def test_a_full_swap_space_falls_back_to_recompute():
