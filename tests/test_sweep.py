@@ -191,7 +191,14 @@ def test_keys_ignore_later_fields_at_the_value_that_does_as_before():
     for system in older["systems"]:
         del system["scheduler"]["prefill_allocation"]
         system["allocator"].pop("hybrid_kv_cache", None)
+        # (how a swap copies: no matter where nothing swaps)
+        assert system["scheduler"].pop("swap_copy_overhead_s") == 5e-6
     assert config_key(older) == point.key
+    # Where a system swaps, its copies' cost changed its runs: they are keyed anew.
+    swapping, swapped_before = copy.deepcopy(point.scenario), copy.deepcopy(older)
+    for scenario in (swapping, swapped_before):
+        scenario["systems"][1]["scheduler"]["preemption_mode"] = "swap"
+    assert config_key(swapping) != config_key(swapped_before)
     per_chunk = copy.deepcopy(point.scenario)
     per_chunk["systems"][1]["scheduler"]["prefill_allocation"] = "per_chunk"
     assert config_key(per_chunk) != point.key
