@@ -121,7 +121,6 @@ class Request:
         "spec_cache",
         "streak_step",
         "swap_slots",
-        "swap_units",
         "swapped",
         "ticket",
         "tok_sync",
@@ -187,12 +186,10 @@ class Request:
         # Prompt tokens whose KV another replica computed and sent (disaggregated prefill):
         # admission writes them without computing them, once.
         self.transferred = 0
-        # Tokens whose KV a swap preemption parked in host memory, the swap space (slots)
-        # they hold there until the request is seated again, and the pieces it went in
-        # (blocks, or contiguous extents).
+        # Tokens whose KV a swap preemption parked in host memory, and the swap space
+        # (slots) they hold there until the request is seated again.
         self.swapped = 0
         self.swap_slots = 0
-        self.swap_units = 0
         self.past_window = False  # decoding with context past a sliding window
         self.spec_cache: SeqSpec | None = None
         # Its content's block hashes, walked as far as a longest-prefix-match line has
@@ -937,7 +934,7 @@ class Scheduler:
             for request in gone:  # one preempted mid-answer may have parked its KV
                 if request.swap_slots:  # (never under pipeline stages: one scheduler's)
                     self.swap_used -= request.swap_slots
-                    request.swapped = request.swap_slots = request.swap_units = 0
+                    request.swapped = request.swap_slots = 0
         aborted = [request for sched in schedulers for request in sched.gave_up]
         if aborted:
             for sched in schedulers:
@@ -1305,27 +1302,31 @@ class Scheduler:
         tokens = final_kv_tokens(request.prompt_len, request.gen_sync)
         bs = self._block_size
         slots = -(-tokens // bs) * bs if bs else tokens  # paged memory moves whole blocks
-        units = slots // bs if bs else 1
         allocator = self.allocator
         if request.num_seqs > 1 and isinstance(allocator, PagedAllocator):
             # A group's blocks, each once: those of its prompt its samples share, their own.
             held = {block for seq_id in request.seq_ids()
                     for block in allocator.block_table(seq_id)}
             slots = len(held) * allocator.block_size
-            units = len(held)
         elif request.num_seqs > 1:
             slots *= request.num_seqs  # contiguous samples share nothing
-            units = request.num_seqs
         if self.swap_used + slots > self.swap_slots:
             return  # no room: recompute it
         request.swapped = tokens
         request.swap_slots = slots
-        request.swap_units = units
         self.swap_used += slots
         self.swap_preemptions += 1
         self.swapped_out_slots += slots
         batch.swapped_slots += slots
-        batch.swapped_units += units
+        batch.swapped_units += self._swap_units(request, slots)
+
+    def _swap_units(self, request: Request, slots: int) -> int:
+        """The pieces ``slots`` of ``request``'s KV cross the host link in, each copied on
+        its own: whole blocks (pages), or each sample's contiguous extent."""
+        bs = self._block_size
+        if bs:
+            return -(-slots // bs)
+        return request.n if slots else 0
 
     def _admit_group(self, request: Request, spec: SeqSpec) -> int | None:
         """Seat a group of forked samples swapped out whole, as it was: its prompt (what
@@ -1346,10 +1347,9 @@ class Scheduler:
         slots = max(request.swap_slots - (hits - self.allocator.last_loaded_tokens), 0)
         self.swapped_in_slots += slots
         batch.swapped_slots += slots
-        bs = self._block_size
-        batch.swapped_units += -(-slots // bs) if bs else (request.swap_units if slots else 0)
+        batch.swapped_units += self._swap_units(request, slots)
         self.swap_used -= request.swap_slots
-        request.swapped = request.swap_slots = request.swap_units = 0
+        request.swapped = request.swap_slots = 0
 
     def _write_ready(self, request: Request, ready: int, hits: int) -> None:
         """Write the KV of the first ``ready`` tokens, which arrives computed (from another
