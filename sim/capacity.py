@@ -32,7 +32,6 @@ from sim.scenario import Scenario, SloConfig, SystemConfig, scenario_from_dict
 from sim.slo import judged_attainment
 from sim.sweep import (
     SweepPoint,
-    counted_stop,
     expand,
     make_executor,
     params_as_text,
@@ -305,9 +304,8 @@ def capacity_points(path: Path, *, quick: bool = False,
         raise CapacityError(f"sweep.zip: moves {searched} with other fields, and capacity "
                             "searches it; sweep the other fields alone")
     sweep["grid"] = {k: v for k, v in (sweep.get("grid") or {}).items() if k != searched}
-    if quick:
-        raw = counted_stop(raw, scenario, path.parent)
-    return scenario, expand({**raw, "sweep": sweep}, str(path), quick=quick, notes=notes)
+    return scenario, expand({**raw, "sweep": sweep}, str(path), quick=quick, notes=notes,
+                            base_dir=path.parent)
 
 
 def point_capacity(scenario_data: dict[str, Any], base_dir: str, rel_tol: float,

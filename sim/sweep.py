@@ -395,9 +395,11 @@ def sweep_config(raw: dict[str, Any], source: str) -> SweepConfig:
 
 
 def expand(raw: dict[str, Any], source: str, *, quick: bool = False,
-           notes: list[str] | None = None) -> list[SweepPoint]:
+           notes: list[str] | None = None, base_dir: Path = Path(".")) -> list[SweepPoint]:
     """Every point of the sweep, each validated as a full scenario; the layouts
-    ``sweep.layouts`` refuses are told in ``notes``, where given."""
+    ``sweep.layouts`` refuses are told in ``notes``, where given. Under ``quick`` a point
+    that replays its trace file to the end replays a quarter of that file (read from
+    ``base_dir``, the scenario's folder)."""
     config = sweep_config(raw, source)
     base = {k: v for k, v in raw.items() if k != "sweep"}
     if quick:
@@ -406,6 +408,7 @@ def expand(raw: dict[str, Any], source: str, *, quick: bool = False,
     combinations = (list(_combinations(config)) if config.layouts is None
                     else _laid_out(base, config, source, notes))
     points: list[SweepPoint] = []
+    counts: dict[str, int] = {}  # requests in each trace file read, by _files_key
     for index, params in enumerate(combinations):
         for seed in seeds:
             data = copy.deepcopy(base)
@@ -414,9 +417,12 @@ def expand(raw: dict[str, Any], source: str, *, quick: bool = False,
             data["seed"] = seed
             try:
                 scenario = scenario_from_dict(data, source)
+                if quick and scenario.stop.open_ended:
+                    data["stop"] = {"num_requests": _quarter(
+                        _trace_count(scenario, base_dir, counts, source, params))}
+                    scenario = scenario_from_dict(data, source)
             except ScenarioError as exc:
-                where = ", ".join(f"{p}={v!r}" for p, v in params.items())
-                raise SweepError(f"{exc} [at sweep point {where}]") from None
+                raise SweepError(f"{exc} [at sweep point {_where(params)}]") from None
             resolved = scenario.model_dump(mode="json")
             points.append(SweepPoint(index, seed, params, resolved, config_key(resolved)))
     keys = [p.key for p in points]
@@ -432,7 +438,7 @@ def _shrink(base: dict[str, Any], config: SweepConfig) -> tuple[dict[str, Any], 
     base = copy.deepcopy(base)
     stop = base.get("stop", {})
     if isinstance(stop, dict) and isinstance(stop.get("num_requests"), int):
-        stop["num_requests"] = max(20, stop["num_requests"] // 4)
+        stop["num_requests"] = _quarter(stop["num_requests"])
     if isinstance(stop, dict) and isinstance(stop.get("duration_s"), int | float):
         stop["duration_s"] = stop["duration_s"] / 4
 
@@ -452,6 +458,37 @@ def _shrink(base: dict[str, Any], config: SweepConfig) -> tuple[dict[str, Any], 
         zipped = {k: [v[i] for i in keep] for k, v in zipped.items()}
     seeds = (config.seeds or [int(base.get("seed", 0))])[:1]
     return base, SweepConfig(grid=grid, zip=zipped, seeds=seeds, layouts=config.layouts)
+
+
+def _quarter(num_requests: int) -> int:
+    """``--quick``'s count of requests: a quarter, but enough to show a trend."""
+    return max(20, num_requests // 4)
+
+
+def _where(params: dict[str, Any]) -> str:
+    """A sweep point named by its parameters, for messages."""
+    return ", ".join(f"{p}={v!r}" for p, v in params.items())
+
+
+def _files_key(resolved: dict[str, Any]) -> str:
+    """What decides the files a point's workload reads and the trace they give."""
+    return json.dumps([resolved["workload"], resolved["model"], resolved["max_model_len"]],
+                      sort_keys=True)
+
+
+def _trace_count(scenario: Scenario, base_dir: Path, counts: dict[str, int], source: str,
+                 params: dict[str, Any]) -> int:
+    """The requests in the trace file a point replays to its end (each file read once)."""
+    from sim.engine import scenario_trace
+    from workloads import TraceError, TraceImportError, WorkloadError
+
+    key = _files_key(scenario.model_dump(mode="json"))
+    if key not in counts:
+        try:
+            counts[key] = len(scenario_trace(scenario, base_dir))
+        except (TraceError, TraceImportError, WorkloadError) as exc:
+            raise SweepError(f"{source}: {exc} [at sweep point {_where(params)}]") from None
+    return counts[key]
 
 
 # ---------------------------------------------------------------------- running
@@ -621,9 +658,7 @@ def load_sweep_points(path: Path, *, quick: bool = False,
     raw = with_overrides(read_scenario_file(path), overrides)
     source = f"{path} (with --set)" if overrides else str(path)
     scenario = scenario_from_dict(raw, source)
-    if quick:
-        raw = counted_stop(raw, scenario, path.parent)
-    return scenario, expand(raw, source, quick=quick, notes=notes)
+    return scenario, expand(raw, source, quick=quick, notes=notes, base_dir=path.parent)
 
 
 def read_files(points: list[SweepPoint], base_dir: Path, source: str) -> None:
@@ -635,27 +670,15 @@ def read_files(points: list[SweepPoint], base_dir: Path, source: str) -> None:
     read: set[str] = set()
     for point in points:
         resolved = point.scenario
-        key = json.dumps([resolved["workload"], resolved["model"], resolved["max_model_len"]],
-                         sort_keys=True)
+        key = _files_key(resolved)
         if key in read:
             continue
         read.add(key)
         try:
             read_workload_files(scenario_from_dict(resolved, source), base_dir)
         except (TraceError, TraceImportError, WorkloadError) as exc:
-            where = ", ".join(f"{p}={v!r}" for p, v in point.params.items())
-            raise SweepError(f"{source}: {exc} [at sweep point {where}]") from None
-
-
-def counted_stop(raw: dict[str, Any], scenario: Scenario, base_dir: Path) -> dict[str, Any]:
-    """``raw`` with a stop at its trace file's end given as that file's count of requests,
-    which ``--quick`` can quarter (the base scenario's file: a grid over files is cut
-    alike)."""
-    if not scenario.stop.open_ended:
-        return raw
-    from sim.engine import scenario_trace
-
-    return {**raw, "stop": {"num_requests": len(scenario_trace(scenario, base_dir))}}
+            raise SweepError(f"{source}: {exc} [at sweep point {_where(point.params)}]"
+                             ) from None
 
 
 def run_sweep(

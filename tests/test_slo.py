@@ -498,6 +498,25 @@ def test_a_sweep_searches_each_point_with_its_rate_axis_dropped(tmp_path):
                                                       "memory.kv_memory_gib": [2, 4]}}))
 
 
+def test_quick_capacity_quarters_each_trace_file_of_the_grid(tmp_path):
+    import yaml
+
+    from sim.capacity import capacity_points
+
+    for name, count in (("a.csv", 120), ("b.csv", 300)):
+        (tmp_path / name).write_text("arrival_s,prompt_len,output_len\n" + "".join(
+            f"{i / 4},{40 + i % 50},{8 + i % 9}\n" for i in range(count)))
+    data = scenario(slo=OBJECTIVES, workload={"kind": "trace", "path": "a.csv"},
+                    sweep={"grid": {"workload.path": ["a.csv", "b.csv"]}})
+    del data["stop"]  # each file runs to its end
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(data))
+    _, points = capacity_points(path)
+    assert [p.scenario["stop"]["num_requests"] for p in points] == [None, None]
+    _, points = capacity_points(path, quick=True)
+    assert [p.scenario["stop"]["num_requests"] for p in points] == [30, 75]
+
+
 def test_capacity_sweep_command_tables_figures_and_failures(tmp_path):
     path = sweep_file(tmp_path, {"grid": {"memory.kv_memory_gib": [0.000001, 2, 4]}})
     proc = kvsim_in_process("capacity", str(path), "--sweep", "--jobs", "2", "--rel-tol",

@@ -133,6 +133,19 @@ def test_quick_quarters_a_trace_that_runs_to_its_end(tmp_path):
     assert [p.scenario["stop"]["num_requests"] for p in points] == [None, None]
     _, points = load_sweep_points(path, quick=True)
     assert [p.scenario["stop"]["num_requests"] for p in points] == [25, 25]
+    # A grid over trace files quarters each point's own file (at least 20 requests).
+    (tmp_path / "u.csv").write_text("arrival_s,prompt_len,output_len\n" + "".join(
+        f"{i},{30 + i},{4 + i % 3}\n" for i in range(400)))
+    data["sweep"] = {"grid": {"workload.path": ["t.csv", "u.csv"]}}
+    path.write_text(yaml.safe_dump(data))
+    _, points = load_sweep_points(path, quick=True)
+    assert [p.scenario["stop"]["num_requests"] for p in points] == [25, 100]
+    data["sweep"] = {"grid": {"workload.path": ["t.csv", "missing.csv"]}}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SweepError) as err:
+        load_sweep_points(path, quick=True)
+    assert str(err.value) == (f"{path}: {tmp_path / 'missing.csv'}: trace file not found "
+                              "[at sweep point workload.path='missing.csv']")
 
 
 def test_a_sweep_reads_its_trace_files_before_any_run(tmp_path):
