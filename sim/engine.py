@@ -1744,12 +1744,6 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
     # vLLM v1 runs a request's samples as requests of their own: the engine sees those, and
     # the results gather them back into their request's row.
     request_of: np.ndarray | None = None
-    if system.scheduler.parallel_sampling == "fork" and len(trace) and trace.n.max() > MAX_SAMPLES:
-        request = int(np.argmax(trace.n > MAX_SAMPLES))
-        raise WorkloadError(f"systems[{system.name}].scheduler.parallel_sampling: fork: request "
-                            f"{request} of {trace.source} has {int(trace.n[request])} samples; "
-                            f"at most {MAX_SAMPLES} run together (fan_out runs more, each a "
-                            "request of its own)")
     if system.scheduler.parallel_sampling == "fan_out" and len(trace) and trace.n.max() > 1:
         try:
             trace, request_of = trace.fan_out()
@@ -1819,6 +1813,7 @@ def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) 
         levels = ", ".join(str(level) for level in np.unique(trace.priority))
         raise WorkloadError(f"slo.priorities: no request has priority "
                             f"{', '.join(map(str, judged))}; the trace's levels: {levels}")
+    _samples_run(scenario, trace)
     unpredicted = np.flatnonzero(trace.predicted_output < 1)
     for system in scenario.systems:
         if (len(unpredicted) and system.uses_predictor
@@ -1828,6 +1823,25 @@ def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) 
                 f"{unpredicted[0]} of {trace.source} has no predicted_output (map the column "
                 "that holds them with workload.columns.predicted_output)")
     return trace
+
+
+def _samples_run(scenario: Scenario, trace: Trace) -> None:
+    """Refuse a trace's requests of several samples that a system cannot run as it is
+    told to: more than fork runs together, or fanned out beside what is not modelled so."""
+    if not len(trace) or trace.n.max() == 1:
+        return
+    for system in scenario.systems:
+        where = f"systems[{system.name}].scheduler.parallel_sampling: "
+        if system.scheduler.parallel_sampling == "fork" and trace.n.max() > MAX_SAMPLES:
+            request = int(np.argmax(trace.n > MAX_SAMPLES))
+            raise WorkloadError(f"{where}fork: request {request} of {trace.source} has "
+                                f"{int(trace.n[request])} samples; at most {MAX_SAMPLES} run "
+                                "together (fan_out runs more, each a request of its own)")
+        unmodelled = scenario.fanned_out_samples_unmodelled()
+        if system.scheduler.parallel_sampling == "fan_out" and unmodelled:
+            request = int(np.argmax(trace.n > 1))
+            raise WorkloadError(f"{where}fan_out: request {request} of {trace.source} has "
+                                f"{int(trace.n[request])} samples: {unmodelled}")
 
 
 @contextmanager

@@ -1127,8 +1127,18 @@ class Scenario(ConfigModel):
             raise ValueError(f"{where} makes each of n samples a request of its own; a "
                              "session's next turn (a closed-loop user's next request) follows "
                              "one request, and which of its samples is unknown")
+        unmodelled = self.fanned_out_samples_unmodelled()
+        if unmodelled and workload.sampling.n > 1:  # a trace's own n: told when it is read
+            raise ValueError(f"{where} (workload.sampling.n: {workload.sampling.n}): "
+                             f"{unmodelled}")
+        return self
+
+    def fanned_out_samples_unmodelled(self) -> str | None:
+        """What of this scenario is not modelled where the samples of one request run as
+        requests of their own (``parallel_sampling: fan_out``), in words; None if nothing."""
         # A whole answer's deadline is every sample's: they are given up together. A seat,
         # a first token or a next token the client waits for of any sample, not each.
+        workload = self.workload
         unmodelled = [what for what, used in (
             ("client time-outs but e2e_timeout_s (queue_timeout_s, ttft_timeout_s, "
              "itl_timeout_s)", any(timeout is not None for timeout in (
@@ -1137,11 +1147,11 @@ class Scenario(ConfigModel):
             ("a bounded line (scheduler.max_queued_requests)", any(
                 s.scheduler.max_queued_requests is not None for s in self.systems)),
         ) if used]
-        if unmodelled:
-            raise ValueError(f"{where}: not modelled with {unmodelled[0]} (a client gives "
-                             "up on, or is turned away with, all the samples of its request "
-                             "at once, where the engine sees requests of their own)")
-        return self
+        if not unmodelled:
+            return None
+        return (f"not modelled with {unmodelled[0]} (a client gives up on, or is turned "
+                "away with, all the samples of its request at once, where the engine sees "
+                "requests of their own)")
 
     @model_validator(mode="after")
     def _hybrid_kv_cache_limits(self):  # type: ignore[no-untyped-def]

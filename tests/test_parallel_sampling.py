@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sim.engine import run_scenario, scenario_trace
+from sim.engine import read_workload_files, run_scenario, scenario_trace
 from sim.results import run_notes
 from sim.scenario import ScenarioError, scenario_from_dict
 from workloads import Trace, TraceError, WorkloadError
@@ -199,6 +199,32 @@ def test_what_fanned_out_samples_do_not_model_is_refused(workload, message):
                                             r"fan_out.*" + message.replace("(", r"\(")
                        .replace(")", r"\)").replace(".", r"\.")):
         scenario_from_dict(rollouts(**workload))
+
+
+def test_fanned_out_single_samples_run_with_what_samples_do_not_model(tmp_path):
+    # One sample a request fans out to itself: a client's time-outs apply as to any
+    # request, and the two systems agree.
+    data = rollouts(sampling={"n": 1}, ttft_timeout_s=1.0, retry={})
+    data["workload"]["arrival"]["rate"] = 20
+    data["memory"]["kv_memory_gib"] = 1
+    runs = run_scenario(scenario_from_dict(data)).systems
+    assert runs["fork"].summary["abandoned"] > 0 and runs["fork"].summary["retries"] > 0
+    pd.testing.assert_frame_equal(runs["fork"].requests, runs["fan_out"].requests)
+    # A trace table's own n is told when the table is read, by validate as by run.
+    data = rollouts()
+    data["stop"] = {"num_requests": 6}
+    scenario_trace(scenario_from_dict(data), tmp_path).to_frame().to_csv(
+        tmp_path / "eight.csv", index=False)
+    data["workload"] = {"kind": "trace", "path": "eight.csv", "format": "kvsim",
+                        "queue_timeout_s": 5.0}
+    scenario = scenario_from_dict(data)  # its n is the table's
+    message = (r"^systems\[fan_out\]\.scheduler\.parallel_sampling: fan_out: request 0 of "
+               r".*eight\.csv has 8 samples: not modelled with client time-outs but "
+               r"e2e_timeout_s")
+    with pytest.raises(WorkloadError, match=message):
+        read_workload_files(scenario, tmp_path)
+    with pytest.raises(WorkloadError, match=message):
+        run_scenario(scenario, base_dir=tmp_path)
 
 
 def test_a_session_that_continues_one_of_several_samples_is_refused(tmp_path):
