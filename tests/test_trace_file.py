@@ -174,6 +174,24 @@ def test_what_a_table_needs_and_what_its_replay_refuses(tmp_path):
                              "unread: a kvsim trace table reads arrival_s, prompt_len, "
                              "output_len, max_tokens, n, after, think_s, context_parent, "
                              "session_id, turn, priority, predicted_output, segments"]
+    # Under a context limit, a client that gave no max_tokens may generate what the limit
+    # leaves, and plain rows (none names another) are clipped, as a generic file's are.
+    assert guessed.max_tokens.tolist() == [4086, 4084]
+    path.write_text("arrival_s,prompt_len,output_len\n0,300,5\n1,12,250\n2,20,30\n")
+    clipped = build_trace(TraceWorkload(path=str(path), max_tokens=200), seed=0,
+                          max_model_len=256)
+    assert clipped.prompt_len.tolist() == [255, 12, 20]
+    assert clipped.output_len.tolist() == [1, 200, 30]
+    assert clipped.max_tokens.tolist() == [1, 200, 200]
+    assert [len(clipped.prompt_segments(i)) for i in range(3)] == [1, 1, 1]
+    assert clipped.notes == ["clipped 1 of 3 prompts to the context limit 255",
+                             "clipped 2 of 3 outputs to the room the context limit (256 "
+                             "tokens) leaves after their prompts"]
+    generic = build_trace(TraceWorkload(path=str(path), max_tokens=200, format="csv", columns={
+        "arrival": "arrival_s", "prompt_len": "prompt_len", "output_len": "output_len"}),
+        seed=0, max_model_len=256)
+    for column in ("arrival_s", "prompt_len", "output_len", "max_tokens"):
+        assert getattr(generic, column).tolist() == getattr(clipped, column).tolist()
     # A continued request cannot be clipped: one that does not fit the context is refused,
     # and skip_invalid cannot drop it.
     path = tmp_path / "long.csv"
@@ -185,9 +203,10 @@ def test_what_a_table_needs_and_what_its_replay_refuses(tmp_path):
         build_trace(workload, seed=0, max_model_len=219)
     assert str(err.value) == (
         f"{path}:3: prompt_len 200 + output_len 20 does not fit the context limit "
-        "max_model_len 219 (1 of 2 requests): the table was written for a longer one; its "
-        "requests continue each other, so none is clipped (skip_invalid skips no row of a "
-        "kvsim trace table: its rows name each other by index)")
+        "max_model_len 219 (1 of 2 requests): the table was written for a longer one, and a "
+        "table with 'after', 'context_parent' and 'segments' is replayed as written, none "
+        "clipped (skip_invalid skips no row of a kvsim trace table: its rows name each other "
+        "by index)")
     with pytest.raises(TraceImportError, match=r":2: prompt_len 100 \+ output_len 50 does not "
                        r"fit the context limit max_model_len 4096 with max_tokens 40 \(1 of 2 "
                        r"requests\)"):

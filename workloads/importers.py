@@ -24,7 +24,7 @@ from workloads.trace import (
     SHARED_SEGMENT_BASE,
     UNIQUE_SEGMENT_BASE,
     Trace,
-    context_clip_notes,
+    fit_context,
 )
 from workloads.trace_file import (
     REQUIRED_COLUMNS,
@@ -353,17 +353,12 @@ def import_trace(
         return _replay_trace_file(workload, path, max_model_len, seed)
     table, notes = read_trace_table(workload, base_dir)
     size = len(table)
-    prompt = table["prompt_len"].to_numpy()
-    clipped = int((prompt > max_model_len - 1).sum())
-    prompt = np.minimum(prompt, max_model_len - 1)
-    cap = workload.max_tokens or max_model_len
+    cap: np.ndarray | int = workload.max_tokens or max_model_len
     if "max_tokens" in table:  # each client's own, within the workload's and the context's
         cap = np.minimum(table["max_tokens"].to_numpy(), cap)
-    max_tokens = np.maximum(np.minimum(cap, max_model_len - prompt), 1)
-    drawn_output = table["output_len"].to_numpy()
-    clipped_outputs = int((drawn_output > max_model_len - prompt).sum())
-    output = np.minimum(drawn_output, max_tokens)
-    notes += context_clip_notes(clipped, clipped_outputs, size, max_model_len)
+    prompt, output, max_tokens, clip_notes = fit_context(
+        table["prompt_len"].to_numpy(), table["output_len"].to_numpy(), cap, max_model_len)
+    notes += clip_notes
     if "hash_ids" in table:
         offsets, seg_ids, seg_lens = _hash_segments(
             table["hash_ids"].to_list(), prompt, workload.hash_block_tokens)

@@ -86,6 +86,20 @@ def context_clip_notes(prompts: int, outputs: int, size: int, max_model_len: int
     return notes
 
 
+def fit_context(prompt_len: np.ndarray, output_len: np.ndarray, max_tokens: np.ndarray | int,
+                max_model_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """Requests cut to the context limit as a server takes them: each prompt to
+    ``max_model_len - 1`` tokens, each ``max_tokens`` (a client's cap) to the room its prompt
+    leaves, each output to that cap; with notes on what the limit cut."""
+    clipped_prompts = int((prompt_len > max_model_len - 1).sum())
+    prompt_len = np.minimum(prompt_len, max_model_len - 1)
+    room = max_model_len - prompt_len
+    clipped_outputs = int((output_len > room).sum())
+    caps = np.maximum(np.minimum(max_tokens, room), 1)
+    return (prompt_len, np.minimum(output_len, caps), caps,
+            context_clip_notes(clipped_prompts, clipped_outputs, len(prompt_len), max_model_len))
+
+
 class TraceError(ValueError):
     """A trace that breaks its own rules (negative length, a parent after its child, …);
     ``request`` is the index of the first offending one, where there is one."""

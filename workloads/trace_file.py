@@ -6,7 +6,8 @@ trace, its dependencies (``after``, ``context_parent``) and its content as share
 so that another scenario, another machine or another simulator plays exactly the same piece:
 replayed in a scenario (``workload: {kind: trace, path: trace.csv}``) it gives results
 identical to the scenario that wrote it. Rows name each other by index, so a row cannot be
-skipped or clipped without changing the rest; a bad one stops the read, naming its line.
+skipped or clipped without changing the rest; a bad one stops the read, naming its line. (A
+table of plain rows, written by hand, is cut to the context limit as a generic file is.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from typing import Any, TextIO
 import numpy as np
 import pandas as pd
 
-from workloads.trace import COLUMNS, MAX_COUNT, Trace, TraceError, segments_from_text
+from workloads.trace import (
+    COLUMNS,
+    MAX_COUNT,
+    Trace,
+    TraceError,
+    fit_context,
+    segments_from_text,
+)
 
 
 class TraceImportError(ValueError):
@@ -32,6 +40,8 @@ class TraceImportError(ValueError):
 # (one sample, no dependency, one private segment of prompt).
 REQUIRED_COLUMNS = ("arrival_s", "prompt_len", "output_len")
 SEGMENTS_COLUMN = "segments"
+# The columns by which a row's prompt depends on other rows: one it follows, one it extends.
+LINK_COLUMNS = ("after", "context_parent")
 _TIME_COLUMNS = ("arrival_s", "think_s")
 # How trace files are read: UTF-8, less a byte-order mark (spreadsheets write one), which
 # would otherwise be read as part of the first column's name.
@@ -63,8 +73,10 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
     """Read a trace table back into the trace it was written from.
 
     With ``max_model_len`` (and ``max_tokens``, a cap on any request's generation), a request
-    whose prompt and output do not fit is refused, since clipping one would change the
-    prompts of those that continue it; each request's ``max_tokens`` is cut to what is left.
+    whose prompt and output do not fit is refused where rows name each other or lay out
+    shared segments, since clipping one would change the prompts of others; in a table of
+    plain rows (no ``after``, ``context_parent`` or ``segments``) it is clipped, as a generic
+    file's is. Each request's ``max_tokens`` is cut to what is left (absent, it is that).
     """
     frame, lines = read_rows(path, "jsonl" if path.suffix == ".jsonl" else "csv",
                              optional=(*COLUMNS, SEGMENTS_COLUMN))
@@ -106,9 +118,21 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
             f"{', '.join((*COLUMNS, SEGMENTS_COLUMN))}")
     if max_model_len is None:
         return trace
-    room = max_model_len - trace.prompt_len
+    # A client that gave no max_tokens may generate up to what the limits leave (as in a
+    # generic file, and as a request_max reservation then holds).
+    cap = trace.max_tokens if "max_tokens" in frame else max_model_len
     if max_tokens is not None:
-        room = np.minimum(room, max_tokens)
+        cap = np.minimum(cap, max_tokens)
+    linked = [name for name in (*LINK_COLUMNS, SEGMENTS_COLUMN) if name in frame]
+    if not linked:  # no row depends on another's lengths: each is cut alone
+        prompt, output, caps, notes = fit_context(trace.prompt_len, trace.output_len, cap,
+                                                  max_model_len)
+        trace.prompt_len, trace.output_len, trace.max_tokens = prompt, output, caps
+        trace.seg_lens = prompt.copy()  # (one private segment per prompt)
+        trace.validate()
+        trace.notes.extend(notes)
+        return trace
+    room = np.minimum(max_model_len - trace.prompt_len, cap)
     over = np.flatnonzero(trace.output_len > room)
     if len(over):
         row = int(over[0])
@@ -116,10 +140,16 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
             f"{path}:{lines[row]}: prompt_len {trace.prompt_len[row]} + output_len "
             f"{trace.output_len[row]} does not fit the context limit max_model_len "
             f"{max_model_len}" + (f" with max_tokens {max_tokens}" if max_tokens else "")
-            + f" ({len(over)} of {len(trace)} requests): the table was written for a longer one; "
-            "its requests continue each other, so none is clipped")
-    trace.max_tokens = np.minimum(trace.max_tokens, room)
+            + f" ({len(over)} of {len(trace)} requests): the table was written for a longer "
+            f"one, and a table with {_names(linked)} is replayed as written, none clipped")
+    trace.max_tokens = room
     return trace
+
+
+def _names(columns: list[str]) -> str:
+    """Column names as a sentence lists them."""
+    quoted = [repr(name) for name in columns]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
 
 
 def _columns(names: list[str]) -> str:
