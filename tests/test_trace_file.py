@@ -215,6 +215,21 @@ def test_what_a_table_needs_and_what_its_replay_refuses(tmp_path):
                                                                  "speed": 4}),
                          seed=0, max_model_len=4096)
     assert faster.arrival_s.tolist() == [0.0, 0.25]
+    # A hand-written chat names what each prompt continues, not its text: the rest of the
+    # prompt is text of its own.
+    chat = tmp_path / "chat.csv"
+    chat.write_text("arrival_s,prompt_len,output_len,context_parent\n"
+                    "0,100,50,-1\n1,200,5,0\n2,300,5,1\n3,40,5,-1\n")
+    turns = read_trace_file(chat)
+    assert [sum(n for _, n in turns.own_segments(i)) for i in range(4)] == [100, 50, 95, 40]
+    assert turns.prompt_segments(2)[:3] == turns.prompt_segments(1)[:3]
+    assert len({seg for i in range(4) for seg, _ in turns.own_segments(i)}) == 4
+    chat.write_text("arrival_s,prompt_len,output_len,context_parent\n0,100,50,-1\n1,120,5,0\n")
+    with pytest.raises(TraceImportError) as err:
+        read_trace_file(chat)
+    assert str(err.value) == (f"{chat}:3: prompt_len 120 is shorter than the context it "
+                              "continues: request 0's prompt and output, 150 tokens "
+                              "(context_parent 0)")
     session = tmp_path / "session.csv"  # a second turn 2 s after the first's answer
     session.write_text("arrival_s,prompt_len,output_len,after,think_s,context_parent,segments\n"
                        "0,10,5,-1,0,-1,1:10\n0,25,5,0,2,0,2:10\n")

@@ -25,6 +25,7 @@ import pandas as pd
 from workloads.trace import (
     COLUMNS,
     MAX_COUNT,
+    UNIQUE_SEGMENT_BASE,
     Trace,
     TraceError,
     fit_context,
@@ -107,6 +108,9 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
         if SEGMENTS_COLUMN in frame:
             cells = frame[SEGMENTS_COLUMN].fillna("").astype(str)
             columns.update(segments_from_text(cells))
+        elif "context_parent" in columns:
+            columns.update(_own_text(columns["prompt_len"], columns["output_len"],
+                                     columns["context_parent"]))
         trace = Trace.from_columns(**columns, source=str(path))
     except TraceError as exc:
         where = f"{path}:{lines[exc.request]}" if exc.request is not None else str(path)
@@ -144,6 +148,26 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
             f"one, and a table with {_names(linked)} is replayed as written, none clipped")
     trace.max_tokens = room
     return trace
+
+
+def _own_text(prompt_len: np.ndarray, output_len: np.ndarray, context_parent: np.ndarray
+              ) -> dict[str, np.ndarray]:
+    """Segments for a table that names what each prompt continues (``context_parent``) but
+    not its text: the context it continues (that request's prompt and output), then text of
+    its own for the rest of ``prompt_len``."""
+    rows = np.arange(len(prompt_len))
+    # A parent that is not an earlier row is left for Trace.validate to name.
+    parent = np.where((context_parent >= 0) & (context_parent < rows), context_parent, -1)
+    inherited = np.where(parent >= 0, (prompt_len + output_len)[np.maximum(parent, 0)], 0)
+    own = prompt_len - inherited
+    short = np.flatnonzero(own < 0)
+    if len(short):
+        row = int(short[0])
+        raise TraceError(f"prompt_len {prompt_len[row]} is shorter than the context it "
+                         f"continues: request {parent[row]}'s prompt and output, "
+                         f"{inherited[row]} tokens (context_parent {parent[row]})", request=row)
+    return {"seg_offsets": np.arange(len(rows) + 1, dtype=np.int64),
+            "seg_ids": UNIQUE_SEGMENT_BASE + rows, "seg_lens": own}
 
 
 def _names(columns: list[str]) -> str:
