@@ -363,10 +363,20 @@ def test_each_clients_max_tokens_from_a_generic_file(tmp_path):
     with pytest.raises(TraceImportError) as err:
         build_trace(TraceWorkload(path=str(bad), columns=columns), seed=0, max_model_len=4096)
     assert str(err.value).startswith(f"{bad}:3: column 'm': expected an integer from the "
-                                     "row's 'out' to 2^53, got '19'")
+                                     "row's 'out' to 2^53, or none (empty), got '19'")
     kept = build_trace(TraceWorkload(path=str(bad), columns=columns, skip_invalid=True),
                        seed=0, max_model_len=4096)
     assert len(kept) == 1 and "skipped 2 rows with bad 'm'" in kept.notes[0]
+    # A client that sent none (an empty cell, a JSON null) has the limits' cap.
+    some = write(tmp_path, "t,in,out,m\n0,100,10,50\n1,200,20,\n", "some.csv")
+    asked = build_trace(TraceWorkload(path=str(some), columns=columns, max_tokens=1000),
+                        seed=0, max_model_len=4096)
+    assert asked.max_tokens.tolist() == [50, 1000]
+    some = write(tmp_path, '{"t": 0, "in": 100, "out": 10, "m": 50}\n'
+                           '{"t": 1, "in": 4090, "out": 20, "m": null}\n', "some.jsonl")
+    asked = build_trace(TraceWorkload(path=str(some), columns=columns), seed=0,
+                        max_model_len=4096)
+    assert asked.max_tokens.tolist() == [50, 6] and asked.output_len.tolist() == [10, 6]
 
 
 def test_trace_speed_and_frame_round_trip():

@@ -263,10 +263,14 @@ def read_trace_table(
         predicted = _numbers(raw[columns.predicted_output])
         problems.append((_not_a_count(predicted), columns.predicted_output, A_COUNT))
     if columns.max_tokens is not None:
-        asked = _numbers(raw[columns.max_tokens])
-        # (A server stops a request at its max_tokens: it never generates more.)
+        # A client that sent no max_tokens (an empty cell, a JSON null) is capped by the
+        # limits alone; one that did is never generated more for (a server stops there).
+        cells = raw[columns.max_tokens]
+        unasked = (cells.isna() | (cells.astype(str).str.strip() == "")).to_numpy()
+        asked = np.where(unasked, MAX_COUNT, _numbers(cells))
         problems.append((_not_a_count(asked) | (asked < output), columns.max_tokens,
-                         f"an integer from the row's {columns.output_len!r} to 2^53"))
+                         f"an integer from the row's {columns.output_len!r} to 2^53, or "
+                         "none (empty)"))
     if columns.hash_ids is not None:
         hash_lists = [_hash_id_list(value) for value in raw[columns.hash_ids]]
         problems.append((np.array([ids is None for ids in hash_lists], dtype=bool),
