@@ -459,6 +459,11 @@ def category_figures(table: pd.DataFrame, fields: list[str], drawn: list[str],
     return {f"{prefix}by_{slug}": category_figure(table, field, metrics, columns[1:])}
 
 
+# Characters of tick labels a figure's width holds in a row at font size 8, with room
+# between them: more, and a bar chart lists its values down the side instead.
+LABEL_ROW_CHARS = 120
+
+
 def category_figure(table: pd.DataFrame, field: str, metrics: list[str],
                     others: list[str] | None = None) -> Figure:
     """``metrics`` for each value of a swept field that is not a number (a policy, a dtype,
@@ -472,13 +477,27 @@ def category_figure(table: pd.DataFrame, field: str, metrics: list[str],
     data["value"] = ["\n".join([str(row[x])] + [n for c in others for n in _named(c, row[c])])
                      for _, row in data.iterrows()]
     values = list(pd.unique(data["value"]))
-    fig, axes = new_figure(len(metrics), 1, height=2.8, sharex=True)
-    for ax, metric in zip(axes, metrics, strict=True):
-        _bars_by_system(ax, data, "value", values, metric)
-        ax.set_ylabel(metric_label(metric))
-        ax.grid(alpha=0.3, axis="y")
-    axes[-1].set_xticks(np.arange(len(values)), [str(v) for v in values], fontsize=8)
-    axes[-1].set_xlabel(field)
+    longest = max(len(line) for value in values for line in value.split("\n"))
+    if len(values) * (longest + 2) > LABEL_ROW_CHARS:  # names side by side would overlap
+        data["value"] = data["value"].str.replace("\n", ", ")
+        values = [value.replace("\n", ", ") for value in values]
+        fig, axes = new_figure(1, len(metrics), height=0.35 * len(values) + 1.2)
+        for ax, metric in zip(axes, metrics, strict=True):
+            _bars_by_system(ax, data, "value", values, metric, horizontal=True)
+            ax.set_xlabel(metric_label(metric))
+            ax.grid(alpha=0.3, axis="x")
+            ax.invert_yaxis()  # (the first value at the top, as it reads)
+        axes[0].set_yticks(np.arange(len(values)), values, fontsize=8)
+        for ax in axes[1:]:
+            ax.set_yticks(np.arange(len(values)), [])
+    else:
+        fig, axes = new_figure(len(metrics), 1, height=2.8, sharex=True)
+        for ax, metric in zip(axes, metrics, strict=True):
+            _bars_by_system(ax, data, "value", values, metric)
+            ax.set_ylabel(metric_label(metric))
+            ax.grid(alpha=0.3, axis="y")
+        axes[-1].set_xticks(np.arange(len(values)), [str(v) for v in values], fontsize=8)
+        axes[-1].set_xlabel(field)
     axes[0].legend(fontsize=8, frameon=False)
     axes[0].set_title(f"Each value of {field}", loc="left", fontsize=11)
     fig.kvsim_data = {"series": data}  # type: ignore[attr-defined]

@@ -814,6 +814,7 @@ def _fits(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from sim.presets import (
+        FP4_KV_CACHE_DTYPES,
         GIB,
         GPU_PRESETS,
         KV_CACHE_DTYPE_BYTES,
@@ -835,9 +836,13 @@ def _fits(args: argparse.Namespace) -> int:
             args.kv_cache_dtype])
     sizes = [1, 2, 4, 8]
     rows = []
+    fp4 = args.kv_cache_dtype in FP4_KV_CACHE_DTYPES
     for gpu in GPU_PRESETS.values():
         row = {"gpu": gpu.name}
         for tp in sizes:
+            if fp4 and gpu.fp4_peak_flops is None:
+                row[f"TP {tp}"] = "no FP4"
+                continue
             if gpu.interconnect_gpus is not None and tp > gpu.interconnect_gpus:
                 row[f"TP {tp}"] = "—"
                 continue
@@ -859,6 +864,9 @@ def _fits(args: argparse.Namespace) -> int:
     frame = pd.DataFrame(rows)
     print(frame.to_string(index=False))
     heads = "; heads: its heads do not split so" if (frame == "heads").any().any() else ""
+    if fp4:
+        heads += (f"; no FP4: only GPUs with FP4 tensor cores (Blackwell) read a "
+                  f"{args.kv_cache_dtype} cache")
     print(f"\n—: the weights leave no room (or the GPUs' link joins fewer){heads}. Pipeline "
           "stages, data-parallel ranks and memory.kv_memory_gib: kvsim validate on a scenario")
     if model.sliding_window:

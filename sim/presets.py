@@ -37,8 +37,9 @@ class ModelSpec:
     max_model_len: int
     dtype_bytes: int = 2
     # Bytes of one cached K or V element when the cache is stored narrower than the weights
-    # (vLLM's --kv-cache-dtype fp8: 1); None: the weights' dtype.
-    kv_dtype_bytes: int | None = None
+    # (vLLM's --kv-cache-dtype fp8: 1; an FP4 cache 0.5625, its scales with it); None: the
+    # weights' dtype.
+    kv_dtype_bytes: float | None = None
     # The residual stream's width (config.json's hidden_size) where it is not
     # num_heads × head_dim (MLA, many MoE models); None: num_heads × head_dim.
     model_dim: int | None = None
@@ -100,8 +101,8 @@ class ModelSpec:
         return size, -(-full // size), -(-sliding // size)
 
     @property
-    def kv_element_bytes(self) -> int:
-        """Bytes of one cached K or V element."""
+    def kv_element_bytes(self) -> float:
+        """Bytes of one cached K or V element (an FP4 cache's: a fraction, with its scale)."""
         return self.kv_dtype_bytes or self.dtype_bytes
 
     @property
@@ -207,9 +208,10 @@ class ModelSpec:
 
     def kv_bytes_per_token_per_gpu(self, tensor_parallel_size: int) -> int:
         """One token's K and V (or MLA latent) on one GPU of a tensor-parallel group."""
-        return (self.kv_tensors_per_layer * self.num_layers
-                * self.kv_elements_per_layer_tensor(tensor_parallel_size)
-                * self.kv_element_bytes)
+        # (Whole bytes: an FP4 cache's elements come in blocks of 16, a byte of scale each.)
+        return round(self.kv_tensors_per_layer * self.num_layers
+                     * self.kv_elements_per_layer_tensor(tensor_parallel_size)
+                     * self.kv_element_bytes)
 
     def pipeline_stage_layers(self, pipeline_parallel_size: int) -> list[int]:
         """Layers each pipeline stage holds, first to last, as vLLM splits them
@@ -225,8 +227,8 @@ class ModelSpec:
         """Tokens one physical page holds when, as vAttention lays KV out, every layer's K and
         every layer's V (or MLA latent) is a virtual tensor of its own on each GPU: a page
         backs one of them, so it holds ``page_bytes`` / (its elements a token × KV dtype)."""
-        return page_bytes // (self.kv_elements_per_layer_tensor(tensor_parallel_size)
-                              * self.kv_element_bytes)
+        return int(page_bytes // (self.kv_elements_per_layer_tensor(tensor_parallel_size)
+                                  * self.kv_element_bytes))
 
     def slots_in_gib(self, gib: float, tensor_parallel_size: int) -> int:
         """Token slots ``gib`` GiB hold when spread over a tensor-parallel group's GPUs."""
@@ -327,7 +329,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         # Llama-3.1-70B and -405B: GQA with 8 KV heads, a 128K context. In FP8 the 70B
         # comes to 72.7 GB, 1.03 bytes a weight; Meta's 405B to 487 GB, 1.2 bytes a weight,
         # which one board of eight 80 GB GPUs holds. Their FP8 weights multiply in FP8 (where
-        # the GPU can); their KV caches stay 16-bit (fp8 is memory.kv_cache_dtype's).
+        # the GPU can); their KV caches stay 16-bit (fp8 or FP4 is memory.kv_cache_dtype's).
         ModelSpec("llama-3.1-70b", 80, 64, 8, 128, 70.55e9, 131072),
         ModelSpec("llama-3.1-70b-fp8", 80, 64, 8, 128, 70.55e9, 131072,
                   weight_dtype_bytes=_mean_weight_bytes(70.55e9, _LLAMA_70B_LINEAR_PARAMS),
@@ -429,9 +431,16 @@ GPU_PRESETS: dict[str, GpuSpec] = {
 }
 
 
-# vLLM's --kv-cache-dtype values that store the cache narrower than a 16-bit model: bytes
-# per element. "auto" (absent here) keeps the model's dtype.
-KV_CACHE_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# An FP4 KV cache (SGLang's --kv-cache-dtype fp4_e2m1, TensorRT-LLM's NVFP4 KV cache): E2M1
+# values in blocks of 16 elements, each block with an 8-bit scale, 4.5 bits an element.
+FP4_KV_BLOCK = 16
+FP4_KV_CACHE_DTYPES = ("fp4_e2m1", "nvfp4")
+# --kv-cache-dtype values that store the cache narrower than a 16-bit model (vLLM's fp8
+# names, and FP4): bytes per element. "auto" (absent here) keeps the model's dtype.
+KV_CACHE_DTYPE_BYTES: dict[str, float] = {
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
+    **dict.fromkeys(FP4_KV_CACHE_DTYPES, 0.5 + 1 / FP4_KV_BLOCK),
+}
 KV_CACHE_DTYPES = ("auto", *KV_CACHE_DTYPE_BYTES)
 
 

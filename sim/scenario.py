@@ -33,6 +33,8 @@ from pydantic_core import ErrorDetails
 
 from sim.memory import EVICTION_POLICIES, PLACEMENTS, RESERVE_POLICIES
 from sim.presets import (
+    FP4_KV_BLOCK,
+    FP4_KV_CACHE_DTYPES,
     GPU_PRESETS,
     KV_CACHE_DTYPE_BYTES,
     MODEL_PRESETS,
@@ -183,12 +185,15 @@ class GpuConfig(ConfigModel):
 class MemoryConfig(ConfigModel):
     """The KV pool: ``kv_memory_gib`` if given, else GPU memory × utilization − weights;
     ``kv_cache_dtype`` as vLLM's ``--kv-cache-dtype`` (fp8: half the bytes per token of a
-    16-bit model, so twice the tokens in the same memory and half the bytes to read)."""
+    16-bit model, so twice the tokens in the same memory and half the bytes to read), or an
+    FP4 cache (SGLang's ``fp4_e2m1``, TensorRT-LLM's ``nvfp4``: 4.5 bits, scales included)."""
 
     kv_memory_gib: PositiveFloat | None = None
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
-        default="auto", description="auto: the model's dtype; fp8 variants: one byte")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "nvfp4"] = Field(
+        default="auto", description="auto: the model's dtype; fp8 variants: one byte; "
+        "fp4_e2m1 (SGLang's) or nvfp4 (TensorRT-LLM's): 4-bit values with an 8-bit scale a "
+        "block of 16, 0.5625 bytes (a GPU with FP4 tensor cores: Blackwell)")
 
 
 class ParallelConfig(ConfigModel):
@@ -1172,6 +1177,27 @@ class Scenario(ConfigModel):
                             f"KV cache manager that {model.name}'s sliding-window layers "
                             "use; set allocator.hybrid_kv_cache: false (every layer keeps "
                             "every token)")
+        return self
+
+    @model_validator(mode="after")
+    def _fp4_kv_cache_readable(self):  # type: ignore[no-untyped-def]
+        dtype = self.memory.kv_cache_dtype
+        if dtype not in FP4_KV_CACHE_DTYPES:
+            return self
+        gpu = self.gpu_spec()
+        if gpu.fp4_peak_flops is None:
+            # Only Blackwell's kernels (FlashInfer's trtllm-gen, TensorRT-LLM's) read FP4 K
+            # and V in attention; elsewhere SGLang widens them first, at a cost not modelled.
+            raise ValueError(f"memory.kv_cache_dtype: {dtype} is read by attention kernels "
+                             f"of GPUs with FP4 tensor cores (Blackwell) only; {gpu.name} "
+                             "has none (an explicit gpu states peak_fp4_tflops)")
+        model = _model_spec(self.model)
+        elements = model.kv_latent_dim or model.head_dim
+        if elements % FP4_KV_BLOCK:
+            what = "kv_latent_dim" if model.kv_latent_dim else "head_dim"
+            raise ValueError(f"memory.kv_cache_dtype: {dtype} scales blocks of "
+                             f"{FP4_KV_BLOCK} elements of a head; {model.name}'s {what} "
+                             f"{elements} is not a multiple of {FP4_KV_BLOCK}")
         return self
 
     @model_validator(mode="after")

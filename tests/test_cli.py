@@ -350,6 +350,13 @@ def test_presets_say_how_many_tokens_each_gpu_holds_of_a_model():
     fp8_rows = {line.split()[0]: line.split()[1:] for line in fp8.stdout.splitlines()[2:9]}
     assert fp8_rows["b200-180g"][0] == (
         f"{int((183359 * 2**20 * 0.9 - 70.55e9 * 2) // (2 * 80 * 8 * 128)):,}")
+    # An FP4 cache: 4.5 bits an element, read on Blackwell only.
+    fp4 = kvsim("presets", "--model", "llama-3.1-70b", "--kv-cache-dtype", "fp4_e2m1")
+    fp4_rows = {line.split()[0]: line.split()[1:] for line in fp4.stdout.splitlines()[2:9]}
+    assert fp4_rows["b200-180g"][0] == (
+        f"{int((183359 * 2**20 * 0.9 - 70.55e9 * 2) // (2 * 80 * 8 * 128 * 0.5625)):,}")
+    assert fp4_rows["h200-141g"] == ["no", "FP4"] * 4
+    assert "no FP4: only GPUs with FP4 tensor cores (Blackwell) read" in fp4.stdout
     for args, words in ((("--model", "nope"), "kvsim: error: --model: unknown model 'nope'"),
                         (("--model", "qwen3-8b", "--max-model-len", "50000"),
                          "kvsim: error: --max-model-len 50000: qwen3-8b's context is 40,960 "

@@ -427,6 +427,9 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         bars = figures["by_engine_disaggregation"].kvsim_data["series"].set_index(
             "param:engine.disaggregation")
         assert (bars["slo_attainment"] == split["slo_attainment"]).all()
+        # Four values short enough to stand side by side under their bars.
+        ticks = figures["by_engine_disaggregation"].axes[-1].get_xticklabels()
+        assert [tick.get_text() for tick in ticks] == list(bars.index)
         from reports.sweep_report import capacity_figures
 
         # kvsim capacity --sweep draws the same bars for its capacities.
@@ -525,12 +528,15 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
                  "engine.router.kv_events"]
         bars = category_figures(top, swept, ["workload.arrival.rate"], ["throughput_tok_s"])
         series = bars["by_engine_router_policy"].kvsim_data["series"]
+        # (Ten of them, too long to stand side by side: listed down the side, one a line.)
         assert list(series["value"]) == [
             "round_robin", "least_loaded", "cache_aware", "kv_aware",
-            "kv_aware\noverlap_score_weight=4", "kv_aware\ntrack_prefill_tokens=False",
-            "kv_aware\noverlap_score_weight=4\ntrack_prefill_tokens=False",
-            "kv_aware\ntemperature=0.1", "kv_aware\nkv_events=True",
-            "kv_aware\noverlap_score_weight=4\ntrack_prefill_tokens=False\nkv_events=True"]
+            "kv_aware, overlap_score_weight=4", "kv_aware, track_prefill_tokens=False",
+            "kv_aware, overlap_score_weight=4, track_prefill_tokens=False",
+            "kv_aware, temperature=0.1", "kv_aware, kv_events=True",
+            "kv_aware, overlap_score_weight=4, track_prefill_tokens=False, kv_events=True"]
+        labels = bars["by_engine_router_policy"].axes[0].get_yticklabels()
+        assert [label.get_text() for label in labels] == list(series["value"])
     if name == "disaggregation_chat":  # decode placement is part of the swept section
         assert outcome.table["param:engine.disaggregation"].str.contains(
             '"decode_router": "least_loaded"').sum() == 2
