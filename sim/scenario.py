@@ -44,7 +44,7 @@ from sim.presets import (
 from sim.router import DYNAMO_TTL_S, VLLM_DP_STATS_INTERVAL_S
 from sim.timing import DEFAULT_ALLREDUCE_LATENCY_S, DEFAULT_PIPELINE_NETWORK_GBPS
 from sim.yaml_file import read_yaml
-from workloads.distributions import ConfigModel
+from workloads.distributions import ConfigModel, YamlFlag
 from workloads.spec import (
     MAX_REQUESTS,
     MAX_SAMPLES,
@@ -1504,6 +1504,9 @@ def _format_error(error: ErrorDetails, data: Any) -> str:
         return f"{where}: required field is missing"
     message = error["msg"].removeprefix("Value error, ")
     value = error.get("input")
+    if isinstance(value, YamlFlag):
+        return (f"{where}: expected a number, got a yes/no flag ({value}: YAML reads yes, "
+                "no, on, off, true and false so)")
     if kind != "value_error" and not isinstance(value, dict | list):
         return f"{where}: {message} (got {value!r})"
     if not loc:  # a check across sections: its message names the fields it is about

@@ -124,11 +124,11 @@ BAD = [
      "room in the model's context of 4096; expected fewer than 4095"),
     # YAML's flags are no numbers (pydantic would read true as 1: a one-token block).
     ("a flag for a number", GOOD.replace("block_size: 16", "block_size: yes"),
-     "systems[1].allocator.block_size: Input should be a valid integer, unable to parse "
-     "string as an integer (got 'true')"),
-    ("a flag for an optional number", GOOD.replace("num_requests: 60", "num_requests: true"),
-     "stop.num_requests: Input should be a valid integer, unable to parse string as an "
-     "integer (got 'true')"),
+     "systems[1].allocator.block_size: expected a number, got a yes/no flag (true: YAML "
+     "reads yes, no, on, off, true and false so)"),
+    ("a flag for an optional number", GOOD.replace("num_requests: 60", "num_requests: off"),
+     "stop.num_requests: expected a number, got a yes/no flag (false: YAML reads yes, no, "
+     "on, off, true and false so)"),
     # Sizes past any machine are refused, not run out of memory on.
     ("requests past any machine", GOOD.replace("num_requests: 60", "num_requests: 1000000000000"),
      "stop.num_requests: Input should be less than or equal to 50000000"),

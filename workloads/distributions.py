@@ -18,6 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, m
 Z99 = 2.3263478740408408  # standard normal 99th percentile
 
 
+class YamlFlag(str):
+    """A yes/no flag where a number belongs (YAML reads yes, on and true as true; no, off and
+    false as false): its text, which a numeric field refuses, marked so that the refusal
+    can say it was a flag."""
+
+
 class ConfigModel(BaseModel):
     """Base of every scenario section: unknown keys are errors, values are checked (numbers
     finite: an infinite weight or rate would turn the arithmetic into NaN, not an error)."""
@@ -33,7 +39,7 @@ class ConfigModel(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        flags = {key: str(value).lower() for key, value in data.items()
+        flags = {key: YamlFlag(str(value).lower()) for key, value in data.items()
                  if isinstance(value, bool) and key in fields
                  and _numbers_only(fields[key].annotation)}
         return {**data, **flags} if flags else data
