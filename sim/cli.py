@@ -196,15 +196,10 @@ def _sweep_means(table: pd.DataFrame, metrics: Sequence[str]) -> str:
     ``metrics`` labelled and formatted as in a run's summary."""
     import pandas as pd
 
-    from sim.metrics import labelled_sweep_table, sweep_metrics
+    from sim.metrics import labelled_sweep_means
 
-    keys = [c for c in table.columns if c.startswith("param:")] + ["system"]
-    done = table[table["status"] == "ok"]
-    metrics = sweep_metrics(done, metrics)
-    # dropna=False: a field swept to null (off) is a row of its own, not dropped.
-    means = done.groupby(keys, sort=False, dropna=False)[metrics].mean().reset_index()
-    seeds = done["seed"].nunique()
-    shown = labelled_sweep_table(means, metrics)
+    seeds = table.loc[table["status"] == "ok", "seed"].nunique()
+    shown = labelled_sweep_means(table, metrics)
     with pd.option_context("display.max_rows", 500, "display.width", 200):
         text = shown.to_string(index=False)
     return text + (f"\n(means over {seeds} seeds)" if seeds > 1 else "")
@@ -269,16 +264,9 @@ def _print_probe(probe: Any, slo: dict[str, Any], with_seed: bool = False) -> No
     sys.stderr.flush()
 
 
-CAPACITY_TABLE_METRICS = ("capacity_req_s", "slo_attainment", "slo_tightest_attainment",
-                          "ttft_p99_s", "tpot_p50_s", "throughput_tok_s",
-                          "usd_per_million_tokens", "rank_wait_frac",
-                          "pipeline_bubble_frac")
-
-
 def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
     """``kvsim capacity --sweep``: every point's search, a table, figures."""
-    from reports.html import save_figure
-    from reports.sweep_report import capacity_figures
+    from reports.capacity_report import SWEEP_TABLE, capacity_metrics, write_capacity_report
     from sim.capacity import capacity_sweep, unsettled_note
     from sim.results import swept_value_text, write_table
 
@@ -294,17 +282,12 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
         # The sweep's own checks name the file already; the search's do not.
         raise BadInput(str(exc) if str(exc).startswith(f"{path}") else f"{path}: {exc}"
                        ) from None
-    written = write_table(table, out / "capacity.parquet")
+    written = write_table(table, out / SWEEP_TABLE)
+    write_capacity_report(out)  # figures and report.html, drawn from the table
     fields = [c.removeprefix("param:") for c in table.columns if c.startswith("param:")]
     if (table["status"] == "ok").any():  # (with every point failed, only their errors)
-        metrics = list(CAPACITY_TABLE_METRICS)
-        if "slo_max_itl_attainment" in table and table["slo_max_itl_attainment"].notna().any():
-            # Objectives that bound the longest wait between tokens: show that wait.
-            metrics.insert(metrics.index("tpot_p50_s") + 1, "max_itl_p99_s")
-        print(_sweep_means(table, metrics))
+        print(_sweep_means(table, capacity_metrics(table)))
         print("(the other columns: the run at each capacity)")
-        for name, fig in capacity_figures(table, fields).items():
-            save_figure(fig, out / "figures", name)
     failed = table[table["status"] != "ok"]
     for error in failed["error"].unique()[:5]:
         print(f"failed: {error}", file=sys.stderr)
@@ -417,16 +400,13 @@ def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path) 
     (attainment and goodput against load, a line per system and seed) into ``out``."""
     import pandas as pd
 
-    from reports.html import save_figure
-    from reports.slo_figure import attainment_figure
-    from reports.style import system_color
+    from reports.capacity_report import CAPACITY_FILE, PROBES_FILE, write_capacity_report
     from sim.results import write_json
-    from sim.slo import describe_slo
 
     probes = pd.DataFrame([{"system": p.system, "seed": p.seed, "load": p.load,
                             "offered_req_s": p.offered_req_s, "holds": p.holds, **p.summary}
                            for c in capacities for p in c.probes])
-    probes.to_csv(out / "probes.csv", index=False)
+    probes.to_csv(out / PROBES_FILE, index=False)
     by_system = _by_system(capacities)
     several = any(len(searches) > 1 for searches in by_system.values())
 
@@ -450,32 +430,24 @@ def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path) 
         systems = {c.system: found(c) for c in capacities}
         head = {"seed": capacities[0].seed}  # (--seeds N alone: that seed's)
     write_json({"scenario": scenario.name, **head, "slo": scenario.slo.model_dump(),
-                "knob": knob.path, "systems": systems}, out / "capacity.json")
-    markers = "os^Dv<>p*h"
-    lines, capacity_req_s = [], {}
-    for i, (name, searches) in enumerate(by_system.items()):
-        for j, c in enumerate(searches):
-            label = name if len(searches) == 1 else f"{name}, seed {c.seed}"
-            capacity_req_s[label] = found(c)["capacity_req_s"]
-            lines.append((label, {"color": system_color(i), "marker": markers[j % 10]},
-                          probes[(probes["system"] == name) & (probes["seed"] == c.seed)]))
-    slo = scenario.slo.model_dump()
-    save_figure(attainment_figure(lines, "offered_req_s", slo, capacity_req_s,
-                                  title=f"{scenario.name}: within SLO ({describe_slo(slo)})"),
-                out, "capacity")
+                "knob": knob.path, "systems": systems}, out / CAPACITY_FILE)
+    write_capacity_report(out)  # the figure, drawn from the files just written
     return out
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from reports import write_any_report
+    from reports.capacity_report import is_capacity_folder
 
     path = Path(args.run_dir)
-    if not (path / "summary.json").is_file() and not (path / "sweep.json").is_file():
-        raise BadInput(f"{path}: not a kvsim run or sweep folder (no summary.json or "
-                       "sweep.json)")
+    if not ((path / "summary.json").is_file() or (path / "sweep.json").is_file()
+            or is_capacity_folder(path)):
+        raise BadInput(f"{path}: not a kvsim run, sweep or capacity folder (no summary.json, "
+                       "sweep.json, capacity.json or capacity.parquet)")
     if (args.x or args.y) and not (path / "sweep.json").is_file():
-        raise BadInput(f"{path}: --x and --y choose a sweep figure, and this is a run folder "
-                       "(a sweep folder holds sweep.json)")
+        kind = "run" if (path / "summary.json").is_file() else "capacity"
+        raise BadInput(f"{path}: --x and --y choose a sweep figure, and this is a {kind} "
+                       "folder (a sweep folder holds sweep.json)")
     report = write_any_report(path, x=args.x, y=args.y)
     print(f"report: {report}")
     return EXIT_OK
@@ -1089,8 +1061,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(capacity)
     capacity.set_defaults(func=cmd_capacity)
 
-    report = sub.add_parser("report", help="figures and report.html for a run or sweep folder")
-    report.add_argument("run_dir", metavar="RUN_OR_SWEEP_DIR")
+    report = sub.add_parser("report", help="figures and report.html for a run, sweep or "
+                            "capacity folder")
+    report.add_argument("run_dir", metavar="FOLDER")
     report.add_argument("--x", help="sweep: swept field for the x axis (e.g. "
                         "workload.arrival.rate)")
     report.add_argument("--y", help="sweep: summary metric for the y axis (e.g. "

@@ -238,6 +238,18 @@ def sweep_metrics(table: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
     return shown
 
 
+def labelled_sweep_means(table: pd.DataFrame, metrics: Sequence[str]) -> pd.DataFrame:
+    """A sweep's finished runs averaged over seeds, one row per point and system, with
+    ``metrics`` (as :func:`sweep_metrics` extends them) labelled and formatted as in a run's
+    summary."""
+    keys = [c for c in table.columns if c.startswith("param:")] + ["system"]
+    done = table[table["status"] == "ok"]
+    shown = sweep_metrics(done, metrics)
+    # dropna=False: a field swept to null (off) is a row of its own, not dropped.
+    means = done.groupby(keys, sort=False, dropna=False)[shown].mean().reset_index()
+    return labelled_sweep_table(means, shown)
+
+
 def labelled_sweep_table(table: pd.DataFrame, metrics: Iterable[str],
                          keep: Sequence[str] = ("system",)) -> pd.DataFrame:
     """Sweep results as people read them: the swept fields without their ``param:`` prefix

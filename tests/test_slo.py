@@ -349,6 +349,19 @@ def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(t
     assert probes.loc[probes["holds"], "load"].max() == paged["capacity_load"]
     assert (probes.loc[probes["holds"], "slo_attainment"] >= 0.9).all()
     assert (out / "capacity.png").stat().st_size > 10_000
+    # kvsim report draws the figure again from the files, the same to the byte, and a page.
+    drawn = (out / "capacity.png").read_bytes()
+    (out / "capacity.png").unlink()
+    (out / "report.html").unlink()
+    redrawn = kvsim_in_process("report", str(out))
+    assert redrawn.returncode == 0, redrawn.stderr
+    assert (out / "capacity.png").read_bytes() == drawn
+    page = (out / "report.html").read_text()
+    assert "<td>paged</td>" in page and f"{paged['capacity_req_s']:,.4g}" in page
+    (out / "probes.csv").write_text("a,b\n1,2\n")  # damaged: said in a line
+    damaged = kvsim_in_process("report", str(out))
+    assert damaged.returncode == 2 and damaged.stderr == (
+        f"kvsim: error: {out / 'probes.csv'}: cannot be read back (no 'system' field)\n")
     # The command line's bounds replace the file's: a looser TTFT allows a higher rate.
     loose = tmp_path / "loose"
     assert kvsim_in_process("capacity", str(path), "--system", "paged", "--rel-tol", "0.1",
@@ -528,7 +541,15 @@ def test_capacity_sweep_command_tables_figures_and_failures(tmp_path):
     assert (table.groupby("param:memory.kv_memory_gib")["status"].first().to_dict()
             == {1e-06: "failed", 2.0: "ok", 4.0: "ok"})
     assert "capacity under SLO (req/s)" in proc.stdout
-    assert (tmp_path / "out" / "figures" / "capacity_vs_memory_kv_memory_gib.png").is_file()
+    figure = tmp_path / "out" / "figures" / "capacity_vs_memory_kv_memory_gib.png"
+    assert figure.is_file()
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "capacity under SLO (req/s)" in page and "failed: SizingError: memory" in page
+    # kvsim report draws them again from the table.
+    drawn = figure.read_bytes()
+    figure.unlink()
+    assert kvsim_in_process("report", str(tmp_path / "out")).returncode == 0
+    assert figure.read_bytes() == drawn
     refused = kvsim_in_process("capacity", str(path), "--sweep", "--ttft-s", "1", "--out",
                                str(tmp_path / "x"))
     assert refused.returncode == 2 and "put the bounds or seeds there" in refused.stderr
@@ -629,6 +650,14 @@ def test_capacity_under_several_seeds_is_each_seeds_own_search(tmp_path, capfd):
     assert f"paged (seed {middle})" in proc.stdout
     probes = pd.read_csv(tmp_path / "out" / "probes.csv")
     assert sorted(probes["seed"].unique()) == [0, 3, 5]
+    # The figure: a line for each seed searched, each with its own capacity.
+    from reports.capacity_report import capacity_figure
+
+    figure = capacity_figure(probes, result)
+    labels = [line.get_label() for line in figure.axes[0].get_lines()
+              if not line.get_label().startswith("_")]
+    assert labels == [f"paged, seed {seed} (capacity {capacity:.3g})"
+                      for seed, capacity in zip((0, 3, 5), paged, strict=True)]
     assert len(probes) == sum(found["by_seed"][s]["runs"] for s in ("0", "3", "5"))
     for args in (["--seeds", "1,1"], ["--seeds", "1,x"], ["--seeds", "0,1", "--seed", "2"]):
         bad = kvsim_in_process("capacity", str(path), "--out", str(tmp_path / "x"), *args)
