@@ -246,7 +246,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     for note in scenario.setting_notes():
         print(f"note: {note}")
     print(_capacity_text(scenario, knob, capacities))
-    print(f"results: {_write_capacity(scenario, knob, capacities, out)}")
+    print(f"results: {_write_capacity(scenario, knob, capacities, out, not args.no_report)}")
     return EXIT_OK
 
 
@@ -283,7 +283,8 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
         raise BadInput(str(exc) if str(exc).startswith(f"{path}") else f"{path}: {exc}"
                        ) from None
     written = write_table(table, out / SWEEP_TABLE)
-    write_capacity_report(out)  # figures and report.html, drawn from the table
+    if not args.no_report:
+        write_capacity_report(out)  # figures and report.html, drawn from the table
     fields = [c.removeprefix("param:") for c in table.columns if c.startswith("param:")]
     if (table["status"] == "ok").any():  # (with every point failed, only their errors)
         print(_sweep_means(table, capacity_metrics(table)))
@@ -394,10 +395,12 @@ def _median_search(searches: list[Any], knob: Any) -> Any:
     return min((c for c in searches if c.held == middle.held), key=lambda c: c.seed)
 
 
-def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path) -> Path:
+def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path,
+                    report: bool = True) -> Path:
     """``capacity.json`` (each system's result; with several seeds, their median, range
-    and each seed's), ``probes.csv`` (every run's summary) and ``capacity.png``/``.svg``
-    (attainment and goodput against load, a line per system and seed) into ``out``."""
+    and each seed's), ``probes.csv`` (every run's summary) and, with ``report``,
+    ``capacity.png``/``.svg`` (attainment and goodput against load, a line per system and
+    seed) and ``report.html`` into ``out``."""
     import pandas as pd
 
     from reports.capacity_report import CAPACITY_FILE, PROBES_FILE, write_capacity_report
@@ -431,7 +434,8 @@ def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path) 
         head = {"seed": capacities[0].seed}  # (--seeds N alone: that seed's)
     write_json({"scenario": scenario.name, **head, "slo": scenario.slo.model_dump(),
                 "knob": knob.path, "systems": systems}, out / CAPACITY_FILE)
-    write_capacity_report(out)  # the figure, drawn from the files just written
+    if report:
+        write_capacity_report(out)  # the figure, drawn from the files just written
     return out
 
 
@@ -1058,6 +1062,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="--sweep: a quarter of the requests, ≤3 values per axis")
     capacity.add_argument("-o", "--out", help="results folder (default: runs/NAME-capacity)")
     capacity.add_argument("--quiet", action="store_true", help="no line per run")
+    capacity.add_argument("--no-report", action="store_true",
+                          help="skip the figures and report (kvsim report draws them later)")
     _add_overrides(capacity)
     capacity.set_defaults(func=cmd_capacity)
 

@@ -365,7 +365,9 @@ def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(t
     # The command line's bounds replace the file's: a looser TTFT allows a higher rate.
     loose = tmp_path / "loose"
     assert kvsim_in_process("capacity", str(path), "--system", "paged", "--rel-tol", "0.1",
-                            "--tpot-s", "0.2", "--out", str(loose), "--quiet").returncode == 0
+                            "--tpot-s", "0.2", "--out", str(loose), "--quiet",
+                            "--no-report").returncode == 0
+    assert sorted(p.name for p in loose.iterdir()) == ["capacity.json", "probes.csv"]
     looser = json.loads((loose / "capacity.json").read_text())
     assert looser["slo"]["tpot_s"] == 0.2 and looser["slo"]["ttft_s"] == 1.0
     assert looser["systems"]["paged"]["capacity_load"] >= paged["capacity_load"]
