@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import yaml
 from matplotlib.figure import Figure
 
 from reports.html import img_tag, render_html, save_figure
@@ -23,6 +24,7 @@ from sim.slo import describe_slo
 CAPACITY_FILE = "capacity.json"  # one search's answer: each system's capacity
 PROBES_FILE = "probes.csv"  # every run of that search, its summary
 SWEEP_TABLE = "capacity.parquet"  # kvsim capacity --sweep: each point's answer, a row
+SCENARIO_FILE = "scenario.yaml"  # the scenario searched (with --sweep, its base and sweep)
 # The columns of a capacity table worth showing, in this order (the run at each capacity's).
 CAPACITY_TABLE_METRICS = ("capacity_req_s", "slo_attainment", "slo_tightest_attainment",
                           "ttft_p99_s", "tpot_p50_s", "throughput_tok_s",
@@ -106,18 +108,32 @@ def write_capacity_report(path: Path) -> Path:
         failed = table[table["status"] != "ok"]
         notes = [f"failed: {error}" for error in failed["error"].unique()]
         title = f"kvsim capacity --sweep: {path.name}"
+        lead = "The highest load each system serves within the SLO at each point of the sweep."
     else:
         found = read_back(path, CAPACITY_FILE, _answer)
         probes = read_back(path, PROBES_FILE, lambda file: _with(
             ("system", "seed", "offered_req_s"), pd.read_csv(file)))
         png = save_figure(capacity_figure(probes, found), path, "capacity")
         sections.append(("Within SLO against load", img_tag(png, "capacity")))
-        rows = [{"system": system, "capacity (req/s)": "none in range"
-                 if answer["capacity_req_s"] is None else f"{answer['capacity_req_s']:,.4g}"}
-                for system, answer in found["systems"].items()]
+        rows = []
+        for system, answer in found["systems"].items():
+            row = {"system": system, "capacity (req/s)": _req_s(answer["capacity_req_s"])}
+            if "by_seed" in answer:  # several seeds: the median, and their range
+                row["over seeds"] = (f"{_req_s(answer['capacity_req_s_min'])} to "
+                                     f"{_req_s(answer['capacity_req_s_max'])}")
+            rows.append(row)
         sections.append(("Capacities", pd.DataFrame(rows).to_html(index=False, border=0)))
         notes = []
         title = f"kvsim capacity: {found['scenario']}"
+        lead = (f"The highest load each system serves with {describe_slo(found['slo'])}, "
+                f"{found.get('knob', 'the load')} searched.")
+    scenario = (read_back(path, SCENARIO_FILE, lambda file: dict(yaml.safe_load(
+        file.read_text()))) if (path / SCENARIO_FILE).is_file() else {})
     out = path / "report.html"
-    out.write_text(render_html(title, sections, {}, notes))
+    out.write_text(render_html(title, sections, scenario, notes, lead))
     return out
+
+
+def _req_s(value: float | None) -> str:
+    """A capacity as the page shows it."""
+    return "none in range" if value is None else f"{value:,.4g}"

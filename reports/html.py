@@ -95,8 +95,9 @@ def render_html(title: str, sections: list[tuple[str, str]], scenario: dict,
         parts.append(f"<p class='note'>note: {html.escape(note)}</p>")
     for heading, body in sections:
         parts.append(f"<h2>{html.escape(heading)}</h2>{body}")
-    parts.append("<h2>Resolved scenario</h2><pre>"
-                 + html.escape(yaml.safe_dump(scenario, sort_keys=False)) + "</pre>")
+    if scenario:  # (a folder from before it was kept has none to show)
+        parts.append("<h2>Resolved scenario</h2><pre>"
+                     + html.escape(yaml.safe_dump(scenario, sort_keys=False)) + "</pre>")
     versions = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
                        for k, v in _versions().items())
     parts.append(f"<h2>Versions</h2><table>{versions}</table></body></html>")

@@ -225,7 +225,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     runs = Path(scenario.output_dir or Path("runs") / scenario.name)
     out = make_output_folder(Path(args.out or runs.with_name(f"{runs.name}-capacity")))
     if args.sweep:
-        return _capacity_sweep(path, args, out)
+        return _capacity_sweep(path, args, out, scenario)
 
     slo = scenario.slo.model_dump() if scenario.slo else {}
     # Each system (and seed) is searched in a process of its own, which prints its probes
@@ -264,11 +264,17 @@ def _print_probe(probe: Any, slo: dict[str, Any], with_seed: bool = False) -> No
     sys.stderr.flush()
 
 
-def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
-    """``kvsim capacity --sweep``: every point's search, a table, figures."""
-    from reports.capacity_report import SWEEP_TABLE, capacity_metrics, write_capacity_report
+def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path, scenario: Any) -> int:
+    """``kvsim capacity --sweep``: every point's search, a table, figures; ``scenario`` is
+    the sweep's base (its ``sweep`` section with it)."""
+    from reports.capacity_report import (
+        SCENARIO_FILE,
+        SWEEP_TABLE,
+        capacity_metrics,
+        write_capacity_report,
+    )
     from sim.capacity import capacity_sweep, unsettled_note
-    from sim.results import swept_value_text, write_table
+    from sim.results import swept_value_text, write_table, write_yaml
 
     try:
         table = capacity_sweep(path, jobs=args.jobs, executor=args.executor,
@@ -283,6 +289,7 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path) -> int:
         raise BadInput(str(exc) if str(exc).startswith(f"{path}") else f"{path}: {exc}"
                        ) from None
     written = write_table(table, out / SWEEP_TABLE)
+    write_yaml(scenario.model_dump(mode="json"), out / SCENARIO_FILE)
     if not args.no_report:
         write_capacity_report(out)  # figures and report.html, drawn from the table
     fields = [c.removeprefix("param:") for c in table.columns if c.startswith("param:")]
@@ -403,8 +410,13 @@ def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path,
     seed) and ``report.html`` into ``out``."""
     import pandas as pd
 
-    from reports.capacity_report import CAPACITY_FILE, PROBES_FILE, write_capacity_report
-    from sim.results import write_json
+    from reports.capacity_report import (
+        CAPACITY_FILE,
+        PROBES_FILE,
+        SCENARIO_FILE,
+        write_capacity_report,
+    )
+    from sim.results import write_json, write_yaml
 
     probes = pd.DataFrame([{"system": p.system, "seed": p.seed, "load": p.load,
                             "offered_req_s": p.offered_req_s, "holds": p.holds, **p.summary}
@@ -434,6 +446,7 @@ def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path,
         head = {"seed": capacities[0].seed}  # (--seeds N alone: that seed's)
     write_json({"scenario": scenario.name, **head, "slo": scenario.slo.model_dump(),
                 "knob": knob.path, "systems": systems}, out / CAPACITY_FILE)
+    write_yaml(scenario.model_dump(mode="json"), out / SCENARIO_FILE)
     if report:
         write_capacity_report(out)  # the figure, drawn from the files just written
     return out

@@ -352,6 +352,11 @@ def read_back(folder: Path, relative: str, reader: Callable[[Path], Any]) -> Any
         raise RunFolderError(f"{path}: cannot be read back ({detail})") from None
 
 
+def write_yaml(data: Any, path: Path) -> None:
+    """``data`` as YAML in its own order (a resolved scenario reads as its file does)."""
+    _atomic_write(path, lambda p: p.write_text(yaml.safe_dump(data, sort_keys=False)))
+
+
 def write_json(data: Any, path: Path) -> None:
     _atomic_write(path, lambda p: p.write_text(json.dumps(data, indent=2, sort_keys=True,
                                                           allow_nan=True) + "\n"))
@@ -379,8 +384,7 @@ def make_output_folder(path: Path) -> Path:
 def write_run(result: ScenarioResult, out_dir: Path) -> Path:
     """Write a run folder (layout in the module docstring)."""
     make_output_folder(out_dir)
-    _atomic_write(out_dir / "scenario.yaml",
-                  lambda p: p.write_text(yaml.safe_dump(result.scenario, sort_keys=False)))
+    write_yaml(result.scenario, out_dir / "scenario.yaml")
     for name, run in result.systems.items():
         folder = out_dir / _safe_name(name)
         folder.mkdir(exist_ok=True)

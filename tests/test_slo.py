@@ -358,6 +358,7 @@ def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(t
     assert (out / "capacity.png").read_bytes() == drawn
     page = (out / "report.html").read_text()
     assert "<td>paged</td>" in page and f"{paged['capacity_req_s']:,.4g}" in page
+    assert "<h2>Resolved scenario</h2>" in page
     (out / "probes.csv").write_text("a,b\n1,2\n")  # damaged: said in a line
     damaged = kvsim_in_process("report", str(out))
     assert damaged.returncode == 2 and damaged.stderr == (
@@ -367,7 +368,10 @@ def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(t
     assert kvsim_in_process("capacity", str(path), "--system", "paged", "--rel-tol", "0.1",
                             "--tpot-s", "0.2", "--out", str(loose), "--quiet",
                             "--no-report").returncode == 0
-    assert sorted(p.name for p in loose.iterdir()) == ["capacity.json", "probes.csv"]
+    assert sorted(p.name for p in loose.iterdir()) == ["capacity.json", "probes.csv",
+                                                       "scenario.yaml"]
+    kept = yaml.safe_load((loose / "scenario.yaml").read_text())
+    assert kept["slo"]["tpot_s"] == 0.2 and kept["slo"]["ttft_s"] == 1.0  # as searched
     looser = json.loads((loose / "capacity.json").read_text())
     assert looser["slo"]["tpot_s"] == 0.2 and looser["slo"]["ttft_s"] == 1.0
     assert looser["systems"]["paged"]["capacity_load"] >= paged["capacity_load"]
