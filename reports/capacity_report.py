@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 from matplotlib.figure import Figure
 
 from reports.html import img_tag, render_html, save_figure
@@ -52,7 +51,7 @@ def capacity_figure(probes: pd.DataFrame, found: dict[str, Any]) -> Figure:
             label = system if len(seeds) == 1 else f"{system}, seed {seed}"
             capacities[label] = (answer["by_seed"][str(seed)] if "by_seed" in answer
                                  else answer)["capacity_req_s"]
-            lines.append((label, {"color": system_color(i), "marker": _MARKERS[j % 10]},
+            lines.append((label, {"color": system_color(i), "marker": _MARKERS[j % len(_MARKERS)]},
                           runs[runs["seed"] == seed]))
     slo = found["slo"]
     return attainment_figure(lines, "offered_req_s", slo, capacities,
@@ -68,70 +67,77 @@ def capacity_metrics(table: pd.DataFrame) -> list[str]:
     return metrics
 
 
-def _with(columns: tuple[str, ...], frame: pd.DataFrame) -> pd.DataFrame:
-    """``frame``, if it has ``columns`` (a KeyError naming the first it lacks, if not)."""
-    for column in columns:
-        if column not in frame:
-            raise KeyError(column)
-    return frame
-
-
-def _answer(path: Path) -> dict[str, Any]:
-    """``capacity.json``, checked for what the figure reads."""
-    answer = json.loads(path.read_text())
-    lacking = [key for key in ("scenario", "slo", "systems") if key not in answer]
+def _having(keys: tuple[str, ...], data: Any) -> Any:
+    """``data`` (a table's columns, a mapping's keys), if it has ``keys``; else a KeyError
+    naming the first it lacks, which :func:`~sim.results.read_back` tells as a damaged file."""
+    lacking = [key for key in keys if key not in data]
     if lacking:
         raise KeyError(lacking[0])
-    return answer
+    return data
+
+
+Page = tuple[str, str, list[tuple[str, str]], list[str]]  # title, lead, sections, notes
 
 
 def write_capacity_report(path: Path) -> Path:
     """Redraw a capacity folder's figures (PNG, SVG) and write ``path/report.html``; a file
     missing or damaged is a :class:`~sim.results.RunFolderError` naming it."""
+    from sim.results import read_scenario
+
+    if (path / SWEEP_TABLE).is_file():
+        title, lead, sections, notes = _sweep_page(path)
+    else:
+        title, lead, sections, notes = _search_page(path)
+    scenario = read_scenario(path) if (path / SCENARIO_FILE).is_file() else {}
+    out = path / "report.html"
+    out.write_text(render_html(title, sections, scenario, notes, lead))
+    return out
+
+
+def _sweep_page(path: Path) -> Page:
+    """``kvsim capacity --sweep``'s figures (drawn into ``path/figures``) and table."""
     from reports.sweep_report import capacity_figures
     from sim.metrics import labelled_sweep_means
     from sim.results import read_back
 
+    table = read_back(path, SWEEP_TABLE, lambda file: _having(
+        ("system", "status", "error"), pd.read_parquet(file)))
+    fields = [c.removeprefix("param:") for c in table.columns if c.startswith("param:")]
     sections = []
-    if (path / SWEEP_TABLE).is_file():
-        table = read_back(path, SWEEP_TABLE, lambda file: _with(
-            ("system", "status", "error"), pd.read_parquet(file)))
-        fields = [c.removeprefix("param:") for c in table.columns if c.startswith("param:")]
-        done = table[table["status"] == "ok"]
-        if len(done):  # (with every point failed, only their errors)
-            for name, fig in capacity_figures(table, fields).items():
-                png = save_figure(fig, path / "figures", name)
-                sections.append((name.replace("_", " "), img_tag(png, name)))
-            shown = labelled_sweep_means(table, capacity_metrics(table))
-            sections.append(("Capacities", "<div class='wide'>"
-                             + shown.to_html(index=False, border=0) + "</div>"))
-        failed = table[table["status"] != "ok"]
-        notes = [f"failed: {error}" for error in failed["error"].unique()]
-        title = f"kvsim capacity --sweep: {path.name}"
-        lead = "The highest load each system serves within the SLO at each point of the sweep."
-    else:
-        found = read_back(path, CAPACITY_FILE, _answer)
-        probes = read_back(path, PROBES_FILE, lambda file: _with(
-            ("system", "seed", "offered_req_s"), pd.read_csv(file)))
-        png = save_figure(capacity_figure(probes, found), path, "capacity")
-        sections.append(("Within SLO against load", img_tag(png, "capacity")))
-        rows = []
-        for system, answer in found["systems"].items():
-            row = {"system": system, "capacity (req/s)": _req_s(answer["capacity_req_s"])}
-            if "by_seed" in answer:  # several seeds: the median, and their range
-                row["over seeds"] = (f"{_req_s(answer['capacity_req_s_min'])} to "
-                                     f"{_req_s(answer['capacity_req_s_max'])}")
-            rows.append(row)
-        sections.append(("Capacities", pd.DataFrame(rows).to_html(index=False, border=0)))
-        notes = []
-        title = f"kvsim capacity: {found['scenario']}"
-        lead = (f"The highest load each system serves with {describe_slo(found['slo'])}, "
-                f"{found.get('knob', 'the load')} searched.")
-    scenario = (read_back(path, SCENARIO_FILE, lambda file: dict(yaml.safe_load(
-        file.read_text()))) if (path / SCENARIO_FILE).is_file() else {})
-    out = path / "report.html"
-    out.write_text(render_html(title, sections, scenario, notes, lead))
-    return out
+    if (table["status"] == "ok").any():  # (with every point failed, only their errors)
+        for name, fig in capacity_figures(table, fields).items():
+            png = save_figure(fig, path / "figures", name)
+            sections.append((name.replace("_", " "), img_tag(png, name)))
+        shown = labelled_sweep_means(table, capacity_metrics(table))
+        sections.append(("Capacities", "<div class='wide'>"
+                         + shown.to_html(index=False, border=0) + "</div>"))
+    failed = table[table["status"] != "ok"]
+    return (f"kvsim capacity --sweep: {path.name}",
+            "The highest load each system serves within the SLO at each point of the sweep.",
+            sections, [f"failed: {error}" for error in failed["error"].unique()])
+
+
+def _search_page(path: Path) -> Page:
+    """One ``kvsim capacity`` search's figure (drawn into ``path``) and capacities."""
+    from sim.results import read_back
+
+    found = read_back(path, CAPACITY_FILE, lambda file: _having(
+        ("scenario", "slo", "systems"), json.loads(file.read_text())))
+    probes = read_back(path, PROBES_FILE, lambda file: _having(
+        ("system", "seed", "offered_req_s"), pd.read_csv(file)))
+    png = save_figure(capacity_figure(probes, found), path, "capacity")
+    rows = []
+    for system, answer in found["systems"].items():
+        row = {"system": system, "capacity (req/s)": _req_s(answer["capacity_req_s"])}
+        if "by_seed" in answer:  # several seeds: the median, and their range
+            row["over seeds"] = (f"{_req_s(answer['capacity_req_s_min'])} to "
+                                 f"{_req_s(answer['capacity_req_s_max'])}")
+        rows.append(row)
+    sections = [("Within SLO against load", img_tag(png, "capacity")),
+                ("Capacities", pd.DataFrame(rows).to_html(index=False, border=0))]
+    return (f"kvsim capacity: {found['scenario']}",
+            f"The highest load each system serves with {describe_slo(found['slo'])}, "
+            f"{found.get('knob', 'the load')} searched.", sections, [])
 
 
 def _req_s(value: float | None) -> str:

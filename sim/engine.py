@@ -1830,6 +1830,7 @@ def _samples_run(scenario: Scenario, trace: Trace) -> None:
     told to: more than fork runs together, or fanned out beside what is not modelled so."""
     if not len(trace) or trace.n.max() == 1:
         return
+    unmodelled = scenario.fanned_out_samples_unmodelled()
     for system in scenario.systems:
         where = f"systems[{system.name}].scheduler.parallel_sampling: "
         if system.scheduler.parallel_sampling == "fork" and trace.n.max() > MAX_SAMPLES:
@@ -1837,7 +1838,6 @@ def _samples_run(scenario: Scenario, trace: Trace) -> None:
             raise WorkloadError(f"{where}fork: request {request} of {trace.source} has "
                                 f"{int(trace.n[request])} samples; at most {MAX_SAMPLES} run "
                                 "together (fan_out runs more, each a request of its own)")
-        unmodelled = scenario.fanned_out_samples_unmodelled()
         if system.scheduler.parallel_sampling == "fan_out" and unmodelled:
             request = int(np.argmax(trace.n > 1))
             raise WorkloadError(f"{where}fan_out: request {request} of {trace.source} has "

@@ -431,10 +431,15 @@ def sweep_run_label(out_dir: Path) -> str | None:
     return ", ".join([*values, f"seed {row['seed']}"])
 
 
+def read_scenario(folder: Path) -> dict[str, Any]:
+    """The resolved scenario a run or capacity folder keeps (``scenario.yaml``)."""
+    return read_back(folder, "scenario.yaml", lambda p: dict(yaml.safe_load(p.read_text())))
+
+
 def load_run(out_dir: Path) -> ScenarioResult:
     """Read a run folder back (the inverse of :func:`write_run`)."""
     summaries, trace_notes = read_back(out_dir, "summary.json", _read_summary)
-    scenario = read_back(out_dir, "scenario.yaml", lambda p: dict(yaml.safe_load(p.read_text())))
+    scenario = read_scenario(out_dir)
     systems = {}
     for name, metrics in summaries.items():
         folder = _safe_name(name)
