@@ -139,13 +139,15 @@ def copy_bandwidth(cp, nbytes: int = 2 * 1024**3) -> float:  # type: ignore[no-u
 def model_problem(model: ModelSpec) -> str | None:
     """Why the harness cannot time ``model``, or None. Its kernel is MHA/GQA decode attention
     and its GEMMs are a dense layer's in fp16, sized from the parameter count: an MLA model's
-    latent attention, a mixture of experts' routed MLPs and quantized (FP8, 4-bit) weights
-    would be timed as something else."""
+    latent attention, a mixture of experts' routed MLPs, quantized (FP8, 4-bit) weights and
+    state-space layers' recurrences would be timed as something else."""
     quantized = (model.weight_dtype_bytes is not None or model.fp8_share > 0
                  or model.fp4_share > 0)
     kinds = [kind for kind, applies in (("MLA attention", model.uses_mla),
                                         ("a mixture of experts", model.is_moe),
-                                        ("quantized weights", quantized)) if applies]
+                                        ("quantized weights", quantized),
+                                        ("state-space layers", model.has_state_layers))
+             if applies]
     if kinds:
         return (f"{model.name} uses {' and '.join(kinds)}; the harness times dense models "
                 "with multi-head or grouped-query attention and 16-bit weights only "

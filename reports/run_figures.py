@@ -40,7 +40,7 @@ def kv_bytes_per_slot(result: ScenarioResult, system: str) -> tuple[float, str]:
     label = "KV memory (GiB)" if tp == 1 else f"KV memory per GPU (GiB, 1 of {tp})"
     model = scenario.model_spec()
     config = next(s for s in scenario.systems if s.name == system)
-    share = slot_layers(model, config) / model.num_layers
+    share = slot_layers(model, config) / model.kv_layers
     return model.kv_bytes_per_token_per_gpu(tp) * share, label
 
 

@@ -671,6 +671,10 @@ def _print_hit_curve(curve: HitCurve, requests: int, rows: int, model: ModelSpec
     if model is not None and model.sliding_window:
         print(f"  note: the curve keeps every layer's blocks; {model.name}'s sliding-window "
               "layers need only a window's before a hit under the hybrid KV cache manager")
+    if model is not None and model.has_state_layers:
+        print(f"  note: the sizes count {model.name}'s attention layers' KV only; its "
+              "state-space layers' states are not cached (paged systems run it without "
+              "prefix caching, as vLLM does), so no cache size finds these hits for it")
 
 
 def cmd_trace_hit_curve(args: argparse.Namespace) -> int:
@@ -754,6 +758,8 @@ def cmd_presets(args: argparse.Namespace) -> int:
         if m.sliding_window:
             kind += (f", window {m.sliding_window:,} in {m.num_sliding_layers} of "
                      f"{m.num_layers} layers")
+        if m.has_state_layers:
+            kind += f", state-space in {m.num_state_layers} of {m.num_layers} layers"
         return kind
 
     def products(m: ModelSpec) -> str:
@@ -810,6 +816,7 @@ def _fits(args: argparse.Namespace) -> int:
         SizingError,
         kv_pool_slots,
         lookup_model,
+        max_concurrency,
     )
 
     try:
@@ -844,7 +851,7 @@ def _fits(args: argparse.Namespace) -> int:
             except SizingError:  # (the weights leave no room)
                 row[f"TP {tp}"] = "—"
                 continue
-            row[f"TP {tp}"] = f"{slots:,} ({slots / context:,.1f}×)"
+            row[f"TP {tp}"] = f"{slots:,} ({max_concurrency(model, slots, context, tp):,.1f}×)"
         rows.append(row)
     print(f"{model.name}: weights {model.weight_bytes / GIB:,.1f} GiB, KV "
           f"{model.kv_bytes_per_token / 1024:,.1f} KiB a token; KV tokens one engine holds "
@@ -858,6 +865,10 @@ def _fits(args: argparse.Namespace) -> int:
                   f"{args.kv_cache_dtype} cache")
     print(f"\n—: the weights leave no room (or the GPUs' link joins fewer){heads}. Pipeline "
           "stages, data-parallel ranks and memory.kv_memory_gib: kvsim validate on a scenario")
+    if model.has_state_layers:
+        print(f"{model.name}'s {model.num_state_layers} state-space layers keep a state a "
+              "request, not KV a token: the requests at once are those whose blocks (vLLM's, "
+              "raised to hold a state) fit, a state and the context's attention blocks each")
     if model.sliding_window:
         print(f"{model.name} keeps a {model.sliding_window:,}-token window in "
               f"{model.num_sliding_layers} of its {model.num_layers} layers; these count "

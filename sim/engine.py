@@ -51,7 +51,15 @@ from sim.memory import (
     PagedAllocator,
     final_kv_tokens,
 )
-from sim.presets import GIB, KV_CACHE_DTYPE_BYTES, ModelSpec, SizingError, kv_pool_slots
+from sim.presets import (
+    GIB,
+    KV_CACHE_DTYPE_BYTES,
+    MIB,
+    ModelSpec,
+    SizingError,
+    kv_pool_slots,
+    max_concurrency,
+)
 from sim.results import RunResult, ScenarioResult, summarize, token_wait_summary
 from sim.router import CacheEvents, Router
 from sim.scenario import (
@@ -94,49 +102,65 @@ def allocation_unit(scenario: Scenario, system: SystemConfig) -> int:
             raise SizingError(f"systems[{system.name}].allocator.page_kib: a {cfg.page_kib} "
                               f"KiB page holds not one token of one layer's K for {model.name}")
         return tokens
-    return cfg.block_size if isinstance(cfg, PagedConfig) else 1
+    if not isinstance(cfg, PagedConfig):
+        return 1
+    # A state-space hybrid's blocks hold a sequence's state in a layer group: vLLM raises
+    # the block size to fit it.
+    return max(cfg.block_size, scenario.model_spec().state_block_size(
+        scenario.parallel.tensor_parallel_size))
 
 
 def uses_hybrid_kv_cache(model: ModelSpec, system: SystemConfig) -> bool:
-    """Whether the system keeps a sliding-window model's layers in groups of block tables
-    (vLLM v1's hybrid KV cache manager) rather than every layer's every token."""
+    """Whether the system keeps a sliding-window or state-space model's layers in groups of
+    block tables (vLLM v1's hybrid KV cache manager) rather than every layer's every
+    token."""
     cfg = system.allocator
-    return bool(model.sliding_window and isinstance(cfg, PagedConfig) and cfg.hybrid_kv_cache)
+    return isinstance(cfg, PagedConfig) and bool(
+        (model.sliding_window and cfg.hybrid_kv_cache) or model.has_state_layers)
 
 
 def slot_layers(model: ModelSpec, system: SystemConfig) -> int:
-    """Layers one pool slot spans: all of them, or one group's under the hybrid manager."""
+    """Layers one pool slot spans: all attention layers, or one group's under the hybrid
+    manager."""
     return model.kv_cache_groups()[0] if uses_hybrid_kv_cache(model, system) else (
-        model.num_layers)
+        model.kv_layers)
 
 
 def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int,
                     host_slots: int = 0, page_tokens: int = 0,
-                    model: ModelSpec | None = None) -> KVAllocator:
+                    model: ModelSpec | None = None,
+                    tensor_parallel_size: int = 1) -> KVAllocator:
     """The allocator a system describes, over ``pool_slots`` token slots (and a host tier of
-    ``host_slots`` if it has one); a virtual-memory system maps ``page_tokens`` at a time
-    (see :func:`allocation_unit`). A ``model`` with sliding-window layers gets the hybrid
-    manager's groups where the system uses it."""
+    ``host_slots`` if it has one); a virtual-memory system maps ``page_tokens`` at a time,
+    a paged one holds that many a block where given (see :func:`allocation_unit`). A
+    ``model`` with sliding-window or state-space layers gets the hybrid manager's groups
+    where the system uses it, and its state space on each GPU of a
+    ``tensor_parallel_size`` group."""
     cfg = system.allocator
     if model is not None and uses_hybrid_kv_cache(model, system):
         assert isinstance(cfg, PagedConfig)
-        group_layers, full_groups, sliding_groups = model.kv_cache_groups()
+        block_size = page_tokens or cfg.block_size
+        group_layers, full_groups, sliding_groups, state_groups = model.kv_cache_groups()
         # A block holds block_size tokens of one group's layers.
-        num_blocks = pool_slots * model.num_layers // (group_layers * cfg.block_size)
+        num_blocks = pool_slots * model.kv_layers // (group_layers * block_size)
         if num_blocks < 1:
             raise SizingError(f"systems[{system.name}]: the KV pool ({pool_slots} slots) is "
                               f"smaller than one block of {group_layers} layers")
         scheduler = system.scheduler
         return HybridPagedAllocator(
-            num_blocks, cfg.block_size, full_groups=full_groups,
+            num_blocks, block_size, full_groups=full_groups,
             sliding_groups=sliding_groups, sliding_window=model.sliding_window,
             prefill_chunk_tokens=(scheduler.max_num_batched_tokens
                                   if scheduler.chunked_prefill else None),
             enable_prefix_caching=cfg.prefix_caching, eviction=cfg.eviction,
-            watermark=cfg.watermark)
+            watermark=cfg.watermark, state_groups=state_groups,
+            state_slots=model.state_tokens_per_layer(tensor_parallel_size) or None)
     if isinstance(cfg, ContiguousConfig):
-        return ContiguousAllocator(pool_slots, max_model_len=max_model_len,
-                                   reserve_policy=cfg.reserve_policy, placement=cfg.placement)
+        return ContiguousAllocator(
+            pool_slots, max_model_len=max_model_len, reserve_policy=cfg.reserve_policy,
+            placement=cfg.placement,
+            state_slots=0 if model is None else model.state_slots_per_sequence(
+                tensor_parallel_size))
     if isinstance(cfg, VirtualConfig):
         # Physical pages on demand, exactly as blocks are; no sharing between requests.
         if page_tokens < 1:
@@ -1104,7 +1128,7 @@ class _SystemRun:
                     else "prefill" if r < self.prefill_replicas else "decode")
             setup = prefill if role == "prefill" else decode
             allocator = build_allocator(system, setup.pool_slots, model.max_model_len,
-                                        setup.host_slots, setup.unit_slots, model)
+                                        setup.host_slots, setup.unit_slots, model, setup.gpus)
             replica = _Replica(self.env, r, self, allocator, setup, role)
             if self.router is None:
                 replica.open = roots[self.replica_of[roots] == r].tolist()
@@ -1587,7 +1611,7 @@ def pool_blocks(scenario: Scenario, system: SystemConfig, pool_slots: int) -> in
     unit = allocation_unit(scenario, system)
     model = scenario.model_spec()
     if uses_hybrid_kv_cache(model, system):  # a block spans one group's layers
-        return pool_slots * model.num_layers // (model.kv_cache_groups()[0] * unit)
+        return pool_slots * model.kv_layers // (model.kv_cache_groups()[0] * unit)
     return pool_slots // unit
 
 
@@ -1702,16 +1726,26 @@ def _memory_text(scenario: Scenario) -> str:
             f"{each}, KV pool {slots * per_gpu / GIB:.1f} GiB{each}{source}; GPU KV cache size "
             f"{slots:,} tokens{rank} of {per_gpu / 1024:,.1f} KiB{each}; maximum concurrency "
             f"for {model.max_model_len:,} tokens per request: "
-            f"{slots / model.max_model_len:.2f}x{rank}")
+            f"{max_concurrency(model, slots, model.max_model_len, tp):.2f}x{rank}")
     if slots < model.max_model_len:
         text += (" (under 1x: vLLM would refuse to start, as the pool cannot hold one request "
                  "of the whole context; set max_model_len lower, or give the pool more memory)")
     if model.sliding_window:
-        layers, full, sliding = model.kv_cache_groups()
+        layers, full, sliding, _ = model.kv_cache_groups()
         text += (f"; a {model.sliding_window:,}-token sliding window in "
                  f"{model.num_sliding_layers} of {model.num_layers} layers: the hybrid KV cache "
                  f"manager keeps {full} full-attention and {sliding} sliding-window group"
                  f"{'s' if sliding > 1 else ''} of {layers} layers")
+    if model.has_state_layers:
+        layers, full, _, state = model.kv_cache_groups()
+        state_mib = model.state_bytes_per_layer_per_gpu(tp) * model.num_state_layers / MIB
+        text += (f"; {model.num_state_layers} of {model.num_layers} layers are state-space "
+                 f"layers, keeping {state_mib:,.1f} MiB{each} of state a sequence instead of "
+                 f"KV: paged, the hybrid KV cache manager keeps {full} full-attention and "
+                 f"{state} state group{'s' if state > 1 else ''} of {layers} layers, in "
+                 f"blocks of at least {model.state_block_size(tp)} tokens (vLLM's block size "
+                 f"raised so that a block holds a sequence's state in a layer); contiguous, "
+                 f"each extent holds it in {model.state_slots_per_sequence(tp):,} slots more")
     view = scenario.prefill_view()
     if view is not scenario:  # prefill replicas spread otherwise: their line too
         text += "; prefill replicas: " + _memory_text(view).removeprefix("memory: ")
@@ -1831,8 +1865,16 @@ def _samples_run(scenario: Scenario, trace: Trace) -> None:
     if not len(trace) or trace.n.max() == 1:
         return
     unmodelled = scenario.fanned_out_samples_unmodelled()
+    model = scenario.model_spec()
     for system in scenario.systems:
         where = f"systems[{system.name}].scheduler.parallel_sampling: "
+        if system.scheduler.parallel_sampling == "fork" and model.has_state_layers:
+            request = int(np.argmax(trace.n > 1))
+            raise WorkloadError(f"{where}fork: request {request} of {trace.source} has "
+                                f"{int(trace.n[request])} samples, and {model.name}'s "
+                                "state-space layers keep a state a sequence that forks would "
+                                "not share; use fan_out (each sample a request of its own, "
+                                "as vLLM runs them)")
         if system.scheduler.parallel_sampling == "fork" and trace.n.max() > MAX_SAMPLES:
             request = int(np.argmax(trace.n > MAX_SAMPLES))
             raise WorkloadError(f"{where}fork: request {request} of {trace.source} has "

@@ -79,26 +79,74 @@ class ModelSpec:
     # Gemma-3: five in six); the others see every token. 0: every layer sees every token.
     sliding_window: int = 0
     num_sliding_layers: int = 0
+    # State-space (linear-attention) layers: ``num_state_layers`` of the layers keep no KV
+    # a token but one fixed-size recurrent state a sequence (Mamba-2's SSM and convolution
+    # states, Gated DeltaNet's: Qwen3-Next, 36 of 48), ``state_elements_per_layer``
+    # elements of it in the model's dtype (vLLM's mamba_cache_dtype auto), split over a
+    # tensor-parallel group by head. 0: every layer is an attention layer.
+    num_state_layers: int = 0
+    state_elements_per_layer: int = 0
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that cache K and V (or a latent) for every token: all but the state
+        layers."""
+        return self.num_layers - self.num_state_layers
 
     @property
     def full_attention_layers(self) -> int:
         """Layers that attend to every token."""
-        return self.num_layers - self.num_sliding_layers
+        return self.kv_layers - self.num_sliding_layers
 
-    def kv_cache_groups(self) -> tuple[int, int, int]:
+    def kv_cache_groups(self) -> tuple[int, int, int, int]:
         """How vLLM v1's hybrid KV cache manager divides the layers: (layers a group,
-        full-attention groups, sliding-window groups). Each group keeps its own block
-        tables, over one pool of blocks of equal size, so every group has as many layers:
-        the fewest of either kind, the last group of the other kind padded (Gemma-3's 10
-        full and 52 sliding layers make 1 + 6 groups of 10). A model of one kind is one
-        group of all its layers."""
-        full, sliding = self.full_attention_layers, self.num_sliding_layers
-        if not sliding:
-            return self.num_layers, 1, 0
-        if not full:
-            return self.num_layers, 0, 1
-        size = min(full, sliding)
-        return size, -(-full // size), -(-sliding // size)
+        full-attention groups, sliding-window groups, state groups). Each group keeps its
+        own block tables, over one pool of blocks of equal size, so every group has as many
+        layers: the fewest of any kind, the last group of another kind padded (Gemma-3's 10
+        full and 52 sliding layers make 1 + 6 groups of 10; Qwen3-Next's 12 full and 36
+        state layers 1 + 3 groups of 12). A model of one kind is one group of all its
+        layers."""
+        kinds = (self.full_attention_layers, self.num_sliding_layers, self.num_state_layers)
+        size = min(layers for layers in kinds if layers)
+        full, sliding, state = (-(-layers // size) for layers in kinds)
+        return size, full, sliding, state
+
+    @property
+    def has_state_layers(self) -> bool:
+        """Whether some layers keep a recurrent state per sequence instead of KV per token
+        (a hybrid of attention and state-space layers)."""
+        return self.num_state_layers > 0
+
+    def state_bytes_per_layer_per_gpu(self, tensor_parallel_size: int) -> int:
+        """One sequence's recurrent state in one state layer, on one GPU of a
+        tensor-parallel group (its heads split over the group)."""
+        return self.state_elements_per_layer // tensor_parallel_size * self.dtype_bytes
+
+    def state_tokens_per_layer(self, tensor_parallel_size: int) -> int:
+        """Tokens of one attention layer's KV that take the bytes of one sequence's state in
+        one state layer (rounded up): the slots of a block the state fills (Qwen3-Next in
+        bf16 on one GPU: 536). 0 for a model without state layers."""
+        if not self.has_state_layers:
+            return 0
+        token_bytes = self.kv_bytes_per_token_per_gpu(tensor_parallel_size) / self.kv_layers
+        return math.ceil(self.state_bytes_per_layer_per_gpu(tensor_parallel_size)
+                         / token_bytes)
+
+    def state_slots_per_sequence(self, tensor_parallel_size: int) -> int:
+        """Token slots (every attention layer's KV of a token) that take the bytes of one
+        sequence's state in every state layer, rounded up: what a contiguous extent holds
+        for it. 0 for a model without state layers."""
+        state_bytes = (self.num_state_layers
+                       * self.state_bytes_per_layer_per_gpu(tensor_parallel_size))
+        return math.ceil(state_bytes / self.kv_bytes_per_token_per_gpu(tensor_parallel_size))
+
+    def state_block_size(self, tensor_parallel_size: int, alignment: int = 16) -> int:
+        """The least block size, in tokens, at which one block of an attention layer holds
+        a sequence's state in a state layer, as vLLM v1 raises a hybrid model's attention
+        block size to (``HybridAttentionMambaModelConfig``): a multiple of ``alignment``
+        tokens, the attention kernels' (Qwen3-Next in bf16 on one GPU: 544). 0 for a model
+        without state layers."""
+        return alignment * -(-self.state_tokens_per_layer(tensor_parallel_size) // alignment)
 
     @property
     def kv_element_bytes(self) -> float:
@@ -124,8 +172,8 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V, every layer, every KV head: 2 × layers × kv_heads × head_dim × KV dtype;
-        under MLA the latent alone: layers × latent × KV dtype."""
+        """K and V, every attention layer, every KV head: 2 × layers × kv_heads × head_dim ×
+        KV dtype; under MLA the latent alone: layers × latent × KV dtype."""
         return self.kv_bytes_per_token_per_gpu(1)
 
     @property
@@ -207,9 +255,10 @@ class ModelSpec:
         return 1 if self.uses_mla else 2
 
     def kv_bytes_per_token_per_gpu(self, tensor_parallel_size: int) -> int:
-        """One token's K and V (or MLA latent) on one GPU of a tensor-parallel group."""
+        """One token's K and V (or MLA latent), every attention layer's, on one GPU of a
+        tensor-parallel group (state layers keep none)."""
         # (Whole bytes: an FP4 cache's elements come in blocks of 16, a byte of scale each.)
-        return round(self.kv_tensors_per_layer * self.num_layers
+        return round(self.kv_tensors_per_layer * self.kv_layers
                      * self.kv_elements_per_layer_tensor(tensor_parallel_size)
                      * self.kv_element_bytes)
 
@@ -245,6 +294,9 @@ class ModelSpec:
         tp, kv = tensor_parallel_size, self.num_kv_heads
         if self.num_heads % tp:
             return f"{self.name}'s {self.num_heads} attention heads do not divide over {tp} GPUs"
+        if self.state_elements_per_layer % tp:
+            return (f"{self.name}'s state of {self.state_elements_per_layer:,} elements a layer "
+                    f"does not divide over {tp} GPUs")
         if self.uses_mla:  # the latent is whole on every GPU
             return None
         if (kv % tp) if kv >= tp else (tp % kv):
@@ -395,6 +447,15 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                   active_params=5.13e9, num_experts=128, experts_per_token=4,
                   expert_weight_dtype_bytes=4.25 / 8, vocab_size=201088,
                   sliding_window=128, num_sliding_layers=18),
+        # Attention and state-space layers. Qwen3-Next-80B-A3B: full attention (2 KV heads
+        # of 256) in every fourth layer, 12 of 48; the other 36 are Gated DeltaNet layers,
+        # each keeping a sequence's convolution state (3 × 8,192: the kernel's last 3
+        # inputs of 16 key heads twice and 32 value heads, 128 wide) and its recurrent state
+        # (32 value heads × 128 × 128); 10 of 512 experts a token. vLLM raises its block
+        # size to 544 tokens on one GPU (272 on four) to hold that state in a block.
+        ModelSpec("qwen3-next-80b-a3b", 48, 16, 2, 256, 80e9, 262144, model_dim=2048,
+                  active_params=3e9, num_experts=512, experts_per_token=10,
+                  num_state_layers=36, state_elements_per_layer=3 * 8192 + 32 * 128 * 128),
     ]
 }
 
@@ -505,6 +566,20 @@ def kv_pool_slots(
         )
     return int(pool_bytes // (model.kv_bytes_per_token_per_gpu(tensor_parallel_size)
                               * stage_share))
+
+
+def max_concurrency(model: ModelSpec, slots: int, context: int,
+                    tensor_parallel_size: int) -> float:
+    """Requests of ``context`` tokens a pool of ``slots`` token slots holds at once, as vLLM
+    reports its "maximum concurrency": a state-space hybrid's each take, in blocks raised to
+    hold a state, one block a state group and the context's blocks in every full-attention
+    group."""
+    if not model.has_state_layers:
+        return slots / context
+    layers, full, _, state = model.kv_cache_groups()
+    block_size = model.state_block_size(tensor_parallel_size)
+    blocks = slots * model.kv_layers // (layers * block_size)
+    return blocks / (full * -(-context // block_size) + state)
 
 
 def _sharding_hint(model: ModelSpec, gpu: GpuSpec, usable_bytes: float) -> str:

@@ -115,9 +115,29 @@ class ModelConfig(ConfigModel):
     num_sliding_layers: PositiveInt | None = Field(
         default=None, description="sliding-window attention: how many layers see only the "
         "window (Gemma-3-27B: 52 of 62); absent: all of them")
+    num_state_layers: PositiveInt | None = Field(
+        default=None, description="state-space (linear-attention) layers: how many layers "
+        "keep one recurrent state a sequence instead of K and V a token (Mamba-2, Gated "
+        "DeltaNet; Qwen3-Next-80B-A3B: 36 of 48); absent: none")
+    state_elements_per_layer: PositiveInt | None = Field(
+        default=None, description="state-space layers: elements of one sequence's state in "
+        "one layer, on one GPU, in dtype_bytes (Gated DeltaNet: (conv_kernel - 1) × "
+        "(2 × key heads × key dim + value heads × value dim) + value heads × key dim × "
+        "value dim; Qwen3-Next: 548,864)")
 
     @model_validator(mode="after")
     def _consistent(self):  # type: ignore[no-untyped-def]
+        if (self.num_state_layers is None) != (self.state_elements_per_layer is None):
+            raise ValueError("num_state_layers and state_elements_per_layer go together")
+        if self.num_state_layers is not None:
+            if self.num_state_layers >= self.num_layers:
+                raise ValueError(f"num_state_layers ({self.num_state_layers}) leaves no "
+                                 f"attention layer of num_layers ({self.num_layers}); a model "
+                                 "of state-space layers only is not modelled")
+            for other in ("sliding_window", "kv_latent_dim"):
+                if getattr(self, other) is not None:
+                    raise ValueError(f"num_state_layers with {other} is not modelled (state-"
+                                     "space layers beside full attention of K and V only)")
         if self.num_sliding_layers is not None:
             if self.sliding_window is None:
                 raise ValueError("num_sliding_layers needs sliding_window (the tokens those "
@@ -1158,6 +1178,73 @@ class Scenario(ConfigModel):
                 "away with, all the samples of its request at once, where the engine sees "
                 "requests of their own)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _state_keeps_no_prefix_cache(cls, data: Any) -> Any:
+        """A state-space model's paged systems keep no prefix cache unless told otherwise,
+        as vLLM turns it off for them (their states are not cached)."""
+        if not isinstance(data, dict) or not isinstance(data.get("systems"), list):
+            return data
+        model = data.get("model", "llama-2-7b")
+        if isinstance(model, str):
+            preset = MODEL_PRESETS.get(model.lower())
+            stateful = preset is not None and preset.has_state_layers
+        elif isinstance(model, dict):
+            stateful = bool(model.get("num_state_layers"))
+        else:
+            stateful = isinstance(model, ModelConfig) and bool(model.num_state_layers)
+        if not stateful:
+            return data
+        systems = []
+        for system in data["systems"]:
+            allocator = system.get("allocator") if isinstance(system, dict) else None
+            if (isinstance(allocator, dict) and allocator.get("kind") == "paged"
+                    and "prefix_caching" not in allocator):
+                system = {**system, "allocator": {**allocator, "prefix_caching": False}}
+            systems.append(system)
+        return {**data, "systems": systems}
+
+    @model_validator(mode="after")
+    def _state_space_limits(self):  # type: ignore[no-untyped-def]
+        model = _model_spec(self.model)
+        if not model.has_state_layers:
+            return self
+        if self.parallel.pipeline_parallel_size > 1:
+            raise ValueError(f"parallel.pipeline_parallel_size: pipeline stages are not "
+                             f"modelled for {model.name}'s state-space layers")
+        if self.engine.disaggregation is not None:
+            raise ValueError(f"engine.disaggregation: sending {model.name}'s state-space "
+                             "layers' state from prefill to decode replicas is not modelled")
+        if self.engine.router.kv_events:
+            raise ValueError(f"engine.router.kv_events: {model.name}'s state-space layers "
+                             "keep no prefix cache for a router to follow")
+        unmodelled = {
+            "prefix_caching": lambda a: isinstance(a, PagedConfig) and a.prefix_caching,
+            "hybrid_kv_cache": lambda a: isinstance(a, PagedConfig) and not a.hybrid_kv_cache,
+            "kind": lambda a: isinstance(a, VirtualConfig),
+        }
+        why = {
+            "prefix_caching": "prefix caching of a state (vLLM's experimental mamba cache "
+                              "modes) is not modelled: leave it out or set it false",
+            "hybrid_kv_cache": "state-space layers need the hybrid KV cache manager (vLLM "
+                               "has no other for them): leave it out or set it true",
+            "kind": "virtual memory (vAttention) for state-space layers is not modelled: "
+                    "use paged or contiguous",
+        }
+        for system in self.systems:
+            for field, used in unmodelled.items():
+                if used(system.allocator):
+                    raise ValueError(f"systems[{system.name}].allocator.{field}: {model.name} "
+                                     f"has state-space layers; {why[field]}")
+            if system.speculative is not None:
+                raise ValueError(f"systems[{system.name}].speculative: speculative decoding "
+                                 f"over {model.name}'s state-space layers (a state per draft "
+                                 "position) is not modelled")
+            if system.scheduler.swaps:
+                raise ValueError(f"systems[{system.name}].scheduler.preemption_mode: swapping "
+                                 f"{model.name}'s state out is not modelled; use recompute")
+        return self
+
     @model_validator(mode="after")
     def _hybrid_kv_cache_limits(self):  # type: ignore[no-untyped-def]
         model = _model_spec(self.model)
@@ -1461,6 +1548,8 @@ def _model_spec(model: str | ModelConfig) -> ModelSpec:
     fields["sliding_window"] = model.sliding_window or 0
     fields["num_sliding_layers"] = (
         0 if model.sliding_window is None else model.num_sliding_layers or model.num_layers)
+    fields["num_state_layers"] = model.num_state_layers or 0
+    fields["state_elements_per_layer"] = model.state_elements_per_layer or 0
     return ModelSpec(**fields)
 
 

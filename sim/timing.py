@@ -241,6 +241,11 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
     / peak FLOP/s where more (MLA's many heads over one latent: DeepSeek-V3 on one GPU);
     e = 2·layers·heads·head_dim FLOP per (query, key) pair (QKᵀ and PV, causal) / peak.
 
+    A model's state-space layers cache no KV and have no quadratic part (c, e count its
+    attention layers): each step reads and writes every decoding sequence's state in them
+    (b; a prefill chunk does so once, which is left out, as are the recurrence's FLOPs, a
+    few MFLOP a token against the weights' GFLOPs).
+
     A mixture-of-experts model multiplies each token by its active parameters only (b, d).
     A step reads the dense weights and the routed experts its tokens choose: with k of E
     experts a token, chosen evenly, T tokens leave (1 − k/E)^T of them unread (see
@@ -301,8 +306,11 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
         name = (f"{dp} ranks of {name}" if dp > 1 else name) + (
             ", expert parallel" if expert_parallel else "")
     heads_per_gpu = model.num_heads / tp
-    attention_flops_per_token = (4.0 * model.num_layers * heads_per_gpu
+    attention_flops_per_token = (4.0 * model.kv_layers * heads_per_gpu
                                  * (model.kv_latent_dim or model.head_dim))
+    # A state-space layer reads and writes each decoding sequence's state every step.
+    state_s = (2.0 * model.num_state_layers * model.state_bytes_per_layer_per_gpu(tp)
+               / gpu.hbm_bandwidth_bytes_per_s)
     per_token_s = (gpu.flops_s(per_token_flops, model.fp8_share, model.fp4_share)
                    + per_token_link_s)
     if hot > 1:  # the busiest GPU's experts compute more than their even share
@@ -311,11 +319,11 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
     return StepTimeModel(
         a=(model.weight_bytes_per_gpu(tp, gpus) / gpu.hbm_bandwidth_bytes_per_s
            + step_overhead_s + link_fixed_s),
-        b=per_token_s,
+        b=per_token_s + state_s,
         c=max(model.kv_bytes_per_token_per_gpu(tp) / gpu.hbm_bandwidth_bytes_per_s,
               attention_flops_per_token / gpu.peak_flops),
         d=per_token_s,
-        e=2.0 * model.num_layers * model.attention_dim / tp / gpu.peak_flops,
+        e=2.0 * model.kv_layers * model.attention_dim / tp / gpu.peak_flops,
         source=f"roofline({model.name}, {name})",
         expert_s=model.routed_expert_bytes / gpus / gpu.hbm_bandwidth_bytes_per_s,
         expert_share=min(1.0, hot * model.expert_share),

@@ -46,10 +46,13 @@ def spec(seq_id: int, prompt: int, out: int, segment: int | None = None,
 
 def test_layers_group_as_vllm_groups_them():
     groups = {name: MODEL_PRESETS[name].kv_cache_groups()
-              for name in ("gemma-3-27b", "gemma-2-9b", "mistral-7b-v0.1", "llama-3-8b")}
+              for name in ("gemma-3-27b", "gemma-2-9b", "mistral-7b-v0.1", "llama-3-8b",
+                           "qwen3-next-80b-a3b")}
     # Gemma-3: 10 full and 52 sliding layers; groups of 10, the last sliding one padded.
-    assert groups == {"gemma-3-27b": (10, 1, 6), "gemma-2-9b": (21, 1, 1),
-                      "mistral-7b-v0.1": (32, 0, 1), "llama-3-8b": (32, 1, 0)}
+    # Qwen3-Next: 12 full-attention and 36 state-space layers; groups of 12.
+    assert groups == {"gemma-3-27b": (10, 1, 6, 0), "gemma-2-9b": (21, 1, 1, 0),
+                      "mistral-7b-v0.1": (32, 0, 1, 0), "llama-3-8b": (32, 1, 0, 0),
+                      "qwen3-next-80b-a3b": (12, 1, 0, 3)}
 
 
 def test_a_sliding_window_table_keeps_only_what_its_window_sees():
@@ -275,6 +278,8 @@ class HybridMachine(PagedMachine):
     chunk: int | None = 12
     num_blocks = 70
     caching = True
+    state_groups = 0  # groups keeping one state block a sequence
+    state_slots = 4  # slots of it the state fills
 
     def build(self):
         # First token of each sequence's last step (freed ones stay: ids are never reused).
@@ -284,7 +289,9 @@ class HybridMachine(PagedMachine):
                                     full_groups=self.full_groups,
                                     sliding_groups=self.sliding_groups,
                                     sliding_window=self.window, prefill_chunk_tokens=self.chunk,
-                                    enable_prefix_caching=self.caching)
+                                    enable_prefix_caching=self.caching,
+                                    state_groups=self.state_groups,
+                                    state_slots=self.state_slots)
 
     def _admitted(self, spec: SeqSpec, hit: int | None) -> None:
         if hit is not None:
@@ -507,6 +514,7 @@ class HybridMachine(PagedMachine):
             for table in tables[:self.full_groups]:
                 assert len(table) == -(-max(n, self.claims[seq_id], drafts) // bs)
             held_tokens += self.full_groups * n + self.sliding_groups * (n - released * bs)
+            held_tokens += self.state_groups * self.state_slots  # a state, written whole
         snap = alloc.snapshot()
         assert snap.total == alloc.capacity_slots
         assert snap.internal == self._internal_reference()
@@ -528,7 +536,9 @@ class HybridMachine(PagedMachine):
                     if block_id is not None:
                         past = max(0, (idx + 1) * bs - max(s.final_len, idx * bs))
                         never[block_id] = min(never.get(block_id, bs), past)
-        return sum(never.values())
+        # Each state block's padding past its state.
+        padding = len(self.specs) * self.state_groups * (bs - self.state_slots)
+        return sum(never.values()) + padding
 
     def paged_accounting(self):  # (PagedMachine's arithmetic is per-sequence paging)
         pass
@@ -568,10 +578,43 @@ class HybridNoCache(HybridMachine):
     num_blocks = 30
 
 
+class HybridStateSpace(HybridMachine):
+    """A state-space hybrid (Qwen3-Next's shape, small): one full-attention group and
+    three state groups, each state filling 3 of a block's 4 slots; no prefix cache, no
+    forks."""
+
+    caching = False
+    full_groups = 1
+    sliding_groups = 0
+    state_groups = 3
+    state_slots = 3
+    window = 0
+    num_blocks = 40
+
+    @precondition(lambda self: self.specs)
+    @rule(data=st.data())
+    def fork(self, data):  # a state is a sequence's own: no fork shares it
+        parent = data.draw(st.sampled_from(sorted(self.specs)))
+        spec = self.specs[parent]
+        with pytest.raises(AllocatorError, match="state is not shared"):
+            self.allocator.fork(parent, SeqSpec(self.next_id, spec.segments, spec.prompt_len,
+                                                spec.final_len, spec.max_len))
+
+    @invariant()
+    def a_state_is_held_from_admission_to_the_end(self):
+        # Every live sequence's states, and its blocks, out of the pool: nothing cached.
+        blocks = sum(len(t) - t.count(None) for seq_id in self.specs
+                     for t in self.allocator.block_tables(seq_id))
+        held = blocks + len(self.specs) * self.state_groups
+        assert self.allocator.pool.num_free == self.num_blocks - held
+        assert self.allocator.snapshot().cached == 0
+
+
 _SETTINGS = settings(max_examples=int(os.environ.get("KVSIM_HYPOTHESIS_EXAMPLES", "60")),
                      stateful_step_count=40, deadline=None,
                      derandomize="KVSIM_HYPOTHESIS_EXAMPLES" not in os.environ)
-for _machine in (HybridMachine, HybridPerChunk, HybridPureSlidingUnchunked, HybridNoCache):
+for _machine in (HybridMachine, HybridPerChunk, HybridPureSlidingUnchunked, HybridNoCache,
+                 HybridStateSpace):
     _machine.TestCase.settings = _SETTINGS
     globals()[f"Test{_machine.__name__}"] = _machine.TestCase
 

@@ -189,6 +189,10 @@ class _AllocatorMachine(RuleBasedStateMachine):
     def _check_group(self, group: list[SeqSpec], tokens: int, hit: int) -> None:
         """What else the allocator's kind says of a group seated whole."""
 
+    def _states_written(self) -> int:
+        """Slots the live sequences' recurrent states fill (a state-space model's)."""
+        return 0
+
     @invariant()
     def consistent(self):
         self.allocator.check_invariants()
@@ -197,7 +201,7 @@ class _AllocatorMachine(RuleBasedStateMachine):
             assert self.allocator.num_tokens(seq_id) == n
         snap = self.allocator.snapshot()
         assert snap.total == self.allocator.capacity_slots
-        assert snap.token <= sum(self.tokens.values())
+        assert snap.token <= sum(self.tokens.values()) + self._states_written()
         # The usage vLLM publishes: the slots held (written, to be written, or never to be:
         # whole blocks or extents), a cached block no sequence holds counting as free.
         held = snap.token + snap.reserved + snap.internal
@@ -387,10 +391,11 @@ class PagedBs4HostPerChunk(PagedBs4Host):
 class ContiguousMachine(_AllocatorMachine):
     policy = "request_max"
     placement = "first_fit"
+    state_slots = 0  # a state-space model's state, at the head of every extent
 
     def build(self):
         return ContiguousAllocator(400, max_model_len=200, reserve_policy=self.policy,
-                                   placement=self.placement)
+                                   placement=self.placement, state_slots=self.state_slots)
 
     @rule(prompts=st.lists(st.integers(1, 60), min_size=1, max_size=4),
           out=st.integers(0, 60))
@@ -409,10 +414,14 @@ class ContiguousMachine(_AllocatorMachine):
             self.allocator.free(seq_id)
         assert self.allocator.free_extents == before
 
+    def _states_written(self) -> int:
+        return self.state_slots * len(self.specs)  # written whole at admission
+
     @invariant()
     def contiguous_accounting(self):
         snap = self.allocator.snapshot()
-        assert snap.token == sum(self.tokens.values())
+        states = self._states_written()
+        assert snap.token == sum(self.tokens.values()) + states
         # (A fork's extent also holds what it copies, should a prediction fall short of it.)
         sizes = {s: max(reservation_slots(spec, self.policy, 200), self.forked_at.get(s, 0))
                  for s, spec in self.specs.items()}
@@ -423,6 +432,7 @@ class ContiguousMachine(_AllocatorMachine):
         assert snap.reserved == sum(will_write[s] - n for s, n in self.tokens.items())
         assert snap.internal == sum(sizes.values()) - sum(will_write.values())
         assert snap.cached == 0
+        assert abs(self.allocator.kv_cache_usage - (sum(sizes.values()) + states) / 400) < 1e-12
 
 
 class ContiguousBestFitPow2(ContiguousMachine):
@@ -432,6 +442,23 @@ class ContiguousBestFitPow2(ContiguousMachine):
 
 class ContiguousMaxLen(ContiguousMachine):
     policy = "max_model_len"
+
+
+class ContiguousStateSpace(ContiguousMachine):
+    """A state-space hybrid's extents: 30 slots of state ahead of each request's tokens."""
+
+    state_slots = 30
+
+
+class ContiguousPredictedStateSpace(ContiguousMachine):
+    """Predicted reservations with a state: a request outgrows its tokens' slots, not the
+    state's."""
+
+    policy = "predicted"
+    state_slots = 30
+
+    def predict(self, spec: SeqSpec) -> SeqSpec:
+        return ContiguousPredicted.predict(self, spec)  # type: ignore[arg-type]
 
 
 class ContiguousPredicted(ContiguousMachine):
@@ -452,7 +479,8 @@ _SETTINGS = settings(max_examples=int(os.environ.get("KVSIM_HYPOTHESIS_EXAMPLES"
 for _machine in (PagedMachine, PagedBs1, PagedBs7NoCache, PagedBs32Lfu, PagedBs4SharingAware,
                  PagedBs16Fifo, PagedBs4Host, PagedBs16HostSharingAware, PagedBs4PerChunk,
                  PagedBs4HostPerChunk, ContiguousMachine,
-                 ContiguousBestFitPow2, ContiguousMaxLen, ContiguousPredicted):
+                 ContiguousBestFitPow2, ContiguousMaxLen, ContiguousPredicted,
+                 ContiguousStateSpace, ContiguousPredictedStateSpace):
     _machine.TestCase.settings = _SETTINGS
     globals()[f"Test{_machine.__name__}"] = _machine.TestCase
 

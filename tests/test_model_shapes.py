@@ -188,7 +188,7 @@ def test_gpt_oss_experts_in_mxfp4_and_the_rest_in_bf16_make_its_checkpoint(
     assert model.routed_expert_bytes == pytest.approx(mlp_params * 4.25 / 8, rel=2e-3)
     assert model.weight_bytes / GIB == pytest.approx(checkpoint_gib, rel=5e-3)
     # Every other layer sees 128 tokens: one group of each kind.
-    assert model.kv_cache_groups() == (model.num_layers // 2, 1, 1)
+    assert model.kv_cache_groups() == (model.num_layers // 2, 1, 1, 0)
     # Counting the embedding as active would take it for 4-bit experts: a lighter model.
     counted = dataclasses.replace(model, vocab_size=None)
     assert counted.routed_expert_params > model.routed_expert_params
@@ -362,6 +362,7 @@ def test_mla_decode_reads_its_latent():
     ("llama-3.1-70b-fp8", "uses quantized weights; the harness times dense models with "
      "multi-head or grouped-query attention and 16-bit weights only"),
     ("llama-3.3-70b-fp4", "uses quantized weights;"),
+    ("qwen3-next-80b-a3b", "uses a mixture of experts and state-space layers;"),
 ])
 def test_the_gpu_harness_refuses_what_its_kernel_does_not_time(name, words, capsys, tmp_path):
     assert words in model_problem(MODEL_PRESETS[name])

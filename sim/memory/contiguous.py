@@ -11,6 +11,9 @@ A valet with a guess (``predicted``) sizes each stretch by how long the vehicle 
 to grow (S3: an output-length predictor). Guess short and the vehicle reaches the end of its
 stretch before it is done: a contiguous stretch cannot be lengthened where it stands, so
 the allocator refuses the write and the scheduler sends the vehicle round again.
+
+A model with state-space layers parks a trailer too: each stretch begins with
+``state_slots`` slots of the sequence's recurrent state, written from the start.
 """
 
 from __future__ import annotations
@@ -62,16 +65,20 @@ def reservation_slots(spec: SeqSpec, reserve_policy: str, max_model_len: int) ->
 
 
 class _Extent:
-    """A live sequence's reservation: ``size`` slots from ``start``, ``num_tokens`` written,
-    ``will_write`` of them written by the end (its final length, or the size if shorter)."""
+    """A live sequence's reservation: ``size`` slots from ``start``, the first ``state`` of
+    them its recurrent state and the rest its tokens' KV; ``num_tokens`` tokens written,
+    ``will_write`` slots written by the end (its state and final length, or the size if
+    shorter)."""
 
-    __slots__ = ("hasher", "num_tokens", "size", "spec", "start", "will_write")
+    __slots__ = ("hasher", "num_tokens", "size", "spec", "start", "state", "will_write")
 
-    def __init__(self, spec: SeqSpec, start: int, size: int, hasher: BlockHasher) -> None:
+    def __init__(self, spec: SeqSpec, start: int, size: int, hasher: BlockHasher,
+                 state: int) -> None:
         self.spec = spec
         self.start = start
         self.size = size
-        self.will_write = min(spec.final_len, size)
+        self.state = state
+        self.will_write = min(spec.final_len, size - state) + state
         self.num_tokens = 0
         self.hasher = hasher
 
@@ -81,7 +88,8 @@ class ContiguousAllocator(KVAllocator):
 
     An extent never grows: a write past a ``predicted`` reservation is refused. Free space
     is a sorted list of maximal free extents (neighbours coalesce on free). Duplicate slots
-    are measured on ``duplicate_granularity``-token chunks of written content.
+    are measured on ``duplicate_granularity``-token chunks of written content. A model with
+    state-space layers adds ``state_slots`` to every extent, for one sequence's state.
     """
 
     def __init__(
@@ -92,6 +100,7 @@ class ContiguousAllocator(KVAllocator):
         reserve_policy: str = "max_model_len",
         placement: str = "first_fit",
         duplicate_granularity: int = 16,
+        state_slots: int = 0,
     ) -> None:
         if capacity_slots < 1:
             raise ValueError(f"the pool must hold at least one slot, got {capacity_slots}")
@@ -110,6 +119,7 @@ class ContiguousAllocator(KVAllocator):
         self.reserve_policy = reserve_policy
         self.placement = placement
         self.duplicate_granularity = duplicate_granularity
+        self.state_slots = state_slots
         self._free_starts: list[int] = [0]
         self._free_len: dict[int, int] = {0: capacity_slots}
         self._seqs: dict[int, _Extent] = {}
@@ -123,17 +133,20 @@ class ContiguousAllocator(KVAllocator):
         return list(self._seqs)
 
     def reservation(self, spec: SeqSpec) -> int:
+        """Slots reserved for ``spec``'s tokens (its state's come on top)."""
         slots = reservation_slots(spec, self.reserve_policy, self.max_model_len)
         if self.reserve_policy == "predicted":
             # A guess never asks for more than the pool: the request might still fit.
-            slots = min(slots, self.capacity_slots)
+            slots = min(slots, self.capacity_slots - self.state_slots)
         return slots
 
     def num_tokens(self, seq_id: int) -> int:
         return self._seq(seq_id).num_tokens
 
     def allocated_slots(self, seq_id: int) -> int:
-        return self._seq(seq_id).size
+        """Slots of the sequence's extent for its tokens (its state's left out)."""
+        ext = self._seq(seq_id)
+        return ext.size - ext.state
 
     def extent(self, seq_id: int) -> tuple[int, int]:
         """``(start, size)`` of the sequence's reservation."""
@@ -146,9 +159,9 @@ class ContiguousAllocator(KVAllocator):
         return [(s, self._free_len[s]) for s in self._free_starts]
 
     def can_admit_ever(self, spec: SeqSpec) -> bool:
-        if self.reserve_policy == "predicted":
-            return spec.final_len <= self.capacity_slots  # some reservation would hold it
-        return self.reservation(spec) <= self.capacity_slots
+        if self.reserve_policy == "predicted":  # some reservation would hold it
+            return spec.final_len + self.state_slots <= self.capacity_slots
+        return self.reservation(spec) + self.state_slots <= self.capacity_slots
 
     def _seq(self, seq_id: int) -> _Extent:
         try:
@@ -177,7 +190,7 @@ class ContiguousAllocator(KVAllocator):
         places them): a trial run of the placement over the free extents' lengths."""
         free = [self._free_len[start] for start in self._free_starts]  # in address order
         for spec in specs:
-            size = max(self.reservation(spec), at_least)
+            size = max(self.reservation(spec), at_least) + self.state_slots
             fitting = [i for i, length in enumerate(free) if length >= size]
             if not fitting:
                 return False
@@ -188,7 +201,7 @@ class ContiguousAllocator(KVAllocator):
         return True
 
     def _place(self, spec: SeqSpec, at_least: int = 0) -> _Extent | None:
-        size = max(self.reservation(spec), at_least)
+        size = max(self.reservation(spec), at_least) + self.state_slots
         start = self._find(size)
         if start is None:
             return None
@@ -199,10 +212,12 @@ class ContiguousAllocator(KVAllocator):
             self._free_len[start + size] = length - size
         else:
             del self._free_starts[idx]
-        ext = _Extent(spec, start, size, BlockHasher(spec.segments, self.duplicate_granularity))
+        ext = _Extent(spec, start, size, BlockHasher(spec.segments, self.duplicate_granularity),
+                      self.state_slots)
         self._seqs[spec.seq_id] = ext
         self._reserved_total += size
         self._final_total += ext.will_write
+        self._token_total += ext.state
         return ext
 
     # ------------------------------------------------------------------ lifecycle
@@ -219,7 +234,7 @@ class ContiguousAllocator(KVAllocator):
         end = ext.num_tokens + num_tokens
         if end > ext.spec.final_len:
             raise write_past_end(seq_id, end, ext.spec.final_len)
-        if min(end + lookahead, ext.spec.final_len) > ext.size:
+        if min(end + lookahead, ext.spec.final_len) > ext.size - ext.state:
             return False  # outgrew a predicted reservation: an extent cannot grow in place
         self._write(ext, end)
         return True
@@ -240,7 +255,7 @@ class ContiguousAllocator(KVAllocator):
             self._duplicates.remove(chunk_hash)
         self._reserved_total -= ext.size
         self._final_total -= ext.will_write
-        self._token_total -= ext.num_tokens
+        self._token_total -= ext.num_tokens + ext.state
         self._release_extent(ext.start, ext.size)
 
     def _release_extent(self, start: int, size: int) -> None:
@@ -285,7 +300,8 @@ class ContiguousAllocator(KVAllocator):
 
     def max_uniform_append(self, seq_ids: list[int], limit: int) -> int:
         room = min(
-            (self._seqs[s].will_write - self._seqs[s].num_tokens for s in seq_ids),
+            (self._seqs[s].will_write - self._seqs[s].state - self._seqs[s].num_tokens
+             for s in seq_ids),
             default=limit,
         )
         return max(0, min(limit, room))
@@ -299,7 +315,7 @@ class ContiguousAllocator(KVAllocator):
         free_total = self.capacity_slots - self._reserved_total
         external = 0
         if waiting is not None:
-            need = self.reservation(waiting)
+            need = self.reservation(waiting) + self.state_slots
             external = sum(n for n in self._free_len.values() if n < need)
         return MemorySnapshot(
             token=self._token_total,
@@ -326,11 +342,14 @@ class ContiguousAllocator(KVAllocator):
             pos, prev_kind = start + size, kind
         assert pos == self.capacity_slots, "extents do not cover the slot space"
         for ext in self._seqs.values():
-            assert ext.num_tokens <= ext.will_write == min(ext.spec.final_len, ext.size)
-            assert ext.spec.final_len <= ext.size or self.reserve_policy == "predicted"
+            room = ext.size - ext.state  # slots for its tokens
+            assert ext.state == self.state_slots
+            assert ext.num_tokens + ext.state <= ext.will_write == min(
+                ext.spec.final_len, room) + ext.state
+            assert ext.spec.final_len <= room or self.reserve_policy == "predicted"
         assert self._final_total == sum(e.will_write for e in self._seqs.values())
         assert self._reserved_total == sum(e.size for e in self._seqs.values())
-        assert self._token_total == sum(e.num_tokens for e in self._seqs.values())
+        assert self._token_total == sum(e.num_tokens + e.state for e in self._seqs.values())
         snap = self.snapshot()
         assert snap.total == self.capacity_slots, "taxonomy does not sum to the pool"
         assert min(snap.as_dict().values()) >= 0, f"negative category in {snap}"

@@ -40,6 +40,14 @@ KV computed elsewhere (a prefill replica's, sent to a decode replica) *arrives*:
 full-attention tables take its every block, the sliding-window ones only the blocks the
 next token computed here sees, so those before are never held.
 
+State-space layers (Mamba-2, Gated DeltaNet) keep no KV a token but one recurrent state a
+sequence: a *state group* holds one block per sequence, from admission to the end, as
+vLLM v1's mamba manager does without prefix caching (its block size raised so that a
+block holds one state: see :meth:`~sim.presets.ModelSpec.state_block_size`). Its
+``state_slots`` count as written; the block's rest, vLLM's padding of the state to the
+page, as internal. State is neither cached nor shared, so a state-space model runs
+without prefix caching and forks no samples.
+
 Not modelled: a host tier, swapping out.
 """
 
@@ -69,7 +77,8 @@ class _HybridSeq:
     written, and the sliding-window blocks it has given back or is promised."""
 
     __slots__ = ("claim_end", "claimed", "final_len", "hasher", "internal", "num_tokens",
-                 "per_chunk", "promised", "released", "shared_blocks", "spec", "tables")
+                 "per_chunk", "promised", "released", "shared_blocks", "spec", "states",
+                 "tables")
 
     def __init__(self, spec: SeqSpec, tables: list[list[KVBlock | None]], hasher: BlockHasher,
                  block_size: int) -> None:
@@ -87,14 +96,16 @@ class _HybridSeq:
         self.claim_end = spec.prompt_len
         self.per_chunk = False
         self.claimed = 0  # the furthest slot an append's lookahead held (0: none)
+        self.states: list[KVBlock] = []  # one block a state group, held to the end
 
 
 class HybridPagedAllocator(KVAllocator):
     """Block tables per group of layers over one :class:`BlockPool`: ``full_groups`` groups
     whose tables keep every block, then ``sliding_groups`` whose tables keep the blocks the
-    last ``sliding_window`` tokens lie in. ``prefill_chunk_tokens`` is the most prompt tokens
-    one step writes for a sequence (the scheduler's token budget under chunked prefill; None:
-    a whole prompt)."""
+    last ``sliding_window`` tokens lie in; and ``state_groups`` that keep one block a
+    sequence, ``state_slots`` of it filled by its recurrent state. ``prefill_chunk_tokens``
+    is the most prompt tokens one step writes for a sequence (the scheduler's token budget
+    under chunked prefill; None: a whole prompt)."""
 
     def __init__(
         self,
@@ -108,16 +119,27 @@ class HybridPagedAllocator(KVAllocator):
         enable_prefix_caching: bool = True,
         eviction: str = "lru",
         watermark: float = 0.0,
+        state_groups: int = 0,
+        state_slots: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         if num_blocks < 1:
             raise ValueError(f"the pool must hold at least one block, got {num_blocks}")
-        if full_groups < 0 or sliding_groups < 1:
-            raise ValueError(f"need at least one sliding-window group, got {sliding_groups} "
-                             f"(and {full_groups} full-attention groups)")
-        if sliding_window < 2:
+        if min(full_groups, sliding_groups, state_groups) < 0 or not (
+                sliding_groups or state_groups):
+            raise ValueError(f"need a sliding-window or state group, got {sliding_groups} and "
+                             f"{state_groups} (and {full_groups} full-attention groups)")
+        if sliding_groups and sliding_window < 2:
             raise ValueError(f"sliding_window must be at least 2 tokens, got {sliding_window}")
+        if state_slots is None:
+            state_slots = block_size
+        if not 0 < state_slots <= block_size:
+            raise ValueError(f"a state fills 1 to {block_size} slots of a block, not "
+                             f"{state_slots}")
+        if state_groups and enable_prefix_caching:
+            raise ValueError("state groups keep no prefix cache: enable_prefix_caching must "
+                             "be False")
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.block_size = block_size
@@ -125,7 +147,11 @@ class HybridPagedAllocator(KVAllocator):
         self.capacity_slots = num_blocks * block_size
         self.full_groups = full_groups
         self.sliding_groups = sliding_groups
-        self.groups = full_groups + sliding_groups
+        self.groups = full_groups + sliding_groups  # block tables a sequence keeps
+        self.state_groups = state_groups
+        self.state_slots = state_slots
+        # Slots of a sequence's state blocks its states leave unwritten (vLLM's padding).
+        self._state_padding = state_groups * (block_size - state_slots)
         self.sliding_window = sliding_window
         self.prefill_chunk_tokens = prefill_chunk_tokens
         # Blocks before a position that a token there can see (vLLM's
@@ -218,7 +244,8 @@ class HybridPagedAllocator(KVAllocator):
         full = shared + samples * (final - shared)
         prefill, decode = self._prefill_peak(spec, 0), self._decode_peak()
         sliding = min(samples * final, max(prefill + samples - 1, samples * decode))
-        return self.full_groups * full + self.sliding_groups * sliding <= self.num_blocks
+        return (self.full_groups * full + self.sliding_groups * sliding
+                + samples * self.state_groups <= self.num_blocks)
 
     def _seq(self, seq_id: int) -> _HybridSeq:
         try:
@@ -302,7 +329,8 @@ class HybridPagedAllocator(KVAllocator):
                       if seq.num_tokens < seq.spec.prompt_len} if taken else {}
         grown = sum(p - seq.promised for seq, p in repromised.items())
         reserve = self.watermark_blocks if self._seqs else 0
-        if need + promised + grown > self.pool.num_free - self._promised - revived - reserve:
+        if need + promised + grown + self.state_groups > (
+                self.pool.num_free - self._promised - revived - reserve):
             self._refused = (spec, hasher)
             return None
         self._refused = None
@@ -326,6 +354,11 @@ class HybridPagedAllocator(KVAllocator):
                 table += [self.pool.take() for _ in range(need // self.full_groups)]
             tables.append(table)
         seq = _HybridSeq(spec, tables, hasher, bs)
+        for _ in range(self.state_groups):
+            state = self.pool.take()
+            state.num_filled = self.state_slots
+            self._token_slots += self.state_slots
+            seq.states.append(state)
         seq.num_tokens = length * bs
         seq.released = released
         seq.promised = promised
@@ -345,7 +378,8 @@ class HybridPagedAllocator(KVAllocator):
         else:
             self._internal -= seq.internal
         final = seq.final_len
-        seq.internal = sum(max(0, len(t) * self.block_size - final) for t in seq.tables)
+        seq.internal = sum(max(0, len(t) * self.block_size - final) for t in seq.tables) + (
+            self._state_padding)
         self._internal += seq.internal
 
     def _drop(self, block: KVBlock) -> None:
@@ -546,12 +580,17 @@ class HybridPagedAllocator(KVAllocator):
             for block in reversed(table):
                 if block is not None:
                     self._drop(block)
+        for state in seq.states:
+            self._drop(state)
 
     def fork(self, parent_id: int, child: SeqSpec) -> bool:
         """The child holds every block of the parent's tables (what the parent's windows
         gave back too), each written block once more referenced; the first write into a
         shared one copies it. Forks take no block, so they never fail."""
         parent = self._seq(parent_id)
+        if self.state_groups:
+            raise AllocatorError(f"sequence {parent_id}: a recurrent state is not shared, so "
+                                 "a state-space model's samples are not forked")
         if parent.num_tokens < parent.spec.prompt_len:
             raise AllocatorError(f"sequence {parent_id} cannot fork before its prompt is written")
         if child.seq_id in self._seqs:
@@ -673,6 +712,10 @@ class HybridPagedAllocator(KVAllocator):
                     if idx < seq.num_tokens // bs:
                         assert block.num_filled == bs
                         assert block.block_hash == self._key(seq.hasher.hashes[idx], group)
+            assert len(seq.states) == self.state_groups, "a state group holds no state"
+            for state in seq.states:
+                refs[state.block_id] += 1
+                assert state.num_filled == self.state_slots and state.block_hash is None
             if seq.spec.prompt_len <= seq.num_tokens:
                 assert seq.promised == 0, "a prefilled sequence keeps a promise"
         assert self._promised == sum(s.promised for s in self._seqs.values())
@@ -694,7 +737,9 @@ class HybridPagedAllocator(KVAllocator):
             "duplicate counter drifted")
         assert self._internal == sum(
             max(0, len(t) * bs - s.final_len) for s in self._seqs.values() for t in s.tables
-            if s.spec.seq_id not in self._shared_tail), "internal counter drifted"
+            if s.spec.seq_id not in self._shared_tail) + self._state_padding * sum(
+            s.spec.seq_id not in self._shared_tail for s in self._seqs.values()), (
+            "internal counter drifted")
         snap = self.snapshot()
         assert snap.total == self.capacity_slots, "taxonomy does not sum to the pool"
         assert min(snap.as_dict().values()) >= 0, f"negative category in {snap}"
