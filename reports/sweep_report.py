@@ -42,6 +42,7 @@ METRIC_LABELS = {
     "mean_batch": "mean decode batch (sequences)",
     "duplicate_frac": "duplicate slots (share of pool)",
     "token_frac": "share of pool holding tokens",
+    "state_frac": "share of pool holding states",
     "slo_attainment": "requests within SLO (share)",
     "capacity_req_s": "capacity under SLO (requests/s)",
     "capacity_req_s_per_gpu": "capacity under SLO per GPU (requests/s)",

@@ -1515,6 +1515,8 @@ class _SystemRun:
                  "prefill_replicas": self.prefill_replicas,
                  "gpus": self.gpus,
                  "usd_per_gpu_hour": self.usd_per_gpu_hour,
+                 "state_slots_per_sequence": getattr(self.replicas[0].allocator,
+                                                     "state_slots_per_sequence", 0),
                  **token_wait_summary(token_waits_us)}
         loaded = sum(s.first_loaded_tokens for s in schedulers)
         # None (shown "—") without a host tier, as the hit rate without a prefix cache.

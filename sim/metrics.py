@@ -41,6 +41,7 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("slo_tightest_attainment", "requests within tightest bound", "%"),
     ("goodput_req_s", "goodput (req/s within SLO)", "{:,.2f}"),
     ("token_frac", "KV pool holding tokens", "%"),
+    ("state_frac", "KV pool holding states (part of tokens)", "%"),
     ("waste_frac", "waste (of memory in use)", "%"),
     ("internal_frac_of_allocated", "internal frag. (of allocated)", "%"),
     ("internal_at_finish_frac", "internal frag. at completion", "%2"),
@@ -119,8 +120,8 @@ def format_metric(value: Any, fmt: str) -> str:
 ONLY_WHEN_ABOVE_ONE = {"throughput_tok_s_per_gpu": "gpus", "replica_imbalance": "replicas"}
 # Rows of a feature most runs do not use: shown only where some system has a value.
 ONLY_WHEN_SET = {"shed", "abandoned", "abandoned_seated", "abandoned_output_tokens", "retries",
-                 "host_hit_rate", "slo_attainment", "slo_tightest_attainment", "goodput_req_s",
-                 "capacity_req_s", "capacity_req_s_per_gpu", "swap_preemptions",
+                 "host_hit_rate", "state_frac", "slo_attainment", "slo_tightest_attainment",
+                 "goodput_req_s", "capacity_req_s", "capacity_req_s_per_gpu", "swap_preemptions",
                  "swapped_out_slots", "reservation_overflows", "usd_per_million_tokens",
                  "mean_draft_tokens", "rank_wait_frac", "pipeline_bubble_frac",
                  "discarded_output_tokens"}

@@ -151,6 +151,9 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
         "peak_running": int(steps["running"].max()) if len(steps) else 0,
         **{f"{c}_frac": averages[c] / capacity_slots for c in TAXONOMY},
         "duplicate_frac": averages["duplicate"] / capacity_slots,
+        # A state-space hybrid's states, one a running sequence (None: no state layers).
+        "state_frac": (averages["running"] * extra["state_slots_per_sequence"]
+                       / capacity_slots if extra["state_slots_per_sequence"] else None),
         "waste_frac": (used - averages["token"]) / used if used else 0.0,
         "internal_frac_of_allocated": averages["internal"] / allocated if allocated else 0.0,
         "internal_at_finish_frac": (finish_alloc - finish_used) / finish_alloc if (
@@ -169,7 +172,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, averages: dict[str, f
     summary.update({k: v for k, v in extra.items()
                     if k not in ("hit_tokens", "lookup_tokens", "preempted_hit_tokens",
                                  "preempted_lookup_tokens", "prefix_caching",
-                                 "usd_per_gpu_hour")})
+                                 "usd_per_gpu_hour", "state_slots_per_sequence")})
     return summary
 
 

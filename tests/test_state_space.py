@@ -12,6 +12,7 @@ import pytest
 from sim.api import load, run
 from sim.engine import allocation_unit, build_allocator, scenario_pool_slots, scenario_trace
 from sim.memory import ContiguousAllocator, HybridPagedAllocator
+from sim.metrics import format_summary
 from sim.presets import MODEL_PRESETS, lookup_gpu, max_concurrency
 from sim.scenario import ScenarioError
 from sim.timing import roofline
@@ -100,8 +101,22 @@ def test_states_bound_how_many_run_at_once():
     # and 804 slots of state.
     slots = scenario_pool_slots(scenario)
     assert slots // (260 + 804) <= flat["peak_running"] <= slots // (160 + 804)
-    # The states are written memory: the token share counts them.
+    # The states are written memory: the token share counts them, and the state share is
+    # each running sequence's (3 blocks' 268 slots; 804 slots), within it.
     assert paged["token_frac"] > 0.5
+    for summary, per_sequence in ((paged, 3 * 268), (flat, 804)):
+        assert summary["state_frac"] == pytest.approx(
+            summary["mean_running"] * per_sequence / summary["capacity_slots"])
+        assert 0 < summary["state_frac"] <= summary["token_frac"]
+    assert "KV pool holding states" in _table(result)
+    plain = run(SCENARIO, overrides={"model": "qwen3-30b-a3b", "max_model_len": 4096})
+    assert plain.systems["paged"].summary["state_frac"] is None
+    assert "KV pool holding states" not in _table(plain)
+
+
+def _table(result) -> str:
+    """The summary table a run prints."""
+    return format_summary({name: r.summary for name, r in result.systems.items()})
 
 
 def test_a_state_costs_a_decode_step_its_reads_and_writes():

@@ -120,6 +120,7 @@ class ContiguousAllocator(KVAllocator):
         self.placement = placement
         self.duplicate_granularity = duplicate_granularity
         self.state_slots = state_slots
+        self.state_slots_per_sequence = state_slots
         self._free_starts: list[int] = [0]
         self._free_len: dict[int, int] = {0: capacity_slots}
         self._seqs: dict[int, _Extent] = {}

@@ -152,6 +152,7 @@ class HybridPagedAllocator(KVAllocator):
         self.state_slots = state_slots
         # Slots of a sequence's state blocks its states leave unwritten (vLLM's padding).
         self._state_padding = state_groups * (block_size - state_slots)
+        self.state_slots_per_sequence = state_groups * state_slots  # its states fill
         self.sliding_window = sliding_window
         self.prefill_chunk_tokens = prefill_chunk_tokens
         # Blocks before a position that a token there can see (vLLM's
