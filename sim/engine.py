@@ -1737,14 +1737,15 @@ def _memory_text(scenario: Scenario) -> str:
         text += (f"; a {model.sliding_window:,}-token sliding window in "
                  f"{model.num_sliding_layers} of {model.num_layers} layers: the hybrid KV cache "
                  f"manager keeps {full} full-attention and {sliding} sliding-window group"
-                 f"{'s' if sliding > 1 else ''} of {layers} layers")
+                 f"{'s' if sliding > 1 else ''} of {layers} layer{'s' if layers > 1 else ''}")
     if model.has_state_layers:
         layers, full, _, state = model.kv_cache_groups()
         state_mib = model.state_bytes_per_layer_per_gpu(tp) * model.num_state_layers / MIB
         text += (f"; {model.num_state_layers} of {model.num_layers} layers are state-space "
                  f"layers, keeping {state_mib:,.1f} MiB{each} of state a sequence instead of "
                  f"KV: paged, the hybrid KV cache manager keeps {full} full-attention and "
-                 f"{state} state group{'s' if state > 1 else ''} of {layers} layers, in "
+                 f"{state} state group{'s' if state > 1 else ''} of {layers} "
+                 f"layer{'s' if layers > 1 else ''}, in "
                  f"blocks of at least {model.state_block_size(tp)} tokens (vLLM's block size "
                  f"raised so that a block holds a sequence's state in a layer); contiguous, "
                  f"each extent holds it in {model.state_slots_per_sequence(tp):,} slots more")
