@@ -4,6 +4,7 @@ attention (MLA), mixtures of experts (MoE), quantized weights."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -370,3 +371,12 @@ def test_the_gpu_harness_refuses_what_its_kernel_does_not_time(name, words, caps
     assert gpu_validate_main(["--model", name, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1
+
+
+def test_the_readme_names_every_preset():
+    # The scenario reference lists the presets a scenario's model: and gpu: take.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    row = next(line for line in readme.splitlines() if line.startswith("| | `model`, `gpu`"))
+    named = set(re.findall(r"`([a-z0-9.\-]+)`", row))
+    assert [name for name in MODEL_PRESETS if name not in named] == []
+    assert [name for name in GPU_PRESETS if name not in named] == []
