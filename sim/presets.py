@@ -81,11 +81,12 @@ class ModelSpec:
     num_sliding_layers: int = 0
     # State-space (linear-attention) layers: ``num_state_layers`` of the layers keep no KV
     # a token but one fixed-size recurrent state a sequence (Mamba-2's SSM and convolution
-    # states, Gated DeltaNet's: Qwen3-Next, 36 of 48), ``state_elements_per_layer``
-    # elements of it in the model's dtype (vLLM's mamba_cache_dtype auto), split over a
-    # tensor-parallel group by head. 0: every layer is an attention layer.
+    # states, Gated DeltaNet's: Qwen3-Next, 36 of 48), ``state_bytes_per_layer`` bytes of
+    # it in a layer (in the dtypes vLLM keeps them: the model's, unless its
+    # mamba_ssm_cache_dtype says float32), split over a tensor-parallel group by head.
+    # 0: every layer is an attention layer.
     num_state_layers: int = 0
-    state_elements_per_layer: int = 0
+    state_bytes_per_layer: int = 0
 
     @property
     def kv_layers(self) -> int:
@@ -120,7 +121,7 @@ class ModelSpec:
     def state_bytes_per_layer_per_gpu(self, tensor_parallel_size: int) -> int:
         """One sequence's recurrent state in one state layer, on one GPU of a
         tensor-parallel group (its heads split over the group)."""
-        return self.state_elements_per_layer // tensor_parallel_size * self.dtype_bytes
+        return self.state_bytes_per_layer // tensor_parallel_size
 
     def state_tokens_per_layer(self, tensor_parallel_size: int) -> int:
         """Tokens of one attention layer's KV that take the bytes of one sequence's state in
@@ -294,8 +295,8 @@ class ModelSpec:
         tp, kv = tensor_parallel_size, self.num_kv_heads
         if self.num_heads % tp:
             return f"{self.name}'s {self.num_heads} attention heads do not divide over {tp} GPUs"
-        if self.state_elements_per_layer % tp:
-            return (f"{self.name}'s state of {self.state_elements_per_layer:,} elements a layer "
+        if self.state_bytes_per_layer % tp:
+            return (f"{self.name}'s state of {self.state_bytes_per_layer:,} bytes a layer "
                     f"does not divide over {tp} GPUs")
         if self.uses_mla:  # the latent is whole on every GPU
             return None
@@ -455,7 +456,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         # size to 544 tokens on one GPU (272 on four) to hold that state in a block.
         ModelSpec("qwen3-next-80b-a3b", 48, 16, 2, 256, 80e9, 262144, model_dim=2048,
                   active_params=3e9, num_experts=512, experts_per_token=10,
-                  num_state_layers=36, state_elements_per_layer=3 * 8192 + 32 * 128 * 128),
+                  num_state_layers=36, state_bytes_per_layer=(3 * 8192 + 32 * 128 * 128) * 2),
     ]
 }
 

@@ -119,16 +119,17 @@ class ModelConfig(ConfigModel):
         default=None, description="state-space (linear-attention) layers: how many layers "
         "keep one recurrent state a sequence instead of K and V a token (Mamba-2, Gated "
         "DeltaNet; Qwen3-Next-80B-A3B: 36 of 48); absent: none")
-    state_elements_per_layer: PositiveInt | None = Field(
-        default=None, description="state-space layers: elements of one sequence's state in "
-        "one layer, on one GPU, in dtype_bytes (Gated DeltaNet: (conv_kernel - 1) × "
-        "(2 × key heads × key dim + value heads × value dim) + value heads × key dim × "
-        "value dim; Qwen3-Next: 548,864)")
+    state_bytes_per_layer: PositiveInt | None = Field(
+        default=None, description="state-space layers: bytes of one sequence's state in one "
+        "layer, on one GPU, in the dtypes it is kept in (Gated DeltaNet: (conv_kernel - 1) "
+        "× (2 × key heads × key dim + value heads × value dim) elements of convolution "
+        "state and value heads × key dim × value dim of recurrent state; Qwen3-Next in "
+        "bf16: 1,097,728; vLLM's mamba page size, unpadded)")
 
     @model_validator(mode="after")
     def _consistent(self):  # type: ignore[no-untyped-def]
-        if (self.num_state_layers is None) != (self.state_elements_per_layer is None):
-            raise ValueError("num_state_layers and state_elements_per_layer go together")
+        if (self.num_state_layers is None) != (self.state_bytes_per_layer is None):
+            raise ValueError("num_state_layers and state_bytes_per_layer go together")
         if self.num_state_layers is not None:
             if self.num_state_layers >= self.num_layers:
                 raise ValueError(f"num_state_layers ({self.num_state_layers}) leaves no "
@@ -1549,7 +1550,7 @@ def _model_spec(model: str | ModelConfig) -> ModelSpec:
     fields["num_sliding_layers"] = (
         0 if model.sliding_window is None else model.num_sliding_layers or model.num_layers)
     fields["num_state_layers"] = model.num_state_layers or 0
-    fields["state_elements_per_layer"] = model.state_elements_per_layer or 0
+    fields["state_bytes_per_layer"] = model.state_bytes_per_layer or 0
     return ModelSpec(**fields)
 
 

@@ -122,7 +122,7 @@ def _table(result) -> str:
 def test_a_state_costs_a_decode_step_its_reads_and_writes():
     gpu = lookup_gpu("h100-80g")
     with_state = roofline(QWEN3_NEXT, gpu, tensor_parallel_size=4)
-    stateless = roofline(dataclasses.replace(QWEN3_NEXT, state_elements_per_layer=0), gpu,
+    stateless = roofline(dataclasses.replace(QWEN3_NEXT, state_bytes_per_layer=0), gpu,
                          tensor_parallel_size=4)
     state_s = 2 * 36 * 274432 / gpu.hbm_bandwidth_bytes_per_s  # read and written, a step
     assert with_state.b - stateless.b == pytest.approx(state_s)
@@ -155,13 +155,13 @@ TINY = {"name": "m", "num_layers": 4, "num_heads": 4, "head_dim": 64, "num_param
     ({"engine": {"replicas": 2, "disaggregation": {"prefill_replicas": 1}}},
      "engine.disaggregation: sending"),
     ({"model": {**TINY, "num_state_layers": 2}},
-     "num_state_layers and state_elements_per_layer go together"),
-    ({"model": {**TINY, "num_state_layers": 4, "state_elements_per_layer": 1000}},
+     "num_state_layers and state_bytes_per_layer go together"),
+    ({"model": {**TINY, "num_state_layers": 4, "state_bytes_per_layer": 2000}},
      "num_state_layers (4) leaves no attention layer of num_layers (4)"),
-    ({"model": {**TINY, "num_state_layers": 2, "state_elements_per_layer": 1000,
+    ({"model": {**TINY, "num_state_layers": 2, "state_bytes_per_layer": 2000,
                 "sliding_window": 64}},
      "num_state_layers with sliding_window is not modelled"),
-    ({"model": {**TINY, "num_state_layers": 2, "state_elements_per_layer": 1000,
+    ({"model": {**TINY, "num_state_layers": 2, "state_bytes_per_layer": 2000,
                 "kv_latent_dim": 64}},
      "num_state_layers with kv_latent_dim is not modelled"),
 ])
@@ -190,7 +190,7 @@ def test_an_explicit_model_with_state_layers_runs_as_the_preset():
                 "num_kv_heads": 2, "head_dim": 256, "num_params": 80e9,
                 "max_model_len": 262144, "hidden_size": 2048, "active_params": 3e9,
                 "num_experts": 512, "experts_per_token": 10, "num_state_layers": 36,
-                "state_elements_per_layer": 548864}
+                "state_bytes_per_layer": 1097728}
     preset = run(SCENARIO).systems["paged"].summary
     given = run(SCENARIO, overrides={"model": explicit}).systems["paged"].summary
     assert given["throughput_tok_s"] == preset["throughput_tok_s"]
@@ -200,7 +200,7 @@ def test_an_explicit_model_with_state_layers_runs_as_the_preset():
 SMALL_HYBRID = {  # 2 attention layers and 6 state layers; a state is 16 tokens of a layer
     "name": "small-hybrid", "num_layers": 8, "num_heads": 4, "num_kv_heads": 2,
     "head_dim": 64, "num_params": 1e8, "max_model_len": 4096, "num_state_layers": 6,
-    "state_elements_per_layer": 4096}
+    "state_bytes_per_layer": 8192}
 
 
 @pytest.mark.parametrize("system", [
@@ -233,3 +233,17 @@ def test_a_state_space_model_under_memory_pressure_runs_as_stepping(system, sche
     assert runs["jump"].summary["completed"] == 80
     if system["kind"] == "paged":  # memory binds: 131 blocks, a state of 3 a sequence
         assert runs["jump"].summary["peak_running"] <= 131 // 4
+
+
+def test_a_float32_recurrent_state_raises_the_block_as_vllm_raises_it():
+    # vLLM's KV cache config of Qwen3.5-4B on two GPUs (4 KV heads of 256; 32 Gated DeltaNet
+    # value heads of 128, the recurrent state in float32): a convolution state of
+    # (3, 4,096) in bf16 and a recurrent state of (16, 128, 128) in float32 a GPU, blocks
+    # of 528 tokens, pages padded to 1,081,344 bytes.
+    state_bytes = 3 * 8192 * 2 + 32 * 128 * 128 * 4  # on one GPU
+    model = dataclasses.replace(QWEN3_NEXT, name="qwen3.5-4b-like", num_layers=32,
+                                num_kv_heads=4, num_state_layers=24,
+                                state_bytes_per_layer=state_bytes)
+    assert model.state_bytes_per_layer_per_gpu(2) == 3 * 4096 * 2 + 16 * 128 * 128 * 4
+    assert model.state_block_size(2) == 528
+    assert 528 * model.kv_bytes_per_token_per_gpu(2) // model.kv_layers == 1081344
