@@ -931,7 +931,7 @@ class _RoleSetup:
             spec = spec.with_schedule(auto_schedule)
         host_slots, swap_slots, host_s_per_token = host_memory(scenario, system)
         model = scenario.model_spec()
-        swap_unit_s = (system.scheduler.swap_copy_overhead_s * model.num_layers
+        swap_unit_s = (system.scheduler.swap_copy_overhead_s * model.kv_layers
                        * model.kv_tensors_per_layer if swap_slots else 0.0)
         setup = cls(scenario, pool_slots, unit_slots, host_slots, swap_slots, host_s_per_token,
                     swap_unit_s, timing, rho, timings, spec, auto_schedule)
@@ -1515,8 +1515,7 @@ class _SystemRun:
                  "prefill_replicas": self.prefill_replicas,
                  "gpus": self.gpus,
                  "usd_per_gpu_hour": self.usd_per_gpu_hour,
-                 "state_slots_per_sequence": getattr(self.replicas[0].allocator,
-                                                     "state_slots_per_sequence", 0),
+                 "state_slots_per_sequence": self.replicas[0].allocator.state_slots_per_sequence,
                  **token_wait_summary(token_waits_us)}
         loaded = sum(s.first_loaded_tokens for s in schedulers)
         # None (shown "—") without a host tier, as the hit rate without a prefix cache.

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 GIB = 1024**3
 MIB = 1024**2
+# Block sizes attention kernels take (FlashAttention's: multiples of 16 tokens), to which
+# vLLM rounds a block raised to hold a state-space layer's state.
+KERNEL_BLOCK_ALIGNMENT = 16
 
 
 @dataclass(frozen=True)
@@ -141,13 +144,14 @@ class ModelSpec:
                        * self.state_bytes_per_layer_per_gpu(tensor_parallel_size))
         return math.ceil(state_bytes / self.kv_bytes_per_token_per_gpu(tensor_parallel_size))
 
-    def state_block_size(self, tensor_parallel_size: int, alignment: int = 16) -> int:
+    def state_block_size(self, tensor_parallel_size: int) -> int:
         """The least block size, in tokens, at which one block of an attention layer holds
         a sequence's state in a state layer, as vLLM v1 raises a hybrid model's attention
-        block size to (``HybridAttentionMambaModelConfig``): a multiple of ``alignment``
-        tokens, the attention kernels' (Qwen3-Next in bf16 on one GPU: 544). 0 for a model
-        without state layers."""
-        return alignment * -(-self.state_tokens_per_layer(tensor_parallel_size) // alignment)
+        block size to (``HybridAttentionMambaModelConfig``): a multiple of
+        :data:`KERNEL_BLOCK_ALIGNMENT` tokens (Qwen3-Next in bf16 on one GPU: 544). 0 for a
+        model without state layers."""
+        align = KERNEL_BLOCK_ALIGNMENT
+        return align * -(-self.state_tokens_per_layer(tensor_parallel_size) // align)
 
     @property
     def kv_element_bytes(self) -> float:

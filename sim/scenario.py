@@ -1219,24 +1219,23 @@ class Scenario(ConfigModel):
         if self.engine.router.kv_events:
             raise ValueError(f"engine.router.kv_events: {model.name}'s state-space layers "
                              "keep no prefix cache for a router to follow")
+        # Allocator fields a state-space model cannot take: when, and why.
         unmodelled = {
-            "prefix_caching": lambda a: isinstance(a, PagedConfig) and a.prefix_caching,
-            "hybrid_kv_cache": lambda a: isinstance(a, PagedConfig) and not a.hybrid_kv_cache,
-            "kind": lambda a: isinstance(a, VirtualConfig),
-        }
-        why = {
-            "prefix_caching": "prefix caching of a state (vLLM's experimental mamba cache "
-                              "modes) is not modelled: leave it out or set it false",
-            "hybrid_kv_cache": "state-space layers need the hybrid KV cache manager (vLLM "
-                               "has no other for them): leave it out or set it true",
-            "kind": "virtual memory (vAttention) for state-space layers is not modelled: "
-                    "use paged or contiguous",
+            "prefix_caching": (lambda a: isinstance(a, PagedConfig) and a.prefix_caching,
+                               "prefix caching of a state (vLLM's experimental mamba cache "
+                               "modes) is not modelled: leave it out or set it false"),
+            "hybrid_kv_cache": (lambda a: isinstance(a, PagedConfig) and not a.hybrid_kv_cache,
+                                "state-space layers need the hybrid KV cache manager (vLLM "
+                                "has no other for them): leave it out or set it true"),
+            "kind": (lambda a: isinstance(a, VirtualConfig),
+                     "virtual memory (vAttention) for state-space layers is not modelled: "
+                     "use paged or contiguous"),
         }
         for system in self.systems:
-            for field, used in unmodelled.items():
+            for field, (used, why) in unmodelled.items():
                 if used(system.allocator):
                     raise ValueError(f"systems[{system.name}].allocator.{field}: {model.name} "
-                                     f"has state-space layers; {why[field]}")
+                                     f"has state-space layers; {why}")
             if system.speculative is not None:
                 raise ValueError(f"systems[{system.name}].speculative: speculative decoding "
                                  f"over {model.name}'s state-space layers (a state per draft "

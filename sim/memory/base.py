@@ -196,6 +196,12 @@ class KVAllocator(ABC):
         """Raise AssertionError if any internal invariant is broken (tests, debug mode)."""
 
     @property
+    def state_slots_per_sequence(self) -> int:
+        """Slots each live sequence's recurrent state fills (a state-space hybrid's, which
+        count as ``token``); 0 for a model without state layers, as here."""
+        return 0
+
+    @property
     @abstractmethod
     def live_seq_ids(self) -> list[int]:
         """Sequences currently holding memory, in admission order."""

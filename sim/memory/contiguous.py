@@ -66,18 +66,17 @@ def reservation_slots(spec: SeqSpec, reserve_policy: str, max_model_len: int) ->
 
 class _Extent:
     """A live sequence's reservation: ``size`` slots from ``start``, the first ``state`` of
-    them its recurrent state and the rest its tokens' KV; ``num_tokens`` tokens written,
-    ``will_write`` slots written by the end (its state and final length, or the size if
-    shorter)."""
+    them its recurrent state (the allocator's ``state_slots``) and the rest its tokens' KV;
+    ``num_tokens`` tokens written, ``will_write`` slots written by the end (its state and
+    final length, or the size if shorter)."""
 
-    __slots__ = ("hasher", "num_tokens", "size", "spec", "start", "state", "will_write")
+    __slots__ = ("hasher", "num_tokens", "size", "spec", "start", "will_write")
 
     def __init__(self, spec: SeqSpec, start: int, size: int, hasher: BlockHasher,
                  state: int) -> None:
         self.spec = spec
         self.start = start
         self.size = size
-        self.state = state
         self.will_write = min(spec.final_len, size - state) + state
         self.num_tokens = 0
         self.hasher = hasher
@@ -120,7 +119,6 @@ class ContiguousAllocator(KVAllocator):
         self.placement = placement
         self.duplicate_granularity = duplicate_granularity
         self.state_slots = state_slots
-        self.state_slots_per_sequence = state_slots
         self._free_starts: list[int] = [0]
         self._free_len: dict[int, int] = {0: capacity_slots}
         self._seqs: dict[int, _Extent] = {}
@@ -146,8 +144,11 @@ class ContiguousAllocator(KVAllocator):
 
     def allocated_slots(self, seq_id: int) -> int:
         """Slots of the sequence's extent for its tokens (its state's left out)."""
-        ext = self._seq(seq_id)
-        return ext.size - ext.state
+        return self._seq(seq_id).size - self.state_slots
+
+    @property
+    def state_slots_per_sequence(self) -> int:
+        return self.state_slots
 
     def extent(self, seq_id: int) -> tuple[int, int]:
         """``(start, size)`` of the sequence's reservation."""
@@ -218,7 +219,7 @@ class ContiguousAllocator(KVAllocator):
         self._seqs[spec.seq_id] = ext
         self._reserved_total += size
         self._final_total += ext.will_write
-        self._token_total += ext.state
+        self._token_total += self.state_slots
         return ext
 
     # ------------------------------------------------------------------ lifecycle
@@ -235,7 +236,7 @@ class ContiguousAllocator(KVAllocator):
         end = ext.num_tokens + num_tokens
         if end > ext.spec.final_len:
             raise write_past_end(seq_id, end, ext.spec.final_len)
-        if min(end + lookahead, ext.spec.final_len) > ext.size - ext.state:
+        if min(end + lookahead, ext.spec.final_len) > ext.size - self.state_slots:
             return False  # outgrew a predicted reservation: an extent cannot grow in place
         self._write(ext, end)
         return True
@@ -256,7 +257,7 @@ class ContiguousAllocator(KVAllocator):
             self._duplicates.remove(chunk_hash)
         self._reserved_total -= ext.size
         self._final_total -= ext.will_write
-        self._token_total -= ext.num_tokens + ext.state
+        self._token_total -= ext.num_tokens + self.state_slots
         self._release_extent(ext.start, ext.size)
 
     def _release_extent(self, start: int, size: int) -> None:
@@ -300,9 +301,9 @@ class ContiguousAllocator(KVAllocator):
         return 0
 
     def max_uniform_append(self, seq_ids: list[int], limit: int) -> int:
+        state = self.state_slots
         room = min(
-            (self._seqs[s].will_write - self._seqs[s].state - self._seqs[s].num_tokens
-             for s in seq_ids),
+            (self._seqs[s].will_write - state - self._seqs[s].num_tokens for s in seq_ids),
             default=limit,
         )
         return max(0, min(limit, room))
@@ -342,15 +343,15 @@ class ContiguousAllocator(KVAllocator):
             assert not (kind == prev_kind == "free"), f"free extents at {start} not coalesced"
             pos, prev_kind = start + size, kind
         assert pos == self.capacity_slots, "extents do not cover the slot space"
+        state = self.state_slots
         for ext in self._seqs.values():
-            room = ext.size - ext.state  # slots for its tokens
-            assert ext.state == self.state_slots
-            assert ext.num_tokens + ext.state <= ext.will_write == min(
-                ext.spec.final_len, room) + ext.state
+            room = ext.size - state  # slots for its tokens
+            assert ext.num_tokens + state <= ext.will_write == min(
+                ext.spec.final_len, room) + state
             assert ext.spec.final_len <= room or self.reserve_policy == "predicted"
         assert self._final_total == sum(e.will_write for e in self._seqs.values())
         assert self._reserved_total == sum(e.size for e in self._seqs.values())
-        assert self._token_total == sum(e.num_tokens + e.state for e in self._seqs.values())
+        assert self._token_total == sum(e.num_tokens + state for e in self._seqs.values())
         snap = self.snapshot()
         assert snap.total == self.capacity_slots, "taxonomy does not sum to the pool"
         assert min(snap.as_dict().values()) >= 0, f"negative category in {snap}"

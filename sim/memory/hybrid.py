@@ -152,7 +152,6 @@ class HybridPagedAllocator(KVAllocator):
         self.state_slots = state_slots
         # Slots of a sequence's state blocks its states leave unwritten (vLLM's padding).
         self._state_padding = state_groups * (block_size - state_slots)
-        self.state_slots_per_sequence = state_groups * state_slots  # its states fill
         self.sliding_window = sliding_window
         self.prefill_chunk_tokens = prefill_chunk_tokens
         # Blocks before a position that a token there can see (vLLM's
@@ -187,6 +186,10 @@ class HybridPagedAllocator(KVAllocator):
     @property
     def kv_cache_usage(self) -> float:
         return 1.0 - self.pool.num_free / self.num_blocks
+
+    @property
+    def state_slots_per_sequence(self) -> int:
+        return self.state_groups * self.state_slots
 
     def num_tokens(self, seq_id: int) -> int:
         return self._seq(seq_id).num_tokens
