@@ -78,6 +78,7 @@ from sim.timing import (
     StepTimeModel,
     pipeline_hop_s_per_token,
     roofline,
+    state_write_s,
     with_transfer,
 )
 from workloads import Trace, TraceError, WorkloadError, build_trace
@@ -106,8 +107,30 @@ def allocation_unit(scenario: Scenario, system: SystemConfig) -> int:
         return 1
     # A state-space hybrid's blocks hold a sequence's state in a layer group: vLLM raises
     # the block size to fit it.
-    return max(cfg.block_size, scenario.model_spec().state_block_size(
+    return max(cfg.block_size, cached_model(scenario, system).state_block_size(
         scenario.parallel.tensor_parallel_size))
+
+
+def cached_model(scenario: Scenario, system: SystemConfig) -> ModelSpec:
+    """The layers ``system``'s KV cache is laid out for: the scenario's model, and, for a
+    state-space hybrid or under the hybrid KV cache manager, an MTP or EAGLE drafter's
+    attention layers among them and the states grown for its drafts
+    (:meth:`~sim.presets.ModelSpec.with_speculation`), as vLLM groups them. Elsewhere a
+    drafter's KV is its share of every slot (:func:`system_pool_slots`)."""
+    model = scenario.model_spec()
+    spec = system.speculative
+    if spec is None or spec.draft_model is not None or not (
+            model.has_state_layers or uses_hybrid_kv_cache(model, system)):
+        return model
+    return model.with_speculation(spec.drafter_layers, spec.num_speculative_tokens)
+
+
+def states_per_sequence(system: SystemConfig) -> int:
+    """States a sequence keeps in each state-space layer: one, and under speculative
+    decoding one for each draft position (vLLM's ``num_speculative_blocks``), as the
+    kernel writes the state after every draft to keep the accepted one's."""
+    spec = system.speculative
+    return 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
 
 def uses_hybrid_kv_cache(model: ModelSpec, system: SystemConfig) -> bool:
@@ -154,13 +177,14 @@ def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int,
                                   if scheduler.chunked_prefill else None),
             enable_prefix_caching=cfg.prefix_caching, eviction=cfg.eviction,
             watermark=cfg.watermark, state_groups=state_groups,
-            state_slots=model.state_tokens_per_layer(tensor_parallel_size) or None)
+            state_slots=model.state_tokens_per_layer(tensor_parallel_size) or None,
+            states_per_group=states_per_sequence(system))
     if isinstance(cfg, ContiguousConfig):
         return ContiguousAllocator(
             pool_slots, max_model_len=max_model_len, reserve_policy=cfg.reserve_policy,
             placement=cfg.placement,
-            state_slots=0 if model is None else model.state_slots_per_sequence(
-                tensor_parallel_size))
+            state_slots=0 if model is None else states_per_sequence(system) * (
+                model.state_slots_per_sequence(tensor_parallel_size)))
     if isinstance(cfg, VirtualConfig):
         # Physical pages on demand, exactly as blocks are; no sharing between requests.
         if page_tokens < 1:
@@ -229,9 +253,13 @@ def build_timing(scenario: Scenario, base_dir: Path) -> StepTimeModel:
     """Roofline of the model on the GPU, or the scenario's calibration file."""
     model = scenario.model_spec()
     if scenario.timing.calibration:
-        return with_sliding_window(load_calibration(
+        calibrated = load_calibration(
             scenario.timing.calibration, base_dir, model, scenario, "timing.calibration",
-            "the scenario runs", scenario.timing.step_overhead_s), model)
+            "the scenario runs", scenario.timing.step_overhead_s)
+        if model.has_state_layers:  # the part of the measured b that is the states' traffic
+            calibrated = replace(calibrated, state_s=min(calibrated.b, 2.0 * state_write_s(
+                model, scenario.gpu_spec(), scenario.parallel.tensor_parallel_size)))
+        return with_sliding_window(calibrated, model)
     parallel = scenario.parallel
     base = roofline(model, scenario.gpu_spec(), scenario.timing.step_overhead_s,
                     tensor_parallel_size=parallel.tensor_parallel_size,
@@ -266,7 +294,16 @@ def with_speculation(timing: StepTimeModel, scenario: Scenario, system: SystemCo
     elif spec.drafter_layers:
         drafter = timing.share(spec.drafter_layers / model.num_layers,
                                f"{spec.method} drafter: {spec.drafter_layers} of "
-                               f"{model.num_layers} layers of {timing.source}")
+                               f"{model.num_layers} layers of {timing.source}",
+                               spec.drafter_layers / model.kv_layers)
+    if model.has_state_layers:
+        # Every state grows for the drafts (the step reads and writes it whole), and each
+        # draft writes one more.
+        gpu, tp = scenario.gpu_spec(), scenario.parallel.tensor_parallel_size
+        write_s = state_write_s(cached_model(scenario, system), gpu, tp)
+        grown_s = 2.0 * (write_s - state_write_s(model, gpu, tp))
+        timing = replace(timing, b=timing.b + grown_s, state_s=timing.state_s + grown_s,
+                         draft_state_s=write_s)
     return replace(timing, speculative_tokens=spec.num_speculative_tokens, drafter=drafter)
 
 
@@ -314,7 +351,9 @@ def drafter_memory(scenario: Scenario, system: SystemConfig) -> tuple[float, flo
         return draft.weight_bytes / tp, float(draft.kv_bytes_per_token_per_gpu(tp))
     share = spec.drafter_layers / model.num_layers
     weight_bytes = model.weight_bytes_per_gpu(tp, scenario.parallel.stage_gpus)
-    return share * weight_bytes, share * model.kv_bytes_per_token_per_gpu(tp)
+    # Its layers attend: each caches what one of the target's attention layers does.
+    kv_share = spec.drafter_layers / model.kv_layers
+    return share * weight_bytes, kv_share * model.kv_bytes_per_token_per_gpu(tp)
 
 
 def system_pool_slots(scenario: Scenario, system: SystemConfig) -> int:
@@ -1123,12 +1162,14 @@ class _SystemRun:
             self.unrouted = roots.tolist()
         self.env = simpy.Environment()
         self.replicas = []
+        kv_model = cached_model(scenario, system)
         for r in range(replicas):
             role = ("both" if not self.handovers
                     else "prefill" if r < self.prefill_replicas else "decode")
             setup = prefill if role == "prefill" else decode
             allocator = build_allocator(system, setup.pool_slots, model.max_model_len,
-                                        setup.host_slots, setup.unit_slots, model, setup.gpus)
+                                        setup.host_slots, setup.unit_slots, kv_model,
+                                        setup.gpus)
             replica = _Replica(self.env, r, self, allocator, setup, role)
             if self.router is None:
                 replica.open = roots[self.replica_of[roots] == r].tolist()
@@ -1610,7 +1651,7 @@ def pool_blocks(scenario: Scenario, system: SystemConfig, pool_slots: int) -> in
     if isinstance(system.allocator, ContiguousConfig):
         return 0
     unit = allocation_unit(scenario, system)
-    model = scenario.model_spec()
+    model = cached_model(scenario, system)
     if uses_hybrid_kv_cache(model, system):  # a block spans one group's layers
         return pool_slots * model.kv_layers // (model.kv_cache_groups()[0] * unit)
     return pool_slots // unit
@@ -1697,11 +1738,6 @@ def _memory_text(scenario: Scenario) -> str:
     model, gpu = scenario.model_spec(), scenario.gpu_spec()
     tp = scenario.parallel.tensor_parallel_size
     slots = scenario_pool_slots(scenario)
-    drafted = {}
-    for system in scenario.systems:
-        system_slots = system_pool_slots(scenario, system)
-        if system_slots != slots:
-            drafted[system] = system_slots
     parallel = scenario.parallel
     # Under pipeline parallelism, the heaviest stage's GPUs (which set the pool).
     stage_layers = model.pipeline_stage_layers(parallel.pipeline_parallel_size)
@@ -1751,9 +1787,22 @@ def _memory_text(scenario: Scenario) -> str:
     view = scenario.prefill_view()
     if view is not scenario:  # prefill replicas spread otherwise: their line too
         text += "; prefill replicas: " + _memory_text(view).removeprefix("memory: ")
-    for system, system_slots in drafted.items():
-        spec = system.speculative
-        assert spec is not None
+    for system in scenario.systems:
+        if system.speculative is not None:
+            text += _drafted_memory_text(scenario, system, slots)
+    return text
+
+
+def _drafted_memory_text(scenario: Scenario, system: SystemConfig, slots: int) -> str:
+    """What speculative decoding changes in :func:`_memory_text`'s figures for ``system``:
+    the tokens its drafter's weights and KV leave, and the layout of a hybrid model's groups
+    and states (empty where nothing changes)."""
+    spec = system.speculative
+    assert spec is not None
+    model, tp = scenario.model_spec(), scenario.parallel.tensor_parallel_size
+    parts = []
+    system_slots = system_pool_slots(scenario, system)
+    if system_slots != slots:
         draft = spec.drafter_spec(model)
         layers = spec.drafter_layers
         if draft is None:
@@ -1762,9 +1811,28 @@ def _memory_text(scenario: Scenario) -> str:
             drafter = f"dense {spec.method} head of {draft.num_params / 1e9:.2f}B parameters"
         else:
             drafter = f"draft model {draft.name}"
-        text += (f"; system {system.name!r}: its {drafter} (weights and KV) leave "
-                 f"{system_slots:,} tokens")
-    return text
+        parts.append(f"its {drafter} (weights and KV) leave {system_slots:,} tokens")
+    kv_model = cached_model(scenario, system)
+    if kv_model.kv_layers != model.kv_layers and uses_hybrid_kv_cache(model, system):
+        layers, full, sliding, state = kv_model.kv_cache_groups()
+        kinds = [f"{full} full-attention"] + [
+            f"{count} {kind}" for count, kind in ((sliding, "sliding-window"),
+                                                 (state, "state")) if count]
+        parts.append(f"the hybrid KV cache manager keeps {kv_model.kv_layers} attention "
+                     f"layers, the drafter's among them, in {' and '.join(kinds)} groups of "
+                     f"{layers} layers")
+    if model.has_state_layers:
+        states = states_per_sequence(system)
+        each = "" if scenario.parallel.gpus == 1 else " a GPU"
+        where = (f"in blocks of at least {kv_model.state_block_size(tp)} tokens"
+                 if uses_hybrid_kv_cache(model, system) else
+                 f"in {states * kv_model.state_slots_per_sequence(tp):,} slots an extent")
+        state_mib = kv_model.state_bytes_per_layer_per_gpu(tp) / MIB
+        parts.append(f"{states} states a sequence in each state-space layer (its own and "
+                     f"one after each draft), {state_mib:,.2f} MiB each{each}, {where}")
+    if not parts:
+        return ""
+    return f"; system {system.name!r}: " + ", ".join(parts)
 
 
 def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: StepTimeModel,

@@ -10,7 +10,7 @@ a token slot spans all N of them (see :func:`kv_pool_slots`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GIB = 1024**3
 MIB = 1024**2
@@ -87,9 +87,13 @@ class ModelSpec:
     # states, Gated DeltaNet's: Qwen3-Next, 36 of 48), ``state_bytes_per_layer`` bytes of
     # it in a layer (in the dtypes vLLM keeps them: the model's, unless its
     # mamba_ssm_cache_dtype says float32), split over a tensor-parallel group by head.
-    # 0: every layer is an attention layer.
+    # 0: every layer is an attention layer. Under speculative decoding with k drafts a step
+    # the state grows by k × ``state_bytes_per_draft_per_layer`` (Gated DeltaNet's
+    # convolution state keeps the kernel's last inputs and one more for each draft: vLLM's
+    # ``conv_kernel_size - 1 + num_spec`` columns).
     num_state_layers: int = 0
     state_bytes_per_layer: int = 0
+    state_bytes_per_draft_per_layer: int = 0
 
     @property
     def kv_layers(self) -> int:
@@ -112,8 +116,26 @@ class ModelSpec:
         layers."""
         kinds = (self.full_attention_layers, self.num_sliding_layers, self.num_state_layers)
         size = min(layers for layers in kinds if layers)
+        most = max(kinds)
+        if most < size * 1.25:
+            # vLLM pads the fewer to the most where they are nearly as many: gpt-oss-20b
+            # with an EAGLE head's layer, 12 sliding and 13 full, makes 1 + 1 groups of 13.
+            size = most
         full, sliding, state = (-(-layers // size) for layers in kinds)
         return size, full, sliding, state
+
+    def with_speculation(self, drafter_layers: int, drafts: int) -> ModelSpec:
+        """The layers a speculative engine caches: these, and ``drafter_layers`` attention
+        layers of this shape (an MTP or EAGLE head's, which vLLM keeps in the same groups:
+        Qwen3-Next with its MTP layer caches 13 attention layers beside 36 state layers),
+        each state grown for ``drafts`` drafts a step (see ``state_bytes_per_draft_per_layer``).
+        For memory layout only: the weights and FLOPs stay the target's."""
+        if not (drafter_layers or (drafts and self.state_bytes_per_draft_per_layer)):
+            return self
+        return replace(self, num_layers=self.num_layers + drafter_layers,
+                       state_bytes_per_layer=(self.state_bytes_per_layer
+                                              + drafts * self.state_bytes_per_draft_per_layer),
+                       state_bytes_per_draft_per_layer=0)
 
     @property
     def has_state_layers(self) -> bool:
@@ -302,6 +324,9 @@ class ModelSpec:
         if self.state_bytes_per_layer % tp:
             return (f"{self.name}'s state of {self.state_bytes_per_layer:,} bytes a layer "
                     f"does not divide over {tp} GPUs")
+        if self.state_bytes_per_draft_per_layer % tp:
+            return (f"{self.name}'s state's {self.state_bytes_per_draft_per_layer:,} bytes a "
+                    f"draft a layer do not divide over {tp} GPUs")
         if self.uses_mla:  # the latent is whole on every GPU
             return None
         if (kv % tp) if kv >= tp else (tp % kv):
@@ -457,10 +482,12 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         # each keeping a sequence's convolution state (3 × 8,192: the kernel's last 3
         # inputs of 16 key heads twice and 32 value heads, 128 wide) and its recurrent state
         # (32 value heads × 128 × 128); 10 of 512 experts a token. vLLM raises its block
-        # size to 544 tokens on one GPU (272 on four) to hold that state in a block.
+        # size to 544 tokens on one GPU (272 on four) to hold that state in a block. Each
+        # speculative draft widens the convolution state by one input (8,192 elements).
         ModelSpec("qwen3-next-80b-a3b", 48, 16, 2, 256, 80e9, 262144, model_dim=2048,
                   active_params=3e9, num_experts=512, experts_per_token=10,
-                  num_state_layers=36, state_bytes_per_layer=(3 * 8192 + 32 * 128 * 128) * 2),
+                  num_state_layers=36, state_bytes_per_layer=(3 * 8192 + 32 * 128 * 128) * 2,
+                  state_bytes_per_draft_per_layer=8192 * 2),
     ]
 }
 

@@ -125,11 +125,19 @@ class ModelConfig(ConfigModel):
         "× (2 × key heads × key dim + value heads × value dim) elements of convolution "
         "state and value heads × key dim × value dim of recurrent state; Qwen3-Next in "
         "bf16: 1,097,728; vLLM's mamba page size, unpadded)")
+    state_bytes_per_draft_per_layer: PositiveInt | None = Field(
+        default=None, description="state-space layers under speculative decoding: bytes "
+        "one layer's state grows by for each draft a step verifies (Gated DeltaNet's "
+        "convolution state keeps one more input a draft: 2 × key heads × key dim + value "
+        "heads × value dim elements; Qwen3-Next in bf16: 16,384); absent: none")
 
     @model_validator(mode="after")
     def _consistent(self):  # type: ignore[no-untyped-def]
         if (self.num_state_layers is None) != (self.state_bytes_per_layer is None):
             raise ValueError("num_state_layers and state_bytes_per_layer go together")
+        if self.state_bytes_per_draft_per_layer is not None and self.num_state_layers is None:
+            raise ValueError("state_bytes_per_draft_per_layer needs num_state_layers and "
+                             "state_bytes_per_layer (the state it grows)")
         if self.num_state_layers is not None:
             if self.num_state_layers >= self.num_layers:
                 raise ValueError(f"num_state_layers ({self.num_state_layers}) leaves no "
@@ -1236,10 +1244,11 @@ class Scenario(ConfigModel):
                 if used(system.allocator):
                     raise ValueError(f"systems[{system.name}].allocator.{field}: {model.name} "
                                      f"has state-space layers; {why}")
-            if system.speculative is not None:
-                raise ValueError(f"systems[{system.name}].speculative: speculative decoding "
-                                 f"over {model.name}'s state-space layers (a state per draft "
-                                 "position) is not modelled")
+            if system.speculative is not None and system.speculative.draft_model is not None:
+                raise ValueError(f"systems[{system.name}].speculative.draft_model: a draft "
+                                 f"model of its own beside {model.name}'s state-space layers "
+                                 "is not modelled; use method mtp (its own MTP layer), "
+                                 "eagle, eagle3 or ngram")
             if system.scheduler.swaps:
                 raise ValueError(f"systems[{system.name}].scheduler.preemption_mode: swapping "
                                  f"{model.name}'s state out is not modelled; use recompute")
@@ -1550,6 +1559,7 @@ def _model_spec(model: str | ModelConfig) -> ModelSpec:
         0 if model.sliding_window is None else model.num_sliding_layers or model.num_layers)
     fields["num_state_layers"] = model.num_state_layers or 0
     fields["state_bytes_per_layer"] = model.state_bytes_per_layer or 0
+    fields["state_bytes_per_draft_per_layer"] = model.state_bytes_per_draft_per_layer or 0
     return ModelSpec(**fields)
 
 

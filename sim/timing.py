@@ -22,6 +22,9 @@ a′, where no pass of its own read them)::
 
     T += d·B·k + k·(a′ + b′·B + ρ(bs)·c′·C) + d′·P + e′·S     (+ a′ if B = 0 < P)
 
+(A state-space hybrid's drafts each write one more state a sequence, in every state layer:
+``draft_state_s`` more per draft and sequence.)
+
 (With K drafts by batch size, k is the step's K; at K = 0 a drafter still makes one pass, as
 vLLM runs it to keep the drafter's KV in step.)
 
@@ -90,6 +93,11 @@ class StepTimeModel:
     # own coefficients (None: n-gram lookup, no model).
     speculative_tokens: int = 0
     drafter: StepTimeModel | None = None
+    # A state-space hybrid: the part of ``b`` that reads and writes each decoding
+    # sequence's state in the state layers, and what each of its drafts adds: the state
+    # after that draft, written in every state layer (so that the accepted one's is kept).
+    state_s: float = 0.0
+    draft_state_s: float = 0.0
 
     def fixed_s(self, tokens: int, round_tokens: int = 0) -> float:
         """``a`` for a step that passes ``tokens`` tokens through the model: all of it, but
@@ -170,16 +178,23 @@ class StepTimeModel:
                                               + rho * drafter.c * read)
         if not self.speculative_tokens:
             return pass_s
-        return self.speculative_tokens * (self.d * decode_seqs + pass_s)
+        return self.speculative_tokens * ((self.d + self.draft_state_s) * decode_seqs
+                                          + pass_s)
 
-    def share(self, fraction: float, source: str) -> StepTimeModel:
+    def share(self, fraction: float, source: str,
+              attention_fraction: float | None = None) -> StepTimeModel:
         """A model of ``fraction`` of this one's layers (an EAGLE or MTP drafter): every
-        coefficient scaled, none of its own speculation."""
-        return replace(self, a=self.a * fraction, b=self.b * fraction, c=self.c * fraction,
-                       d=self.d * fraction, e=self.e * fraction,
+        coefficient scaled, none of its own speculation. Its layers are attention layers:
+        they read ``attention_fraction`` (default ``fraction``) of the context's KV, and no
+        state (a state-space hybrid's drafter)."""
+        if attention_fraction is None:
+            attention_fraction = fraction
+        return replace(self, a=self.a * fraction, b=(self.b - self.state_s) * fraction,
+                       c=self.c * attention_fraction, d=self.d * fraction,
+                       e=self.e * attention_fraction,
                        expert_s=self.expert_s * fraction,
                        expert_flops_s=self.expert_flops_s * fraction, source=source,
-                       sliding_share=0.0,
+                       sliding_share=0.0, state_s=0.0, draft_state_s=0.0,
                        speculative_tokens=0, drafter=None)
 
     def decode_step_time(self, decode_seqs: int, rho: float) -> Callable[[int, int], float]:
@@ -309,8 +324,7 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
     attention_flops_per_token = (4.0 * model.kv_layers * heads_per_gpu
                                  * (model.kv_latent_dim or model.head_dim))
     # A state-space layer reads and writes each decoding sequence's state every step.
-    state_s = (2.0 * model.num_state_layers * model.state_bytes_per_layer_per_gpu(tp)
-               / gpu.hbm_bandwidth_bytes_per_s)
+    state_s = 2.0 * state_write_s(model, gpu, tp)
     per_token_s = (gpu.flops_s(per_token_flops, model.fp8_share, model.fp4_share)
                    + per_token_link_s)
     if hot > 1:  # the busiest GPU's experts compute more than their even share
@@ -329,7 +343,16 @@ def roofline(model: ModelSpec, gpu: GpuSpec,
         expert_share=min(1.0, hot * model.expert_share),
         expert_batch_ranks=dp,
         expert_flops_s=expert_flops_s,
+        state_s=state_s,
     )
+
+
+def state_write_s(model: ModelSpec, gpu: GpuSpec, tensor_parallel_size: int) -> float:
+    """Seconds to write (or read) one sequence's state in every state-space layer of
+    ``model``, on one GPU of a tensor-parallel group, at the GPU's memory bandwidth (0 for
+    a model without state layers)."""
+    return (model.num_state_layers * model.state_bytes_per_layer_per_gpu(tensor_parallel_size)
+            / gpu.hbm_bandwidth_bytes_per_s)
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,12 @@ class HybridMachine(PagedMachine):
     caching = True
     state_groups = 0  # groups keeping one state block a sequence
     state_slots = 4  # slots of it the state fills
+    states_per_group = 1  # 1 + k under speculative decoding: a state a draft position
+
+    @property
+    def state_blocks(self) -> int:
+        """Blocks a sequence's states take."""
+        return self.state_groups * self.states_per_group
 
     def build(self):
         # First token of each sequence's last step (freed ones stay: ids are never reused).
@@ -291,7 +297,8 @@ class HybridMachine(PagedMachine):
                                     sliding_window=self.window, prefill_chunk_tokens=self.chunk,
                                     enable_prefix_caching=self.caching,
                                     state_groups=self.state_groups,
-                                    state_slots=self.state_slots)
+                                    state_slots=self.state_slots,
+                                    states_per_group=self.states_per_group)
 
     def _admitted(self, spec: SeqSpec, hit: int | None) -> None:
         if hit is not None:
@@ -514,7 +521,7 @@ class HybridMachine(PagedMachine):
             for table in tables[:self.full_groups]:
                 assert len(table) == -(-max(n, self.claims[seq_id], drafts) // bs)
             held_tokens += self.full_groups * n + self.sliding_groups * (n - released * bs)
-            held_tokens += self.state_groups * self.state_slots  # a state, written whole
+            held_tokens += self.state_blocks * self.state_slots  # states, written whole
         snap = alloc.snapshot()
         assert snap.total == alloc.capacity_slots
         assert snap.internal == self._internal_reference()
@@ -537,7 +544,7 @@ class HybridMachine(PagedMachine):
                         past = max(0, (idx + 1) * bs - max(s.final_len, idx * bs))
                         never[block_id] = min(never.get(block_id, bs), past)
         # Each state block's padding past its state.
-        padding = len(self.specs) * self.state_groups * (bs - self.state_slots)
+        padding = len(self.specs) * self.state_blocks * (bs - self.state_slots)
         return sum(never.values()) + padding
 
     def paged_accounting(self):  # (PagedMachine's arithmetic is per-sequence paging)
@@ -605,16 +612,24 @@ class HybridStateSpace(HybridMachine):
         # Every live sequence's states, and its blocks, out of the pool: nothing cached.
         blocks = sum(len(t) - t.count(None) for seq_id in self.specs
                      for t in self.allocator.block_tables(seq_id))
-        held = blocks + len(self.specs) * self.state_groups
+        held = blocks + len(self.specs) * self.state_blocks
         assert self.allocator.pool.num_free == self.num_blocks - held
         assert self.allocator.snapshot().cached == 0
+
+
+class HybridStateSpeculative(HybridStateSpace):
+    """The state-space hybrid under speculative decoding of 2 drafts a step: each state
+    group keeps 3 states a sequence (one after each draft too)."""
+
+    states_per_group = 3
+    num_blocks = 60
 
 
 _SETTINGS = settings(max_examples=int(os.environ.get("KVSIM_HYPOTHESIS_EXAMPLES", "60")),
                      stateful_step_count=40, deadline=None,
                      derandomize="KVSIM_HYPOTHESIS_EXAMPLES" not in os.environ)
 for _machine in (HybridMachine, HybridPerChunk, HybridPureSlidingUnchunked, HybridNoCache,
-                 HybridStateSpace):
+                 HybridStateSpace, HybridStateSpeculative):
     _machine.TestCase.settings = _SETTINGS
     globals()[f"Test{_machine.__name__}"] = _machine.TestCase
 
@@ -836,6 +851,8 @@ def test_a_speculative_step_claims_its_drafts_and_gives_back_what_its_first_toke
     # EAGLE with 2 drafts, every one accepted: each decode step computes from the token
     # after the last kept, p, keeps 3 and holds slots to p + 5 (the last token, 2 drafts and
     # 2 lookahead), in the window's table too, which gives back the blocks p cannot see.
+    # The head's layer attends to every token: vLLM groups it as a full-attention group of
+    # 1 layer, and the model's 8 sliding layers as 8 groups of 1, each holding the window.
     window, prompt, output = 40, 30, 60
     data = one_windowed_request(window, prompt, output, mode)
     data["systems"][0]["speculative"] = {"method": "eagle", "num_speculative_tokens": 2,
@@ -846,9 +863,10 @@ def test_a_speculative_step_claims_its_drafts_and_gives_back_what_its_first_toke
     held = (memory["token"] + memory["reserved"] + memory["internal"]) // 16
     first_step = steps["steps"].cumsum().shift(fill_value=0).to_numpy()
     final = prompt + output
+    claimed = [2] + [-(-min(p + 5, final) // 16) for p in range(prompt, final - 1, 3)]
     expected = [2] + [-(-min(p + 5, final) // 16) - max(0, p - window + 1) // 16
                       for p in range(prompt, final - 1, 3)]
-    assert held.tolist() == [expected[i] for i in first_step]
+    assert held.tolist() == [claimed[i] + 8 * expected[i] for i in first_step]
     # (The case the test is for: windows do give blocks back between the drafts' claims.)
     assert any(later < earlier for earlier, later in itertools.pairwise(expected[1:]))
 

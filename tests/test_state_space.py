@@ -5,12 +5,23 @@ contiguous extent; golden numbers from vLLM's logs, the engine, and what is refu
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 
 import pandas as pd
 import pytest
 
 from sim.api import load, run
-from sim.engine import allocation_unit, build_allocator, scenario_pool_slots, scenario_trace
+from sim.engine import (
+    allocation_unit,
+    build_allocator,
+    build_timing,
+    cached_model,
+    memory_summary,
+    scenario_pool_slots,
+    scenario_trace,
+    system_pool_slots,
+    with_speculation,
+)
 from sim.memory import ContiguousAllocator, HybridPagedAllocator
 from sim.metrics import format_summary
 from sim.presets import MODEL_PRESETS, lookup_gpu, max_concurrency
@@ -134,6 +145,9 @@ def test_a_state_costs_a_decode_step_its_reads_and_writes():
     assert with_state.e == pytest.approx(2 * 12 * 16 * 256 / 4 / gpu.peak_flops)
 
 
+# Qwen3-Next's own MTP layer drafting 2 tokens a step.
+MTP = {"method": "mtp", "num_speculative_tokens": 2, "acceptance_rate": 0.7}
+
 TINY = {"name": "m", "num_layers": 4, "num_heads": 4, "head_dim": 64, "num_params": 1e8,
         "max_model_len": 4096}
 
@@ -146,9 +160,10 @@ TINY = {"name": "m", "num_layers": 4, "num_heads": 4, "head_dim": 64, "num_param
      "systems[paged].allocator.hybrid_kv_cache: qwen3-next-80b-a3b has state-space layers"),
     ({"systems[paged].allocator": {"kind": "virtual"}},
      "systems[paged].allocator.kind: qwen3-next-80b-a3b has state-space layers; virtual"),
-    ({"systems[paged].speculative": {"method": "ngram", "num_speculative_tokens": 2,
-                                     "acceptance_rate": 0.5}},
-     "systems[paged].speculative: speculative decoding over qwen3-next-80b-a3b's"),
+    ({"systems[paged].speculative": {"method": "draft_model", "draft_model": "llama-3.2-1b",
+                                     "num_speculative_tokens": 2, "acceptance_rate": 0.5}},
+     "systems[paged].speculative.draft_model: a draft model of its own beside "
+     "qwen3-next-80b-a3b's state-space layers is not modelled"),
     ({"systems[paged].scheduler.preemption_mode": "swap"},
      "systems[paged].scheduler.preemption_mode: swapping qwen3-next-80b-a3b's state out"),
     ({"parallel.pipeline_parallel_size": 2}, "parallel.pipeline_parallel_size: pipeline"),
@@ -156,6 +171,8 @@ TINY = {"name": "m", "num_layers": 4, "num_heads": 4, "head_dim": 64, "num_param
      "engine.disaggregation: sending"),
     ({"model": {**TINY, "num_state_layers": 2}},
      "num_state_layers and state_bytes_per_layer go together"),
+    ({"model": {**TINY, "state_bytes_per_draft_per_layer": 512}},
+     "state_bytes_per_draft_per_layer needs num_state_layers"),
     ({"model": {**TINY, "num_state_layers": 4, "state_bytes_per_layer": 2000}},
      "num_state_layers (4) leaves no attention layer of num_layers (4)"),
     ({"model": {**TINY, "num_state_layers": 2, "state_bytes_per_layer": 2000,
@@ -190,11 +207,14 @@ def test_an_explicit_model_with_state_layers_runs_as_the_preset():
                 "num_kv_heads": 2, "head_dim": 256, "num_params": 80e9,
                 "max_model_len": 262144, "hidden_size": 2048, "active_params": 3e9,
                 "num_experts": 512, "experts_per_token": 10, "num_state_layers": 36,
-                "state_bytes_per_layer": 1097728}
-    preset = run(SCENARIO).systems["paged"].summary
-    given = run(SCENARIO, overrides={"model": explicit}).systems["paged"].summary
-    assert given["throughput_tok_s"] == preset["throughput_tok_s"]
-    assert given["peak_running"] == preset["peak_running"]
+                "state_bytes_per_layer": 1097728, "state_bytes_per_draft_per_layer": 16384}
+    for speculative in (None, MTP):
+        overrides = {"systems[paged].speculative": speculative} if speculative else {}
+        preset = run(SCENARIO, overrides=overrides).systems["paged"].summary
+        overrides["model"] = explicit
+        given = run(SCENARIO, overrides=overrides).systems["paged"].summary
+        assert given["throughput_tok_s"] == preset["throughput_tok_s"]
+        assert given["peak_running"] == preset["peak_running"]
 
 
 SMALL_HYBRID = {  # 2 attention layers and 6 state layers; a state is 16 tokens of a layer
@@ -247,3 +267,153 @@ def test_a_float32_recurrent_state_raises_the_block_as_vllm_raises_it():
     assert model.state_bytes_per_layer_per_gpu(2) == 3 * 4096 * 2 + 16 * 128 * 128 * 4
     assert model.state_block_size(2) == 528
     assert 528 * model.kv_bytes_per_token_per_gpu(2) // model.kv_layers == 1081344
+
+
+# ----------------------------------------------------------------- speculative decoding
+# vLLM (MambaSpec.num_speculative_blocks, gated_delta_net_state_shape's num_spec): under k
+# drafts a step each state group keeps 1 + k blocks a sequence, the state after each draft
+# written so that the accepted one's is kept, and the convolution state keeps k inputs
+# more; an MTP or EAGLE head's attention layer joins the model's in the KV cache groups.
+
+
+def test_drafts_widen_the_state_and_the_drafters_layer_joins_the_groups():
+    conv, recurrent = 8192 * 2, 32 * 128 * 128 * 2  # bytes of one input, and of the rest
+    for drafts, block in ((0, 544), (1, 544), (2, 560), (3, 560), (4, 576)):
+        served = QWEN3_NEXT.with_speculation(1, drafts)
+        assert served.state_bytes_per_layer == (3 + drafts) * conv + recurrent
+        # vLLM's rule: 16 × ⌈state ÷ (16 × one layer's token of 2,048 bytes)⌉.
+        assert served.state_block_size(1) == 16 * -(-served.state_bytes_per_layer // (16 * 2048))
+        assert served.state_block_size(1) == block
+        # 12 attention layers and the MTP layer: groups of 13, the last state group padded.
+        assert served.kv_cache_groups() == (13, 1, 0, 3)
+    assert QWEN3_NEXT.with_speculation(0, 0) is QWEN3_NEXT
+    # vLLM's comment on its grouping: gpt-oss-20b with an EAGLE layer, 12 sliding and 13
+    # full layers, pads to groups of 13 rather than making 12 and 24.
+    gpt_oss = MODEL_PRESETS["gpt-oss-20b"]
+    assert gpt_oss.kv_cache_groups() == (12, 1, 1, 0)
+    assert gpt_oss.with_speculation(1, 3).kv_cache_groups() == (13, 1, 1, 0)
+
+
+def test_a_speculative_pool_keeps_a_state_a_draft_position_in_blocks_of_13_layers():
+    scenario, _ = load(SCENARIO, overrides={"systems[paged].speculative": MTP,
+                                            "systems[contiguous].speculative": MTP})
+    paged, contiguous = scenario.systems
+    assert allocation_unit(scenario, paged) == 288  # 282,624 state bytes a GPU, 1,024 a token
+    slots = system_pool_slots(scenario, paged)
+    # The pool's bytes (given: no weights taken out) over 13 layers' tokens.
+    assert slots == scenario_pool_slots(scenario) * 12 * 1024 // (13 * 1024)
+    served = cached_model(scenario, paged)
+    assert served.kv_layers == 13
+    alloc = build_allocator(paged, slots, 4096, page_tokens=288, model=served,
+                            tensor_parallel_size=4)
+    assert isinstance(alloc, HybridPagedAllocator)
+    assert alloc.num_blocks == slots // 288  # a block: 288 tokens of a group's 13 layers
+    assert (alloc.full_groups, alloc.state_groups, alloc.state_blocks) == (1, 3, 9)
+    assert alloc.state_slots == 276
+    flat = build_allocator(contiguous, slots, 4096, model=served, tensor_parallel_size=4)
+    assert isinstance(flat, ContiguousAllocator)
+    assert flat.state_slots == 3 * -(-36 * 282624 // (13 * 1024))  # 3 states of 765 slots
+    # n-gram lookup has no layers: 12 attention layers, 4 states of 3 + 3 inputs a sequence.
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "acceptance_rate": 0.5}
+    scenario, _ = load(SCENARIO, overrides={"systems[paged].speculative": ngram})
+    served = cached_model(scenario, scenario.systems[0])
+    assert served.kv_cache_groups() == (12, 1, 0, 3)
+    assert served.state_bytes_per_layer_per_gpu(4) == (6 * 8192 * 2 + 32 * 128 * 128 * 2) // 4
+    assert system_pool_slots(scenario, scenario.systems[0]) == scenario_pool_slots(scenario)
+    text = memory_summary(scenario)
+    assert ("system 'paged': 4 states a sequence in each state-space layer (its own and one "
+            "after each draft), 0.27 MiB each a GPU, in blocks of at least 288 tokens") in text
+
+
+def test_states_a_draft_position_bound_how_many_run_at_once():
+    overrides = {"systems[paged].speculative": MTP, "systems[contiguous].speculative": MTP}
+    result = run(SCENARIO, overrides=overrides)
+    scenario, _ = load(SCENARIO, overrides=overrides)
+    paged = scenario.systems[0]
+    blocks = system_pool_slots(scenario, paged) // 288
+    summary = result.systems["paged"].summary
+    assert summary["completed"] == 200
+    # 9 state blocks and 1 block of the 13 attention layers (a request's prompt, output
+    # and drafts fit in 288 tokens) a sequence.
+    assert blocks // 10 - 1 <= summary["peak_running"] <= blocks // 10
+    assert summary["state_frac"] == pytest.approx(
+        summary["mean_running"] * 9 * 276 / summary["capacity_slots"])
+    flat = result.systems["contiguous"].summary
+    assert flat["state_frac"] == pytest.approx(
+        flat["mean_running"] * 3 * 765 / flat["capacity_slots"])
+    text = memory_summary(scenario)
+    assert ("system 'paged': its mtp drafter's 1 layer (weights and KV) leave "
+            f"{system_pool_slots(scenario, paged):,} tokens, the hybrid KV cache manager keeps "
+            "13 attention layers, the drafter's among them, in 1 full-attention and 3 state "
+            "groups of 13 layers, 3 states a sequence") in text
+    assert "in 2,295 slots an extent" in text
+
+
+def test_drafts_write_states_and_an_mtp_layer_reads_one_attention_layers_kv():
+    scenario, base_dir = load(SCENARIO, overrides={"systems[paged].speculative": MTP})
+    system = scenario.systems[0]
+    gpu = lookup_gpu("h100-80g")
+    timing = build_timing(scenario, base_dir)
+    assert timing.state_s == pytest.approx(2 * 36 * 274432 / gpu.hbm_bandwidth_bytes_per_s)
+    drafting = with_speculation(timing, scenario, system, base_dir)
+    # Each state grew by 2 inputs of 8,192 bf16 elements (a quarter a GPU): read and
+    # written whole every step; and each draft writes one more state.
+    grown_s = 2 * 36 * 2 * 16384 / 4 / gpu.hbm_bandwidth_bytes_per_s
+    assert drafting.b == pytest.approx(timing.b + grown_s)
+    assert drafting.draft_state_s == pytest.approx(36 * 282624 / gpu.hbm_bandwidth_bytes_per_s)
+    # The MTP layer: a 48th of the weights and FLOPs, no state, one of the 12 attention
+    # layers' KV reads and query-key pairs.
+    drafter = drafting.drafter
+    assert drafter is not None
+    assert drafter.a == pytest.approx(timing.a / 48)
+    assert drafter.b == pytest.approx((timing.b - timing.state_s) / 48)
+    assert drafter.c == pytest.approx(timing.c / 12)
+    assert drafter.e == pytest.approx(timing.e / 12)
+    assert drafter.state_s == drafter.draft_state_s == 0
+    # A decode step of 8 sequences reading 1,000 tokens: the drafts' pass through the
+    # target (the experts its 24 tokens choose), their states, and the drafter's two passes.
+    rho = timing.rho(288)
+    plain = replace(drafting, speculative_tokens=0, drafter=None)
+    extra = drafting.step_time(8, 8 * 1003, 0, 0, rho) - plain.step_time(8, 8 * 1003, 0, 0, rho)
+    assert extra == pytest.approx(
+        drafting.fixed_s(24) - drafting.fixed_s(8)
+        + 2 * ((timing.d + drafting.draft_state_s) * 8
+               + drafter.fixed_s(8) + drafter.b * 8 + rho * drafter.c * 8 * 1003))
+
+
+@pytest.mark.parametrize("system", [
+    {"kind": "paged", "block_size": 16},
+    {"kind": "contiguous", "reserve_policy": "request_max"},
+])
+@pytest.mark.parametrize("speculative", [
+    {"method": "mtp", "num_speculative_tokens": 2, "acceptance_rate": 0.7},
+    {"method": "ngram", "num_speculative_tokens": 3, "acceptance_rate": 0.5,
+     "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 64, 1]]},
+])
+def test_a_speculative_state_space_model_under_memory_pressure_runs_as_stepping(
+        system, speculative):
+    # The small hybrid with an MTP layer: 3 attention layers in groups of 3 beside 2 state
+    # groups (n-gram lookup: 2 and 3); drafts widen its 16-token state.
+    model = {**SMALL_HYBRID, "state_bytes_per_draft_per_layer": 1024}
+    data = {"name": "pressure", "model": model, "memory": {"kv_memory_gib": 0.003},
+            "workload": {"arrival": {"process": "poisson", "rate": 100},
+                         "prompt_len": {"dist": "uniform", "low": 20, "high": 200},
+                         "output_len": {"dist": "uniform", "low": 1, "high": 120},
+                         "max_tokens": 150},
+            "systems": [{"name": "s", "allocator": system,
+                         "scheduler": {"chunked_prefill": True, "max_num_batched_tokens": 256},
+                         "speculative": speculative}],
+            "stop": {"num_requests": 80}}
+    runs = {}
+    for mode in ("jump", "step"):
+        data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
+        runs[mode] = run(data).systems["s"]
+    pd.testing.assert_frame_equal(runs["jump"].requests, runs["step"].requests)
+    summary = runs["jump"].summary
+    assert summary["completed"] == 80
+    scenario, _ = load(data)
+    if system["kind"] == "paged":
+        assert summary["preemptions"] > 0  # memory binds
+        # 8,192 bytes of state and 1,024 a draft, over 512 a token of a layer: 20 tokens
+        # (2 drafts) or 22 (3), in blocks of 32.
+        assert allocation_unit(scenario, scenario.systems[0]) == 32

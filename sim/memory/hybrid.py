@@ -45,8 +45,11 @@ sequence: a *state group* holds one block per sequence, from admission to the en
 vLLM v1's mamba manager does without prefix caching (its block size raised so that a
 block holds one state: see :meth:`~sim.presets.ModelSpec.state_block_size`). Its
 ``state_slots`` count as written; the block's rest, vLLM's padding of the state to the
-page, as internal. State is neither cached nor shared, so a state-space model runs
-without prefix caching and forks no samples.
+page, as internal. Under speculative decoding a state group holds 1 + k blocks a sequence,
+vLLM's ``num_speculative_blocks``: the kernel writes the state after each of the k drafts,
+so that the state after the last accepted one is there to go on from. State is neither
+cached nor shared, so a state-space model runs without prefix caching and forks no
+samples.
 
 Not modelled: a host tier, swapping out.
 """
@@ -103,9 +106,10 @@ class HybridPagedAllocator(KVAllocator):
     """Block tables per group of layers over one :class:`BlockPool`: ``full_groups`` groups
     whose tables keep every block, then ``sliding_groups`` whose tables keep the blocks the
     last ``sliding_window`` tokens lie in; and ``state_groups`` that keep one block a
-    sequence, ``state_slots`` of it filled by its recurrent state. ``prefill_chunk_tokens``
-    is the most prompt tokens one step writes for a sequence (the scheduler's token budget
-    under chunked prefill; None: a whole prompt)."""
+    sequence (``states_per_group``: 1 + k under speculative decoding of k drafts, a state
+    for each draft position), ``state_slots`` of it filled by its recurrent state.
+    ``prefill_chunk_tokens`` is the most prompt tokens one step writes for a sequence (the
+    scheduler's token budget under chunked prefill; None: a whole prompt)."""
 
     def __init__(
         self,
@@ -121,6 +125,7 @@ class HybridPagedAllocator(KVAllocator):
         watermark: float = 0.0,
         state_groups: int = 0,
         state_slots: int | None = None,
+        states_per_group: int = 1,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -137,6 +142,9 @@ class HybridPagedAllocator(KVAllocator):
         if not 0 < state_slots <= block_size:
             raise ValueError(f"a state fills 1 to {block_size} slots of a block, not "
                              f"{state_slots}")
+        if states_per_group < 1:
+            raise ValueError(f"a state group keeps at least one state a sequence, not "
+                             f"{states_per_group}")
         if state_groups and enable_prefix_caching:
             raise ValueError("state groups keep no prefix cache: enable_prefix_caching must "
                              "be False")
@@ -150,8 +158,10 @@ class HybridPagedAllocator(KVAllocator):
         self.groups = full_groups + sliding_groups  # block tables a sequence keeps
         self.state_groups = state_groups
         self.state_slots = state_slots
+        # Blocks a sequence's states take: one a state group, or 1 + k under speculation.
+        self.state_blocks = state_groups * states_per_group
         # Slots of a sequence's state blocks its states leave unwritten (vLLM's padding).
-        self._state_padding = state_groups * (block_size - state_slots)
+        self._state_padding = self.state_blocks * (block_size - state_slots)
         self.sliding_window = sliding_window
         self.prefill_chunk_tokens = prefill_chunk_tokens
         # Blocks before a position that a token there can see (vLLM's
@@ -189,7 +199,7 @@ class HybridPagedAllocator(KVAllocator):
 
     @property
     def state_slots_per_sequence(self) -> int:
-        return self.state_groups * self.state_slots
+        return self.state_blocks * self.state_slots
 
     def num_tokens(self, seq_id: int) -> int:
         return self._seq(seq_id).num_tokens
@@ -249,7 +259,7 @@ class HybridPagedAllocator(KVAllocator):
         prefill, decode = self._prefill_peak(spec, 0), self._decode_peak()
         sliding = min(samples * final, max(prefill + samples - 1, samples * decode))
         return (self.full_groups * full + self.sliding_groups * sliding
-                + samples * self.state_groups <= self.num_blocks)
+                + samples * self.state_blocks <= self.num_blocks)
 
     def _seq(self, seq_id: int) -> _HybridSeq:
         try:
@@ -333,7 +343,7 @@ class HybridPagedAllocator(KVAllocator):
                       if seq.num_tokens < seq.spec.prompt_len} if taken else {}
         grown = sum(p - seq.promised for seq, p in repromised.items())
         reserve = self.watermark_blocks if self._seqs else 0
-        if need + promised + grown + self.state_groups > (
+        if need + promised + grown + self.state_blocks > (
                 self.pool.num_free - self._promised - revived - reserve):
             self._refused = (spec, hasher)
             return None
@@ -358,7 +368,7 @@ class HybridPagedAllocator(KVAllocator):
                 table += [self.pool.take() for _ in range(need // self.full_groups)]
             tables.append(table)
         seq = _HybridSeq(spec, tables, hasher, bs)
-        for _ in range(self.state_groups):
+        for _ in range(self.state_blocks):
             state = self.pool.take()
             state.num_filled = self.state_slots
             self._token_slots += self.state_slots
@@ -716,7 +726,7 @@ class HybridPagedAllocator(KVAllocator):
                     if idx < seq.num_tokens // bs:
                         assert block.num_filled == bs
                         assert block.block_hash == self._key(seq.hasher.hashes[idx], group)
-            assert len(seq.states) == self.state_groups, "a state group holds no state"
+            assert len(seq.states) == self.state_blocks, "a state group holds no state"
             for state in seq.states:
                 refs[state.block_id] += 1
                 assert state.num_filled == self.state_slots and state.block_hash is None
