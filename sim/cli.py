@@ -672,9 +672,10 @@ def _print_hit_curve(curve: HitCurve, requests: int, rows: int, model: ModelSpec
         print(f"  note: the curve keeps every layer's blocks; {model.name}'s sliding-window "
               "layers need only a window's before a hit under the hybrid KV cache manager")
     if model is not None and model.has_state_layers:
-        print(f"  note: the sizes count {model.name}'s attention layers' KV only; its "
-              "state-space layers' states are not cached (paged systems run it without "
-              "prefix caching, as vLLM does), so no cache size finds these hits for it")
+        print(f"  note: the sizes count {model.name}'s attention layers' KV only; with "
+              "prefix caching (off by default, as in vLLM) its state-space layers keep a "
+              "state only where a step ended on a block boundary, and a hit ends at the "
+              "last such one, so it finds at most these hits")
 
 
 def cmd_trace_hit_curve(args: argparse.Namespace) -> int:

@@ -1191,7 +1191,7 @@ class Scenario(ConfigModel):
     @classmethod
     def _state_keeps_no_prefix_cache(cls, data: Any) -> Any:
         """A state-space model's paged systems keep no prefix cache unless told otherwise,
-        as vLLM turns it off for them (their states are not cached)."""
+        as vLLM leaves it off for them (its caching of states is experimental)."""
         if not isinstance(data, dict) or not isinstance(data.get("systems"), list):
             return data
         model = data.get("model", "llama-2-7b")
@@ -1225,13 +1225,10 @@ class Scenario(ConfigModel):
             raise ValueError(f"engine.disaggregation: sending {model.name}'s state-space "
                              "layers' state from prefill to decode replicas is not modelled")
         if self.engine.router.kv_events:
-            raise ValueError(f"engine.router.kv_events: {model.name}'s state-space layers "
-                             "keep no prefix cache for a router to follow")
+            raise ValueError(f"engine.router.kv_events: KV events of a cache that keeps "
+                             f"{model.name}'s state-space layers' states are not modelled")
         # Allocator fields a state-space model cannot take: when, and why.
         unmodelled = {
-            "prefix_caching": (lambda a: isinstance(a, PagedConfig) and a.prefix_caching,
-                               "prefix caching of a state (vLLM's experimental mamba cache "
-                               "modes) is not modelled: leave it out or set it false"),
             "hybrid_kv_cache": (lambda a: isinstance(a, PagedConfig) and not a.hybrid_kv_cache,
                                 "state-space layers need the hybrid KV cache manager (vLLM "
                                 "has no other for them): leave it out or set it true"),
@@ -1244,6 +1241,19 @@ class Scenario(ConfigModel):
                 if used(system.allocator):
                     raise ValueError(f"systems[{system.name}].allocator.{field}: {model.name} "
                                      f"has state-space layers; {why}")
+            if isinstance(system.allocator, PagedConfig) and system.allocator.prefix_caching:
+                # vLLM's mamba cache mode "align": it asserts chunked prefill, whose chunks
+                # it ends on block boundaries.
+                if not system.scheduler.chunked_prefill:
+                    raise ValueError(f"systems[{system.name}].allocator.prefix_caching: a "
+                                     f"prefix cache of {model.name}'s states needs "
+                                     "scheduler.chunked_prefill: true (vLLM's mamba cache "
+                                     "mode align ends prefill chunks on block boundaries)")
+                if system.speculative is not None:
+                    raise ValueError(f"systems[{system.name}].allocator.prefix_caching: a "
+                                     f"prefix cache of {model.name}'s states under "
+                                     "speculative decoding is not modelled; set it false or "
+                                     "drop speculative")
             if system.speculative is not None and system.speculative.draft_model is not None:
                 raise ValueError(f"systems[{system.name}].speculative.draft_model: a draft "
                                  f"model of its own beside {model.name}'s state-space layers "

@@ -791,6 +791,10 @@ class Scheduler:
         # hybrid manager that knows where (None where no table gives blocks back).
         self._windowed = allocator if isinstance(allocator, HybridPagedAllocator) and (
             allocator.sliding_groups) else None
+        # A prefix cache of states (vLLM's mamba cache mode "align"): the block size prefill
+        # chunks end on, so that the states they leave are kept (0: none).
+        self._state_align: int = allocator.block_size if isinstance(
+            allocator, HybridPagedAllocator) and allocator.caches_states else 0
         self._predicts = getattr(allocator, "reserve_policy", None) == "predicted"
         # Longest prefix match and dfs_weight rank the line by the prefix cache: without
         # one, first come, first served (as SGLang falls back when its radix cache is off).
@@ -1244,13 +1248,15 @@ class Scheduler:
         """With ``priority_preemption``, preempt the worst running request if its priority
         is worse than waiting ``request``'s, which then needs its seat or memory (vLLM v0's
         priority preemption); False if nobody was preempted."""
-        if not self.config.priority_preemption or not self.running:
+        if not self._may_make_room(request):
             return False
-        victim = self._victim()
-        if victim.priority <= request.priority:
-            return False
-        self._preempt(victim, batch)
+        self._preempt(self._victim(), batch)
         return True
+
+    def _may_make_room(self, request: Request) -> bool:
+        """Whether :meth:`_make_room` would preempt someone for waiting ``request``."""
+        return (self.config.priority_preemption and bool(self.running)
+                and self._victim().priority > request.priority)
 
     def _preempt_victim(self, request: Request, batch: Batch) -> bool:
         """Preempt the running request that gives way first (:meth:`_victim`) to make room
@@ -1477,6 +1483,11 @@ class Scheduler:
             for request in [r for r in self.running.values() if r.in_prefill]:
                 if request.admit_seq in self.running and budget > 0:
                     chunk = min(request.prefill_target - request.prefilled, budget)
+                    if self._state_align:
+                        chunk = self._aligned_chunk(request.prefill_target, request.prefilled,
+                                                    chunk)
+                        if not chunk:
+                            continue  # less budget than a block: the next step's
                     if self._prefill(request, chunk, batch):
                         budget -= chunk
         # New admissions, in the line's order with head-of-line blocking. vLLM v1 (per chunk)
@@ -1495,10 +1506,12 @@ class Scheduler:
                 if budget > 0 and self._make_room(self.waiting.head(), batch):
                     continue  # a seat freed for a better priority
                 # Blocked for as long as pure decode lasts, unless this step's prefills used
-                # the budget (the next step has a fresh one).
+                # the budget (the next step has a fresh one), with which a better priority
+                # than the worst running one's may take its seat.
                 self.head_blocked = (seated >= self.config.max_num_seqs
                                      or self.decode_seqs * self.step_tokens
-                                     >= self.config.max_num_batched_tokens)
+                                     >= self.config.max_num_batched_tokens) and not (
+                    budget <= 0 and self._may_make_room(self.waiting.head()))
                 break
             request = self.waiting.head()
             spec = request.spec()
@@ -1509,6 +1522,11 @@ class Scheduler:
                             request.swapped)
                 if spec.prompt_len - ready > budget:
                     break  # not blocked for good: a step without other prefills admits it
+            if self._state_align and budget < self._state_align:
+                ready = self.allocator.lookup(spec)  # type: ignore[attr-defined]
+                if not self._aligned_chunk(spec.prompt_len, ready,
+                                           min(spec.prompt_len - ready, budget)):
+                    break  # not blocked for good: a step with a block's budget seats it
             # Per chunk (vLLM v1), a prompt computed here claims only its first chunk's memory
             # (a swapped or transferred one arrives whole).
             group = request.swapped > 0 and request.n > 1
@@ -1569,6 +1587,9 @@ class Scheduler:
             self.prefilling += 1
             remaining = spec.prompt_len - request.prefilled
             chunk = min(remaining, budget) if self.config.chunked_prefill else remaining
+            if self._state_align:
+                chunk = self._aligned_chunk(spec.prompt_len, request.prefilled, chunk)
+                assert chunk, "seated with a block's budget (checked above)"
             if not self._prefill(request, chunk, batch):
                 break
             budget -= chunk * request.n if group else chunk
@@ -1591,6 +1612,23 @@ class Scheduler:
                                       for chunk, history in computed)
         self.fill_decode(batch)
         return batch
+
+    def _aligned_chunk(self, end: int, start: int, chunk: int) -> int:
+        """``chunk`` prefill tokens from ``start`` of ``end``, cut as vLLM's mamba cache mode
+        "align" cuts them (``_mamba_block_aligned_split``): to whole blocks while the
+        prefill's last block boundary lies beyond the chunk, at that boundary where the
+        chunk would pass it, and the tokens after it as they come. Where a block is larger
+        than a step's whole budget, chunks go on to the next boundary instead, keeping no
+        state before it (as newer vLLM does)."""
+        bs = self._state_align
+        last = end - end % bs
+        if start >= last:
+            return chunk
+        if self.config.max_num_batched_tokens < bs:
+            return min(chunk, (start // bs + 1) * bs - start)
+        if start + chunk < last:
+            return chunk // bs * bs
+        return last - start
 
     def fill_decode(self, batch: Batch) -> None:
         """Decode shape of the step about to run: sequences and context tokens read."""

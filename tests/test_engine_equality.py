@@ -385,6 +385,37 @@ def test_a_rejected_arrival_releases_the_requests_behind_it_in_jump_mode_too():
     pd.testing.assert_frame_equal(tables["jump"], tables["step"])
 
 
+def test_a_better_priority_blocked_for_budget_takes_a_seat_at_the_next_step_in_jump_mode():
+    # Seats full, and a whole prompt over the step's budget read alone: the next in line,
+    # of a better priority than a running request, was not given the chance to preempt it
+    # for want of budget, and was taken as blocked, so jump mode decoded on until a seat
+    # freed, where stepping preempted at the next step (found by a stress variant of the
+    # random scenarios, on a state-space model).
+    data = {
+        "name": "priority-budget", "memory": {"kv_memory_gib": 0.002},
+        "model": {"name": "m", "num_layers": 4, "num_heads": 4, "num_kv_heads": 1,
+                  "head_dim": 64, "num_params": 1e8, "max_model_len": 4096},
+        "workload": {"arrival": {"process": "gamma", "rate": 30, "cv": 3},
+                     "prompt_len": {"dist": "lognormal", "mean": 20, "sigma": 1, "max": 600},
+                     "output_len": {"dist": "uniform", "low": 1, "high": 150},
+                     "sessions": {"turns": {"dist": "uniform", "low": 1, "high": 4},
+                                  "think_time_s": 0.3},
+                     "priorities": {"-1": 1, "0": 1, "5": 1}, "e2e_timeout_s": 0.3},
+        "systems": [{"name": "s", "allocator": {"kind": "contiguous",
+                                                 "reserve_policy": "predicted"},
+                     "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 256,
+                                   "chunked_prefill": False, "policy": "priority",
+                                   "priority_preemption": True},
+                     "predictor": {"sigma": 0.3, "headroom": 0.0}}],
+        "stop": {"num_requests": 47}, "seed": 727, "engine": {}}
+    tables = {}
+    for mode in ("jump", "step"):
+        data["engine"]["mode"] = mode
+        tables[mode] = run_scenario(scenario_from_dict(data)).systems["s"].requests
+    assert tables["step"]["preemptions"].sum() > 0
+    pd.testing.assert_frame_equal(tables["jump"], tables["step"])
+
+
 def test_an_admission_under_the_hybrid_manager_never_evicts_its_own_hits():
     # Random scenario 110 (sliding-window layers, prefix groups, a pool of cached blocks):
     # admission took new blocks for its full-attention group before touching its sliding

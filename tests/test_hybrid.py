@@ -617,6 +617,36 @@ class HybridStateSpace(HybridMachine):
         assert self.allocator.snapshot().cached == 0
 
 
+class HybridStateCaching(HybridStateSpace):
+    """The state-space hybrid with a prefix cache of states (vLLM's mamba cache mode
+    "align"): a step starting on a block boundary leaves its states to the cache; a hit ends
+    where every state group's state is cached, and finds them still cached."""
+
+    caching = True
+    num_blocks = 50
+
+    def _admitted(self, spec: SeqSpec, hit: int | None) -> None:
+        super()._admitted(spec, hit)
+        if hit:
+            alloc = self.allocator
+            block_hash = alloc._seqs[spec.seq_id].hasher.hashes[hit // self.block_size - 1]
+            for group in alloc._state_group_ids:
+                kept = alloc.pool.lookup(alloc._key(block_hash, group))
+                assert kept is not None and kept.num_filled == self.state_slots
+
+    @invariant()
+    def a_state_is_held_from_admission_to_the_end(self):
+        # Every live sequence holds its own running states (unkept), and only states and
+        # its tables' blocks are out of the pool; kept states wait in it, cached.
+        alloc = self.allocator
+        running = [state for seq_id in self.specs for state in alloc._seqs[seq_id].states]
+        assert all(state.ref_cnt == 1 and state.block_hash is None for state in running)
+        assert len(running) == len(self.specs) * self.state_blocks
+        tables = {b for seq_id in self.specs for t in alloc.block_tables(seq_id)
+                  for b in t if b is not None}
+        assert alloc.pool.num_free == self.num_blocks - len(tables) - len(running)
+
+
 class HybridStateSpeculative(HybridStateSpace):
     """The state-space hybrid under speculative decoding of 2 drafts a step: each state
     group keeps 3 states a sequence (one after each draft too)."""
@@ -629,7 +659,7 @@ _SETTINGS = settings(max_examples=int(os.environ.get("KVSIM_HYPOTHESIS_EXAMPLES"
                      stateful_step_count=40, deadline=None,
                      derandomize="KVSIM_HYPOTHESIS_EXAMPLES" not in os.environ)
 for _machine in (HybridMachine, HybridPerChunk, HybridPureSlidingUnchunked, HybridNoCache,
-                 HybridStateSpace, HybridStateSpeculative):
+                 HybridStateSpace, HybridStateCaching, HybridStateSpeculative):
     _machine.TestCase.settings = _SETTINGS
     globals()[f"Test{_machine.__name__}"] = _machine.TestCase
 

@@ -153,9 +153,6 @@ TINY = {"name": "m", "num_layers": 4, "num_heads": 4, "head_dim": 64, "num_param
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"systems[paged].allocator.prefix_caching": True},
-     "systems[paged].allocator.prefix_caching: qwen3-next-80b-a3b has state-space layers; "
-     "prefix caching of a state"),
     ({"systems[paged].allocator.hybrid_kv_cache": False},
      "systems[paged].allocator.hybrid_kv_cache: qwen3-next-80b-a3b has state-space layers"),
     ({"systems[paged].allocator": {"kind": "virtual"}},
@@ -169,6 +166,9 @@ TINY = {"name": "m", "num_layers": 4, "num_heads": 4, "head_dim": 64, "num_param
     ({"parallel.pipeline_parallel_size": 2}, "parallel.pipeline_parallel_size: pipeline"),
     ({"engine": {"replicas": 2, "disaggregation": {"prefill_replicas": 1}}},
      "engine.disaggregation: sending"),
+    ({"engine": {"replicas": 2, "router": {"policy": "kv_aware", "kv_events": True}}},
+     "engine.router.kv_events: KV events of a cache that keeps qwen3-next-80b-a3b's "
+     "state-space layers' states are not modelled"),
     ({"model": {**TINY, "num_state_layers": 2}},
      "num_state_layers and state_bytes_per_layer go together"),
     ({"model": {**TINY, "state_bytes_per_draft_per_layer": 512}},
@@ -238,21 +238,33 @@ def test_a_state_space_model_under_memory_pressure_runs_as_stepping(system, sche
     # A pool of 131 blocks: each sequence holds 3 of state and up to 20 of its tokens, so
     # requests wait and are preempted; runs of decode steps equal stepping, invariants
     # checked at every step.
-    data = {"name": "pressure", "model": SMALL_HYBRID, "memory": {"kv_memory_gib": 0.002},
+    data = _under_pressure(SMALL_HYBRID, 0.002, {"allocator": system, "scheduler": scheduler})
+    summary = _jump_as_stepping(data)
+    if system["kind"] == "paged":  # memory binds: 131 blocks, a state of 3 a sequence
+        assert summary["peak_running"] <= 131 // 4
+
+
+def _under_pressure(model: dict, kv_memory_gib: float, system: dict) -> dict:
+    """80 requests at 100 a second to ``model`` in a small pool, to one system ``s``."""
+    return {"name": "pressure", "model": model, "memory": {"kv_memory_gib": kv_memory_gib},
             "workload": {"arrival": {"process": "poisson", "rate": 100},
                          "prompt_len": {"dist": "uniform", "low": 20, "high": 200},
                          "output_len": {"dist": "uniform", "low": 1, "high": 120},
                          "max_tokens": 150},
-            "systems": [{"name": "s", "allocator": system, "scheduler": scheduler}],
-            "stop": {"num_requests": 80}}
+            "systems": [{"name": "s", **system}], "stop": {"num_requests": 80}}
+
+
+def _jump_as_stepping(data: dict) -> dict:
+    """Run ``data`` in jump mode and stepping (invariants checked at every step): the same
+    requests, every one completed; the jump run's summary."""
     runs = {}
     for mode in ("jump", "step"):
         data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
         runs[mode] = run(data).systems["s"]
     pd.testing.assert_frame_equal(runs["jump"].requests, runs["step"].requests)
-    assert runs["jump"].summary["completed"] == 80
-    if system["kind"] == "paged":  # memory binds: 131 blocks, a state of 3 a sequence
-        assert runs["jump"].summary["peak_running"] <= 131 // 4
+    summary = runs["jump"].summary
+    assert summary["completed"] == data["stop"]["num_requests"]
+    return summary
 
 
 def test_a_float32_recurrent_state_raises_the_block_as_vllm_raises_it():
@@ -395,25 +407,93 @@ def test_a_speculative_state_space_model_under_memory_pressure_runs_as_stepping(
     # The small hybrid with an MTP layer: 3 attention layers in groups of 3 beside 2 state
     # groups (n-gram lookup: 2 and 3); drafts widen its 16-token state.
     model = {**SMALL_HYBRID, "state_bytes_per_draft_per_layer": 1024}
-    data = {"name": "pressure", "model": model, "memory": {"kv_memory_gib": 0.003},
-            "workload": {"arrival": {"process": "poisson", "rate": 100},
-                         "prompt_len": {"dist": "uniform", "low": 20, "high": 200},
-                         "output_len": {"dist": "uniform", "low": 1, "high": 120},
-                         "max_tokens": 150},
-            "systems": [{"name": "s", "allocator": system,
-                         "scheduler": {"chunked_prefill": True, "max_num_batched_tokens": 256},
-                         "speculative": speculative}],
-            "stop": {"num_requests": 80}}
-    runs = {}
-    for mode in ("jump", "step"):
-        data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
-        runs[mode] = run(data).systems["s"]
-    pd.testing.assert_frame_equal(runs["jump"].requests, runs["step"].requests)
-    summary = runs["jump"].summary
-    assert summary["completed"] == 80
+    data = _under_pressure(model, 0.003, {
+        "allocator": system, "speculative": speculative,
+        "scheduler": {"chunked_prefill": True, "max_num_batched_tokens": 256}})
+    summary = _jump_as_stepping(data)
     scenario, _ = load(data)
     if system["kind"] == "paged":
         assert summary["preemptions"] > 0  # memory binds
         # 8,192 bytes of state and 1,024 a draft, over 512 a token of a layer: 20 tokens
         # (2 drafts) or 22 (3), in blocks of 32.
         assert allocation_unit(scenario, scenario.systems[0]) == 32
+
+
+# ----------------------------------------------------------------- a prefix cache of states
+# vLLM's mamba cache mode "align": prefill chunks end on block boundaries, the state at each
+# boundary a step ends on is kept, and a hit ends where every state group's state is kept.
+
+# Prompts of 500 tokens every request shares and 600 of its own, in 64-token blocks,
+# prefilled 192 tokens a step at most: one request a second, each done before the next.
+SHARED = {"name": "shared", "model": SMALL_HYBRID, "memory": {"kv_memory_gib": 0.05},
+          "workload": {"arrival": {"process": "constant", "rate": 1},
+                       "prompt_len": {"dist": "constant", "value": 600},
+                       "output_len": {"dist": "constant", "value": 20},
+                       "prefix_groups": {"groups": 1, "length": 500, "fraction": 1.0}},
+          "systems": [{"name": "s", "allocator": {"kind": "paged", "block_size": 64,
+                                                   "prefix_caching": True},
+                       "scheduler": {"chunked_prefill": True,
+                                     "max_num_batched_tokens": 192}}],
+          "stop": {"num_requests": 4}, "engine": {"mode": "step", "debug_invariants": True}}
+
+
+def test_prefill_chunks_end_on_block_boundaries_as_vllm_aligns_them():
+    # _mamba_block_aligned_split on the first 1,100-token prompt: whole blocks while the
+    # prompt's last boundary (1,088) lies beyond, then up to it, then the 12 tokens after.
+    def first_prompts_chunks(overrides: dict) -> list[int]:
+        steps = run(SHARED, overrides=overrides).systems["s"].steps
+        return steps[steps["prefill_tokens"] > 0]["prefill_tokens"].tolist()[:7]
+
+    off = {"systems[s].allocator.prefix_caching": False}
+    assert first_prompts_chunks({}) == [192] * 5 + [128, 12]
+    assert first_prompts_chunks(off)[:6] == [192] * 5 + [140]
+    # 200 tokens a step: cut to 3 blocks' 192 all the same (unaligned: 200 five times).
+    wider = {"systems[s].scheduler.max_num_batched_tokens": 200}
+    assert first_prompts_chunks(wider) == [192] * 5 + [128, 12]
+    assert first_prompts_chunks({**wider, **off})[:6] == [200] * 5 + [100]
+    # Blocks of 256, larger than a step's 192: each chunk goes on to the next boundary.
+    larger = {"systems[s].allocator.block_size": 256}
+    assert first_prompts_chunks(larger) == [192, 64] * 3 + [192]
+
+
+def test_a_hit_ends_at_the_last_boundary_whose_states_are_kept():
+    # The first request's chunks end at 192, 384, 576 ...: its states there are kept. The
+    # others share its first 500 tokens: attention finds 7 blocks (448) cached, but the
+    # states were kept at 384, not 448, so each hits 384 tokens.
+    result = run(SHARED).systems["s"]
+    assert result.requests["prefix_hit_tokens"].tolist() == [0, 384, 384, 384]
+    # Without state layers (the same attention) the hit is the attention's 448.
+    attention_only = {**SMALL_HYBRID, "num_layers": 2}
+    del attention_only["num_state_layers"], attention_only["state_bytes_per_layer"]
+    plain = run(SHARED, overrides={"model": attention_only}).systems["s"]
+    assert plain.requests["prefix_hit_tokens"].tolist() == [0, 448, 448, 448]
+    # Off (the default for a state-space model), nothing hits.
+    off = run(SHARED, overrides={"systems[s].allocator.prefix_caching": False}).systems["s"]
+    assert off.requests["prefix_hit_tokens"].sum() == 0
+    assert off.summary["prefix_hit_rate"] is None
+
+
+def test_a_state_cache_under_memory_pressure_runs_as_stepping():
+    # Sessions and shared prefixes in a small pool: kept states are evicted, hits found,
+    # requests preempted; jump mode equals stepping, invariants checked at every step.
+    data = _under_pressure(SMALL_HYBRID, 0.002, {
+        "allocator": {"kind": "paged", "block_size": 32, "prefix_caching": True},
+        "scheduler": {"chunked_prefill": True, "max_num_batched_tokens": 100}})
+    data["workload"]["prefix_groups"] = {"groups": 2, "length": 160, "fraction": 0.9}
+    summary = _jump_as_stepping(data)
+    assert summary["prefix_hit_rate"] > 0.05
+    assert summary["preemptions"] > 0 and summary["evictions"] > 0
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"systems[s].scheduler.chunked_prefill": False},
+     "systems[s].allocator.prefix_caching: a prefix cache of small-hybrid's states needs "
+     "scheduler.chunked_prefill: true"),
+    ({"systems[s].speculative": MTP},
+     "systems[s].allocator.prefix_caching: a prefix cache of small-hybrid's states under "
+     "speculative decoding is not modelled"),
+])
+def test_what_a_state_cache_does_not_model_is_refused_in_one_line(change, message):
+    with pytest.raises(ScenarioError) as caught:
+        load(SHARED, overrides=change)
+    assert message in str(caught.value) and "\n" not in str(caught.value)

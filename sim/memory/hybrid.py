@@ -47,9 +47,16 @@ block holds one state: see :meth:`~sim.presets.ModelSpec.state_block_size`). Its
 ``state_slots`` count as written; the block's rest, vLLM's padding of the state to the
 page, as internal. Under speculative decoding a state group holds 1 + k blocks a sequence,
 vLLM's ``num_speculative_blocks``: the kernel writes the state after each of the k drafts,
-so that the state after the last accepted one is there to go on from. State is neither
-cached nor shared, so a state-space model runs without prefix caching and forks no
-samples.
+so that the state after the last accepted one is there to go on from. A state is not
+shared, so a state-space model forks no samples.
+
+With prefix caching a state group keeps states as vLLM's mamba cache mode "align" does: a
+step that starts on a block boundary leaves the sequence's running state (the state after
+the tokens before the boundary) to the cache, under the key of the block that ends there,
+and goes on in a new block; the scheduler ends prefill chunks on boundaries so that such
+states exist. A prefix hit is then the longest full-attention hit cut back to the last
+boundary whose every state group's state is cached; its states are copied into the
+sequence's own. (Not modelled with speculative states, or beside sliding windows.)
 
 Not modelled: a host tier, swapping out.
 """
@@ -145,9 +152,9 @@ class HybridPagedAllocator(KVAllocator):
         if states_per_group < 1:
             raise ValueError(f"a state group keeps at least one state a sequence, not "
                              f"{states_per_group}")
-        if state_groups and enable_prefix_caching:
-            raise ValueError("state groups keep no prefix cache: enable_prefix_caching must "
-                             "be False")
+        if state_groups and enable_prefix_caching and (states_per_group > 1 or sliding_groups):
+            raise ValueError("a prefix cache of states beside speculative states or sliding "
+                             "windows is not modelled: enable_prefix_caching must be False")
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.block_size = block_size
@@ -160,6 +167,10 @@ class HybridPagedAllocator(KVAllocator):
         self.state_slots = state_slots
         # Blocks a sequence's states take: one a state group, or 1 + k under speculation.
         self.state_blocks = state_groups * states_per_group
+        # With a prefix cache, the state at each block boundary a step ends on is kept
+        # (vLLM's mamba cache mode "align"), under each state group's own key.
+        self.caches_states = bool(state_groups) and enable_prefix_caching
+        self._state_group_ids = range(self.groups, self.groups + state_groups)
         # Slots of a sequence's state blocks its states leave unwritten (vLLM's padding).
         self._state_padding = self.state_blocks * (block_size - state_slots)
         self.sliding_window = sliding_window
@@ -290,6 +301,11 @@ class HybridPagedAllocator(KVAllocator):
                 length += 1
         else:
             length = limit
+        if self.caches_states:  # the last boundary at or before it with every state kept
+            states = self._state_group_ids
+            while length and not self._cached(hashes[length - 1], states):
+                length -= 1
+            return length
         sliding = range(self.full_groups, self.groups)
         run = 0
         for idx in range(length - 1, -1, -1):  # the last window of cached blocks
@@ -328,7 +344,15 @@ class HybridPagedAllocator(KVAllocator):
             start = 0 if group < self.full_groups else released
             hits.append([self.pool.lookup(self._key(hashes[i], group))  # type: ignore[misc]
                          for i in range(start, length)])
-        revived = sum(1 for table in hits for b in table if b.ref_cnt == 0)
+        # The states kept at the hit's end, copied into the sequence's own (held meanwhile).
+        state_hits: list[KVBlock] = []
+        if length and self.caches_states:
+            for group in self._state_group_ids:
+                kept = self.pool.lookup(self._key(hashes[length - 1], group))
+                assert kept is not None, "a hit ends where every state is cached"
+                state_hits.append(kept)
+        revived = sum(1 for table in hits for b in table if b.ref_cnt == 0) + sum(
+            1 for b in state_hits if b.ref_cnt == 0)
         need = self.full_groups * (self.blocks_for(claim) - length)
         # Revived sliding-window hits will be this sequence's alone.
         alone = sum(1 for table in hits[self.full_groups:] for b in table if b.ref_cnt == 0)
@@ -360,6 +384,8 @@ class HybridPagedAllocator(KVAllocator):
                     duplicates.add(block.block_hash)  # type: ignore[arg-type]
                     block.counted = True
                 self.pool.touch(block)
+        for block in state_hits:
+            self.pool.touch(block)
         tables: list[list[KVBlock | None]] = []
         for group, found in enumerate(hits):
             table: list[KVBlock | None] = [None] * (length - len(found))
@@ -369,10 +395,9 @@ class HybridPagedAllocator(KVAllocator):
             tables.append(table)
         seq = _HybridSeq(spec, tables, hasher, bs)
         for _ in range(self.state_blocks):
-            state = self.pool.take()
-            state.num_filled = self.state_slots
-            self._token_slots += self.state_slots
-            seq.states.append(state)
+            seq.states.append(self._new_state())
+        for block in state_hits:  # copied: back to the cache
+            self.pool.release(block)
         seq.num_tokens = length * bs
         seq.released = released
         seq.promised = promised
@@ -383,6 +408,40 @@ class HybridPagedAllocator(KVAllocator):
         self._set_internal(seq)
         self.num_hit_blocks += length
         return seq.num_tokens
+
+    def _new_state(self) -> KVBlock:
+        """A block holding a sequence's running state (written whole at once)."""
+        state = self.pool.take()
+        state.num_filled = self.state_slots
+        self._token_slots += self.state_slots
+        return state
+
+    def _kept_states(self, seq: _HybridSeq, start: int, end: int) -> list[int]:
+        """The block boundaries whose states an append of tokens ``start`` to ``end`` keeps
+        in the prefix cache (none without one): the boundary the last step ended on, and
+        those its decode steps ended on; a prefill chunk's inner boundaries end no step, so
+        their states never exist (vLLM aligns chunks to blocks for this)."""
+        if not self.caches_states:
+            return []
+        bs = self.block_size
+        prompt = seq.spec.prompt_len
+        return [b for b in range(max(bs, -(-start // bs) * bs), end, bs)
+                if b == start or b >= prompt]
+
+    def _keep_states(self, seq: _HybridSeq, boundary: int) -> None:
+        """Leave the sequence's running states, the states at ``boundary``, to the prefix
+        cache (each under its group's key) and go on in new blocks, as vLLM's align mode
+        keeps the block a state was written to and writes the next state to a new one.
+        Each new block is taken after the old one is left, so that keeping a state never
+        needs memory: in a pool with nothing else to give, the new block evicts a cached
+        one by the eviction policy, the state just kept among them (vLLM takes the new
+        block first, for a step)."""
+        block_hash = seq.hasher.hashes[boundary // self.block_size - 1]
+        for index, group in enumerate(self._state_group_ids):
+            kept = seq.states[index]
+            self.pool.register(kept, self._key(block_hash, group))
+            self._token_slots -= drop_reference(self.pool, kept, self._duplicates)
+            seq.states[index] = self._new_state()
 
     def _set_internal(self, seq: _HybridSeq) -> None:
         """Recount the sequence's slots past its final length (after its tables changed
@@ -512,6 +571,8 @@ class HybridPagedAllocator(KVAllocator):
             self._set_internal(seq)
         written = self._write(seq, start, num_tokens)
         assert written == num_tokens * self.groups  # every token inside its own window
+        for boundary in self._kept_states(seq, start, end):
+            self._keep_states(seq, boundary)
         seq.num_tokens = end
         # Decode tokens were computed one a step (or a speculative step's few): the last
         # step gave back more.
