@@ -377,12 +377,18 @@ def test_a_rejected_arrival_releases_the_requests_behind_it_in_jump_mode_too():
                                                      "kv_transfer_gbps": 50,
                                                      "kv_transfer_latency_s": 0.0}},
     }
+    tables = requests_in_both_modes(data)
+    assert tables["jump"]["rejected"].sum() > 0
+    pd.testing.assert_frame_equal(tables["jump"], tables["step"])
+
+
+def requests_in_both_modes(data: dict) -> dict[str, pd.DataFrame]:
+    """System ``s``'s requests table of ``data`` run in jump mode and stepping."""
     tables = {}
     for mode in ("jump", "step"):
         data["engine"]["mode"] = mode
         tables[mode] = run_scenario(scenario_from_dict(data)).systems["s"].requests
-    assert tables["jump"]["rejected"].sum() > 0
-    pd.testing.assert_frame_equal(tables["jump"], tables["step"])
+    return tables
 
 
 def test_a_better_priority_blocked_for_budget_takes_a_seat_at_the_next_step_in_jump_mode():
@@ -408,10 +414,7 @@ def test_a_better_priority_blocked_for_budget_takes_a_seat_at_the_next_step_in_j
                                    "priority_preemption": True},
                      "predictor": {"sigma": 0.3, "headroom": 0.0}}],
         "stop": {"num_requests": 47}, "seed": 727, "engine": {}}
-    tables = {}
-    for mode in ("jump", "step"):
-        data["engine"]["mode"] = mode
-        tables[mode] = run_scenario(scenario_from_dict(data)).systems["s"].requests
+    tables = requests_in_both_modes(data)
     assert tables["step"]["preemptions"].sum() > 0
     pd.testing.assert_frame_equal(tables["jump"], tables["step"])
 
