@@ -625,14 +625,18 @@ class HybridStateCaching(HybridStateSpace):
     caching = True
     num_blocks = 50
 
-    def _admitted(self, spec: SeqSpec, hit: int | None) -> None:
-        super()._admitted(spec, hit)
-        if hit:
-            alloc = self.allocator
-            block_hash = alloc._seqs[spec.seq_id].hasher.hashes[hit // self.block_size - 1]
+    def _admit(self, s: SeqSpec, first_chunk: int) -> None:
+        # The hit it will get ends where every state group's state is kept.
+        alloc = self.allocator
+        expected = alloc.lookup(s)
+        if expected:
+            blocks = expected // self.block_size
+            block_hash = BlockHasher(s.segments, self.block_size).hash_upto(blocks)[blocks - 1]
             for group in alloc._state_group_ids:
                 kept = alloc.pool.lookup(alloc._key(block_hash, group))
                 assert kept is not None and kept.num_filled == self.state_slots
+        super()._admit(s, first_chunk)
+        assert s.seq_id not in self.specs or self.tokens[s.seq_id] == expected
 
     @invariant()
     def a_state_is_held_from_admission_to_the_end(self):

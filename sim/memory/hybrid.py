@@ -344,15 +344,16 @@ class HybridPagedAllocator(KVAllocator):
             start = 0 if group < self.full_groups else released
             hits.append([self.pool.lookup(self._key(hashes[i], group))  # type: ignore[misc]
                          for i in range(start, length)])
-        # The states kept at the hit's end, copied into the sequence's own (held meanwhile).
+        # The states kept at the hit's end, copied into the sequence's own at once. (vLLM
+        # holds them through the step that copies them, which here would keep a request
+        # that fills the pool but for them out of it for good.)
         state_hits: list[KVBlock] = []
         if length and self.caches_states:
             for group in self._state_group_ids:
                 kept = self.pool.lookup(self._key(hashes[length - 1], group))
                 assert kept is not None, "a hit ends where every state is cached"
                 state_hits.append(kept)
-        revived = sum(1 for table in hits for b in table if b.ref_cnt == 0) + sum(
-            1 for b in state_hits if b.ref_cnt == 0)
+        revived = sum(1 for table in hits for b in table if b.ref_cnt == 0)
         need = self.full_groups * (self.blocks_for(claim) - length)
         # Revived sliding-window hits will be this sequence's alone.
         alone = sum(1 for table in hits[self.full_groups:] for b in table if b.ref_cnt == 0)
@@ -384,8 +385,9 @@ class HybridPagedAllocator(KVAllocator):
                     duplicates.add(block.block_hash)  # type: ignore[arg-type]
                     block.counted = True
                 self.pool.touch(block)
-        for block in state_hits:
+        for block in state_hits:  # used: the last to be evicted (LRU)
             self.pool.touch(block)
+            self.pool.release(block)
         tables: list[list[KVBlock | None]] = []
         for group, found in enumerate(hits):
             table: list[KVBlock | None] = [None] * (length - len(found))
@@ -396,8 +398,6 @@ class HybridPagedAllocator(KVAllocator):
         seq = _HybridSeq(spec, tables, hasher, bs)
         for _ in range(self.state_blocks):
             seq.states.append(self._new_state())
-        for block in state_hits:  # copied: back to the cache
-            self.pool.release(block)
         seq.num_tokens = length * bs
         seq.released = released
         seq.promised = promised
