@@ -488,6 +488,22 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                   active_params=3e9, num_experts=512, experts_per_token=10,
                   num_state_layers=36, state_bytes_per_layer=(3 * 8192 + 32 * 128 * 128) * 2,
                   state_bytes_per_draft_per_layer=8192 * 2),
+        # Qwen3.5 (config.json): the same pattern, full attention in every fourth layer,
+        # its Gated DeltaNet's recurrent state kept in float32 (mamba_ssm_dtype) beside a
+        # bf16 convolution state. 35B-A3B: 10 of 40 layers attend (2 KV heads of 256);
+        # 16 key and 32 value heads of 128; 8 of 256 experts a token. vLLM raises its
+        # block to 1,056 tokens on one or two GPUs (its logs: "Padding mamba page size by
+        # 0.76%"). 27B, dense: 16 of 64 attend (4 KV heads of 256); 16 key and 48 value
+        # heads; blocks of 784 tokens (padding 0.13%).
+        ModelSpec("qwen3.5-35b-a3b", 40, 16, 2, 256, 35e9, 262144, model_dim=2048,
+                  active_params=3e9, num_experts=256, experts_per_token=8,
+                  num_state_layers=30,
+                  state_bytes_per_layer=3 * 8192 * 2 + 32 * 128 * 128 * 4,
+                  state_bytes_per_draft_per_layer=8192 * 2),
+        ModelSpec("qwen3.5-27b", 64, 24, 4, 256, 27e9, 262144, model_dim=5120,
+                  num_state_layers=48,
+                  state_bytes_per_layer=3 * 10240 * 2 + 48 * 128 * 128 * 4,
+                  state_bytes_per_draft_per_layer=10240 * 2),
     ]
 }
 

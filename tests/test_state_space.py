@@ -497,3 +497,41 @@ def test_what_a_state_cache_does_not_model_is_refused_in_one_line(change, messag
     with pytest.raises(ScenarioError) as caught:
         load(SHARED, overrides=change)
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_qwen3_5_blocks_are_raised_as_vllms_logs_say():
+    # Qwen3.5-35B-A3B, one or two GPUs: "Setting attention block size to 1056 tokens" and
+    # "Padding mamba page size by 0.76%" (a bf16 convolution state of 24 KiB and a float32
+    # recurrent state of 1 MiB a GPU on two). Qwen3.5-27B: 784 tokens, padding 0.13 %.
+    moe = MODEL_PRESETS["qwen3.5-35b-a3b"]
+    assert moe.state_bytes_per_layer_per_gpu(2) == 24 * 1024 + 1024 * 1024
+    dense = MODEL_PRESETS["qwen3.5-27b"]
+    for model, tp, block, padding_pct in ((moe, 1, 1056, 0.76), (moe, 2, 1056, 0.76),
+                                          (dense, 1, 784, 0.13)):
+        assert model.state_block_size(tp) == block
+        state = model.state_bytes_per_layer_per_gpu(tp)
+        page = block * model.kv_bytes_per_token_per_gpu(tp) // model.kv_layers
+        assert round(100 * (page - state) / state, 2) == padding_pct
+    assert (moe.kv_layers, moe.kv_cache_groups()) == (10, (10, 1, 0, 3))
+    assert (dense.kv_layers, dense.kv_cache_groups()) == (16, (16, 1, 0, 3))
+
+
+@pytest.mark.parametrize("prompt", [1087, 1088, 1500, 2000, 2113])
+def test_a_prompt_sent_again_hits_whole_blocks_before_its_last_token_as_measured(prompt):
+    # Measured on Qwen3.5-35B-A3B on two GPUs with prefix caching (vLLM's align mode): a
+    # prompt of L tokens sent again finds floor((L - 1) / 1056) × 1056 cached. Here the
+    # second request shares all but the last of the first's tokens.
+    data = {"name": "again", "model": "qwen3.5-35b-a3b", "gpu": "h100-80g",
+            "parallel": {"tensor_parallel_size": 2}, "max_model_len": 8192,
+            "memory": {"kv_memory_gib": 8},
+            "workload": {"arrival": {"process": "constant", "rate": 0.5},
+                         "prompt_len": {"dist": "constant", "value": 1},
+                         "output_len": {"dist": "constant", "value": 8},
+                         "prefix_groups": {"groups": 1, "length": prompt - 1,
+                                           "fraction": 1.0}},
+            "systems": [{"name": "s", "allocator": {"kind": "paged", "block_size": 16,
+                                                     "prefix_caching": True},
+                         "scheduler": {"chunked_prefill": True}}],
+            "stop": {"num_requests": 2}}
+    hits = run(data).systems["s"].requests["prefix_hit_tokens"].tolist()
+    assert hits == [0, (prompt - 1) // 1056 * 1056]
