@@ -183,8 +183,13 @@ TINY = {"name": "m", "num_layers": 4, "num_heads": 4, "head_dim": 64, "num_param
      "num_state_layers with kv_latent_dim is not modelled"),
 ])
 def test_what_is_not_modelled_with_state_layers_is_refused_in_one_line(change, message):
+    assert_refused_in_one_line(SCENARIO, change, message)
+
+
+def assert_refused_in_one_line(data: dict, change: dict, message: str) -> None:
+    """``data`` with ``change`` is refused in one line that says ``message``."""
     with pytest.raises(ScenarioError) as caught:
-        load(SCENARIO, overrides=change)
+        load(data, overrides=change)
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
@@ -494,9 +499,7 @@ def test_a_state_cache_under_memory_pressure_runs_as_stepping():
      "speculative decoding is not modelled"),
 ])
 def test_what_a_state_cache_does_not_model_is_refused_in_one_line(change, message):
-    with pytest.raises(ScenarioError) as caught:
-        load(SHARED, overrides=change)
-    assert message in str(caught.value) and "\n" not in str(caught.value)
+    assert_refused_in_one_line(SHARED, change, message)
 
 
 def test_qwen3_5_blocks_are_raised_as_vllms_logs_say():
