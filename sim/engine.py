@@ -133,6 +133,13 @@ def states_per_sequence(system: SystemConfig) -> int:
     return 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
 
+def extent_state_slots(model: ModelSpec, system: SystemConfig,
+                       tensor_parallel_size: int) -> int:
+    """Slots a contiguous extent of ``system`` holds for its sequence's states: every state
+    layer's, as many times as :func:`states_per_sequence` says."""
+    return states_per_sequence(system) * model.state_slots_per_sequence(tensor_parallel_size)
+
+
 def uses_hybrid_kv_cache(model: ModelSpec, system: SystemConfig) -> bool:
     """Whether the system keeps a sliding-window or state-space model's layers in groups of
     block tables (vLLM v1's hybrid KV cache manager) rather than every layer's every
@@ -183,8 +190,8 @@ def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int,
         return ContiguousAllocator(
             pool_slots, max_model_len=max_model_len, reserve_policy=cfg.reserve_policy,
             placement=cfg.placement,
-            state_slots=0 if model is None else states_per_sequence(system) * (
-                model.state_slots_per_sequence(tensor_parallel_size)))
+            state_slots=0 if model is None else extent_state_slots(
+                model, system, tensor_parallel_size))
     if isinstance(cfg, VirtualConfig):
         # Physical pages on demand, exactly as blocks are; no sharing between requests.
         if page_tokens < 1:
@@ -1826,7 +1833,7 @@ def _drafted_memory_text(scenario: Scenario, system: SystemConfig, slots: int) -
         each = "" if scenario.parallel.gpus == 1 else " a GPU"
         where = (f"in blocks of at least {kv_model.state_block_size(tp)} tokens"
                  if uses_hybrid_kv_cache(model, system) else
-                 f"in {states * kv_model.state_slots_per_sequence(tp):,} slots an extent")
+                 f"in {extent_state_slots(kv_model, system, tp):,} slots an extent")
         state_mib = kv_model.state_bytes_per_layer_per_gpu(tp) / MIB
         parts.append(f"{states} states a sequence in each state-space layer (its own and "
                      f"one after each draft), {state_mib:,.2f} MiB each{each}, {where}")

@@ -418,11 +418,9 @@ class HybridPagedAllocator(KVAllocator):
 
     def _kept_states(self, seq: _HybridSeq, start: int, end: int) -> list[int]:
         """The block boundaries whose states an append of tokens ``start`` to ``end`` keeps
-        in the prefix cache (none without one): the boundary the last step ended on, and
-        those its decode steps ended on; a prefill chunk's inner boundaries end no step, so
-        their states never exist (vLLM aligns chunks to blocks for this)."""
-        if not self.caches_states:
-            return []
+        in the prefix cache (of states: ``caches_states``): the boundary the last step ended
+        on, and those its decode steps ended on; a prefill chunk's inner boundaries end no
+        step, so their states never exist (vLLM aligns chunks to blocks for this)."""
         bs = self.block_size
         prompt = seq.spec.prompt_len
         return [b for b in range(max(bs, -(-start // bs) * bs), end, bs)
@@ -571,8 +569,9 @@ class HybridPagedAllocator(KVAllocator):
             self._set_internal(seq)
         written = self._write(seq, start, num_tokens)
         assert written == num_tokens * self.groups  # every token inside its own window
-        for boundary in self._kept_states(seq, start, end):
-            self._keep_states(seq, boundary)
+        if self.caches_states:  # (every append of a sliding-window model passes here)
+            for boundary in self._kept_states(seq, start, end):
+                self._keep_states(seq, boundary)
         seq.num_tokens = end
         # Decode tokens were computed one a step (or a speculative step's few): the last
         # step gave back more.
