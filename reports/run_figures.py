@@ -22,7 +22,7 @@ from reports.style import (
     new_figure,
     system_color,
 )
-from sim.engine import slot_layers
+from sim.engine import kv_bytes_per_slot
 from sim.memory import TAXONOMY
 from sim.results import ScenarioResult
 from sim.scenario import scenario_from_dict
@@ -31,17 +31,15 @@ from sim.slo import latencies
 GIB = 1024**3
 
 
-def kv_bytes_per_slot(result: ScenarioResult, system: str) -> tuple[float, str]:
-    """Bytes of one of ``system``'s pool slots on one GPU, and the axis label that says so:
-    under tensor parallelism every GPU holds every token's slot, with its share of the KV
-    heads; under the hybrid KV cache manager a slot is one token of one group's layers."""
+def slot_bytes_and_label(result: ScenarioResult, system: str) -> tuple[float, str]:
+    """Bytes of one of ``system``'s pool slots on one GPU (:func:`~sim.engine.kv_bytes_per_slot`),
+    and the axis label that says so: under tensor parallelism every GPU holds every token's
+    slot, with its share of the KV heads."""
     scenario = scenario_from_dict(result.scenario)
     tp = scenario.parallel.tensor_parallel_size
     label = "KV memory (GiB)" if tp == 1 else f"KV memory per GPU (GiB, 1 of {tp})"
-    model = scenario.model_spec()
     config = next(s for s in scenario.systems if s.name == system)
-    share = slot_layers(model, config) / model.kv_layers
-    return model.kv_bytes_per_token_per_gpu(tp) * share, label
+    return kv_bytes_per_slot(scenario, config), label
 
 
 def _shown_replica(result: ScenarioResult, decoding: bool) -> tuple[int, str]:
@@ -97,7 +95,7 @@ def memory_over_time(result: ScenarioResult) -> Figure:
     data = {}
     for ax, name in zip(axes, names, strict=True):
         run = result.systems[name]
-        per_token, gib_label = kv_bytes_per_slot(result, name)
+        per_token, gib_label = slot_bytes_and_label(result, name)
         memory = time_binned(_rows_of(run.memory, replica), list(TAXONOMY))
         capacity = run.summary["capacity_slots"]
         gib = memory[list(TAXONOMY)] * per_token / GIB

@@ -149,11 +149,19 @@ def uses_hybrid_kv_cache(model: ModelSpec, system: SystemConfig) -> bool:
         (model.sliding_window and cfg.hybrid_kv_cache) or model.has_state_layers)
 
 
-def slot_layers(model: ModelSpec, system: SystemConfig) -> int:
-    """Layers one pool slot spans: all attention layers, or one group's under the hybrid
-    manager."""
-    return model.kv_cache_groups()[0] if uses_hybrid_kv_cache(model, system) else (
-        model.kv_layers)
+def kv_bytes_per_slot(scenario: Scenario, system: SystemConfig) -> float:
+    """Bytes one of ``system``'s pool slots takes on each GPU: a token of every attention
+    layer, a drafter's KV with it (:func:`system_pool_slots`); under the hybrid KV cache
+    manager a token of one group's layers, the drafter's among them where they join the
+    groups (:func:`cached_model`)."""
+    model = scenario.model_spec()
+    per_token = model.kv_bytes_per_token_per_gpu(scenario.parallel.tensor_parallel_size)
+    per_token += drafter_memory(scenario, system)[1]
+    kv_model = cached_model(scenario, system)
+    if not uses_hybrid_kv_cache(kv_model, system):
+        return float(per_token)
+    # The pool's bytes make as many group slots as build_allocator counts blocks for.
+    return per_token * kv_model.kv_cache_groups()[0] / kv_model.kv_layers
 
 
 def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int,
@@ -1991,5 +1999,6 @@ def run_scenario(scenario: Scenario, base_dir: Path = Path(),
                           trace_notes=list(trace.notes))
 
 
-__all__ = ["SimulationError", "allocation_unit", "build_allocator", "build_timing", "run_scenario",
-           "run_system", "scenario_trace", "slot_layers", "uses_hybrid_kv_cache"]
+__all__ = ["SimulationError", "allocation_unit", "build_allocator", "build_timing",
+           "kv_bytes_per_slot", "run_scenario", "run_system", "scenario_trace",
+           "uses_hybrid_kv_cache"]

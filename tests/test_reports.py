@@ -252,3 +252,55 @@ def test_a_sweep_figure_leaves_out_lines_with_no_value():
     # (A whole number of seconds reads as one, though nulls made the column float.)
     assert labels == ["a, e2e_timeout_s=30", "b, e2e_timeout_s=30"]
     close(fig)
+
+
+def _pool_top_gib(scenario: dict, tmp_path) -> dict[str, float]:
+    """Each system's pool top in the memory figure, GiB."""
+    fig = memory_over_time(run(scenario, out=tmp_path))
+    tops = {ax.get_title(loc="left").split(":")[0]: ax.get_ylim()[1] for ax in fig.axes
+            if ax.get_ylabel().startswith("KV memory")}
+    close(fig)
+    return tops
+
+
+SMALL_RUN = {"workload": {"arrival": {"process": "poisson", "rate": 5},
+                          "prompt_len": {"dist": "uniform", "low": 100, "high": 400},
+                          "output_len": {"dist": "uniform", "low": 5, "high": 40, "max": 40}},
+             "max_model_len": 4096, "stop": {"num_requests": 6}}
+
+
+@pytest.mark.parametrize("model, tp, systems", [
+    # A drafter's KV sits in every slot beside the target's (one layer in 33 here).
+    ("llama-2-7b", 1, [
+        {"name": "paged-eagle", "allocator": {"kind": "paged"},
+         "speculative": {"method": "eagle", "num_speculative_tokens": 2,
+                         "acceptance_rate": 0.7}},
+        {"name": "contiguous-eagle", "allocator": {"kind": "contiguous"},
+         "speculative": {"method": "eagle", "num_speculative_tokens": 2,
+                         "acceptance_rate": 0.7}}]),
+    # An MTP layer joins a state-space hybrid's groups: a slot spans 13 layers, not 12.
+    ("qwen3-next-80b-a3b", 2, [
+        {"name": "paged", "allocator": {"kind": "paged"},
+         "scheduler": {"chunked_prefill": True}},
+        {"name": "paged-mtp", "allocator": {"kind": "paged"},
+         "scheduler": {"chunked_prefill": True},
+         "speculative": {"method": "mtp", "num_speculative_tokens": 2,
+                         "acceptance_rate": 0.7}}]),
+    # An EAGLE-3 layer joins a sliding-window model's groups under the hybrid manager.
+    ("gpt-oss-20b", 1, [
+        {"name": "hybrid-eagle3", "allocator": {"kind": "paged", "hybrid_kv_cache": True},
+         "speculative": {"method": "eagle3", "num_speculative_tokens": 3,
+                         "acceptance_rate": 0.7}}]),
+])
+def test_the_memory_figures_pool_is_the_memory_kv_takes(model, tp, systems, tmp_path):
+    # However a slot is laid out (a drafter's layers beside the target's, one group's layers
+    # under the hybrid manager), the figure's pool is the KV memory given, less at most
+    # what the last block could not fill (one GPU's share of it under tensor parallelism).
+    gib = 6.0
+    scenario = {**SMALL_RUN, "name": "pool-top", "model": model, "gpu": "h200-141g",
+                "parallel": {"tensor_parallel_size": tp},
+                "memory": {"kv_memory_gib": gib}, "systems": systems}
+    tops = _pool_top_gib(scenario, tmp_path)
+    assert set(tops) == {s["name"] for s in systems}
+    for name, top in tops.items():
+        assert gib / tp * 0.99 <= top <= gib / tp, name
