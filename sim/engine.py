@@ -155,8 +155,8 @@ def kv_bytes_per_slot(scenario: Scenario, system: SystemConfig) -> float:
     manager a token of one group's layers, the drafter's among them where they join the
     groups (:func:`cached_model`)."""
     model = scenario.model_spec()
-    per_token = model.kv_bytes_per_token_per_gpu(scenario.parallel.tensor_parallel_size)
-    per_token += drafter_memory(scenario, system)[1]
+    per_token = (model.kv_bytes_per_token_per_gpu(scenario.parallel.tensor_parallel_size)
+                 + drafter_memory(scenario, system)[1])
     kv_model = cached_model(scenario, system)
     if not uses_hybrid_kv_cache(kv_model, system):
         return float(per_token)
@@ -1097,6 +1097,9 @@ class _SystemRun:
         # done, and a heap of (when done, decode replica) for those yet to be counted out.
         self.decode_in_flight = [0] * self.decode_replicas
         self.decode_done: list[tuple[float, int]] = []
+        # The decode replica each request's samples go to, where they go together (chosen
+        # at the first one's handover).
+        self.decode_of_request: dict[int, int] = {}
         if split is not None:
             # Each GPU sends its share of the KV heads over its own link, side by side, and
             # receives its share likewise: the side with fewer GPUs a rank sets the pace.
@@ -1158,8 +1161,17 @@ class _SystemRun:
         self.router: Router | None = None
         self.unrouted: list[int] = []  # open arrivals the router has yet to place, in order
         self.unrouted_pos = 0
+        # A balancer in front of the engines sends each a request whole, its samples run as
+        # requests of their own (fan_out) with it; vLLM's balancer of its data-parallel
+        # ranks places each sample, as its front end fans the request out first.
+        self.first_sample: np.ndarray | None = None
+        if request_of is not None and policy not in ("vllm_dp", "vllm_dp_2026"):
+            starts = np.concatenate(([0], np.cumsum(np.bincount(request_of))[:-1]))
+            self.first_sample = starts[request_of]
         if policy == "round_robin":
-            self.replica_of[roots] = np.arange(len(roots)) % routed
+            turns = (np.arange(len(roots)) if self.first_sample is None or request_of is None
+                     else np.unique(request_of[roots], return_inverse=True)[1])
+            self.replica_of[roots] = turns % routed
             for index in np.flatnonzero(after >= 0).tolist():
                 self.replica_of[index] = self.replica_of[after[index]]
         else:
@@ -1233,8 +1245,12 @@ class _SystemRun:
                 self.unrouted_pos += 1
                 route_s = first_s
                 request = Request(self.trace, index, route_s)
-            target = self.replicas[router.route(route_s, request.prompt_segments,
-                                                request.prompt_len)]
+            first = index if self.first_sample is None else int(self.first_sample[index])
+            if first != index and request.attempts == 1:  # (routed just before it)
+                target = self.replicas[int(self.replica_of[first])]
+            else:
+                target = self.replicas[router.route(route_s, request.prompt_segments,
+                                                    request.prompt_len)]
             self.replica_of[index] = target.index
             self.serve_as(request, target)
             if request.attempts > 1:
@@ -1329,11 +1345,19 @@ class _SystemRun:
         """A prefill replica gave ``request`` its first token in the step from
         ``step_start_s`` to ``now_s``: send its KV to a decode replica (by default the same
         one for a given request, whichever prefill replica served it; with ``decode_router:
-        least_loaded``, the least loaded now), after that step or, layer by layer, under
+        least_loaded``, the least loaded now; the samples of a request the router keeps
+        together go where the first went), after that step or, layer by layer, under
         it. The prefill replica holds the KV until it is sent."""
         index = request.index
-        position = (self._least_loaded_decode() if self.least_loaded_decode
-                    else index % self.decode_replicas)
+        # The samples of a request kept together go where the first one went.
+        together = self.request_of if self.first_sample is not None else None
+        key = index if together is None else int(together[index])
+        position = self.decode_of_request.get(key, -1)
+        if position < 0:
+            position = (self._least_loaded_decode() if self.least_loaded_decode
+                        else key % self.decode_replicas)
+            if together is not None:
+                self.decode_of_request[key] = position
         decode = self.replicas[self.prefill_replicas + position]
         rest = Request(self.trace, index, request.arrival_s)
         # As if preempted after its first token: its prompt is the prompt and that token,

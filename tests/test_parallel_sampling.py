@@ -187,6 +187,56 @@ def test_samples_fanned_out_cross_a_prefill_decode_split():
         scenario_from_dict(data)
 
 
+def two_requests_of_three_samples(tmp_path, engine: dict, apart_s: float = 0.0
+                                  ) -> pd.DataFrame:
+    """The steps of two requests of three samples, ``apart_s`` apart (prompts of 100
+    tokens, their own), on the engine's replicas, fanned out."""
+    (tmp_path / "t.csv").write_text(f"t,p,o\n0,100,10\n{apart_s},100,10\n")
+    data = {"name": "two", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1},
+            "workload": {"kind": "trace", "path": "t.csv", "format": "csv",
+                         "columns": {"arrival": "t", "prompt_len": "p", "output_len": "o"},
+                         "sampling": {"n": 3}},
+            "systems": [{"name": "fan_out", "allocator": {"kind": "paged"},
+                         "scheduler": {"parallel_sampling": "fan_out"}}],
+            "stop": {"num_requests": 2}, "engine": {"mode": "step", **engine}}
+    run = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["fan_out"]
+    assert run.summary["completed"] == 2
+    return run.steps
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "cache_aware", "kv_aware"])
+def test_a_balancer_sends_each_engine_a_request_whole(policy, tmp_path):
+    # A balancer in front of the engines routes a request, n samples and all: its engine
+    # fans it out, and two samples of three find the prompt's full blocks cached there.
+    steps = two_requests_of_three_samples(
+        tmp_path, {"replicas": 2, "router": {"policy": policy}})
+    seated = steps.groupby("replica")["prefill_requests"].sum()
+    assert seated.to_dict() == {0: 3, 1: 3}
+    assert steps.groupby("replica")["prefill_tokens"].sum().to_dict() == {
+        0: 100 + 2 * 4, 1: 100 + 2 * 4}
+
+
+def test_vllms_balancer_places_each_sample_on_a_rank(tmp_path):
+    # vLLM's front end fans the request out first and balances each sample over its
+    # data-parallel ranks: the samples of a request spread, each reading its prompt.
+    steps = two_requests_of_three_samples(
+        tmp_path, {"replicas": 2, "router": {"policy": "vllm_dp"}})
+    seated = steps.groupby("replica")["prefill_requests"].sum()
+    assert seated.to_dict() == {0: 3, 1: 3}
+    assert steps["prefill_tokens"].sum() > 2 * (100 + 2 * 4)
+
+
+@pytest.mark.parametrize("decode_router", ["round_robin", "least_loaded"])
+def test_the_samples_of_a_request_decode_on_one_replica(decode_router, tmp_path):
+    # Handed over from the prefill replica, the samples of a request go on together: one
+    # request at a time, a decode replica decodes all three.
+    steps = two_requests_of_three_samples(tmp_path, {"replicas": 3, "disaggregation": {
+        "prefill_replicas": 1, "decode_router": decode_router}}, apart_s=5.0)
+    decoding = steps[steps["replica"] > 0]
+    assert decoding["decode_seqs"].max() == 3
+    assert decoding.groupby("replica")["decode_seqs"].max().isin([0, 3]).all()
+
+
 @pytest.mark.parametrize(("workload", "message"), [
     ({"sampling": {"beam_width": 4}}, "beam search (workload.sampling.beam_width) keeps its "
                                       "beams together"),
