@@ -71,7 +71,7 @@ from sim.scenario import (
     SystemConfig,
     VirtualConfig,
 )
-from sim.scheduler import Batch, QuietDecode, Request, Scheduler, WaitingLine
+from sim.scheduler import Batch, QuietDecode, Request, Scheduler, Siblings, WaitingLine
 from sim.timing import (
     Calibration,
     CalibrationError,
@@ -582,7 +582,7 @@ class _Replica:
                 self.open_pos += 1
             else:
                 _, index, prepared = heapq.heappop(self.released)
-            request = prepared or Request(sim.trace, index, t)
+            request = prepared or sim.first_try(index, t)
             if self.role == "prefill":
                 sim.serve_as(request, self)
             if self.tells_balancer and not request.rejected:
@@ -1039,6 +1039,13 @@ class _SystemRun:
         self.samples_left = (np.bincount(request_of).tolist() if request_of is not None
                              else None)
         self.sample_groups: dict[int, _SampleGroup] = {}  # by request, while it has samples
+        # What the client of each request fanned out waits for of its samples, where it
+        # waits for a seat or a first token (by request, while it has samples; else None).
+        workload = scenario.workload
+        self.siblings: dict[int, Siblings] | None = (
+            {} if request_of is not None and (workload.queue_timeout_s,
+                                              workload.ttft_timeout_s) != (None, None)
+            else None)
         # The replicas' setups: the scenario's (colocated, or decode replicas), and the
         # prefill replicas' under disaggregation (the same one unless spread otherwise).
         self.decode_setup, self.prefill_setup = decode, prefill
@@ -1262,6 +1269,16 @@ class _SystemRun:
                 router.assign(target.index, request.prompt_segments,
                               self.router_key(request))
 
+    def first_try(self, index: int, arrival_s: float) -> Request:
+        """Request ``index`` as it arrives at ``arrival_s``, the first time: a sample of a
+        request fanned out whose client waits for a seat or a first token shares what it
+        waits for with its siblings."""
+        request = Request(self.trace, index, arrival_s)
+        if self.siblings is not None and self.request_of is not None:
+            request.siblings = self.siblings.setdefault(int(self.request_of[index]),
+                                                        Siblings())
+        return request
+
     def new_request(self, index: int, arrival_s: float, replica: _Replica) -> Request:
         """Request ``index`` as ``replica`` serves it (see :meth:`serve_as`)."""
         return self.serve_as(Request(self.trace, index, arrival_s), replica)
@@ -1365,7 +1382,8 @@ class _SystemRun:
         rest.gen_sync = 1
         rest.transferred = request.prompt_len
         for carried in ("admitted_s", "first_token_s", "last_token_s", "preemptions",
-                        "hit_tokens", "recomputed_tokens", "first_arrival_s", "attempts"):
+                        "hit_tokens", "recomputed_tokens", "first_arrival_s", "attempts",
+                        "siblings"):
             setattr(rest, carried, getattr(request, carried))
         transfer_s = self._transfer_tokens(decode, request.prompt_len) * (
             self.transfer_s_per_token)
@@ -1459,6 +1477,8 @@ class _SystemRun:
         if (request.abandoned_s >= 0 or request.shed) and self._retry(replica, request, now_s):
             return
         last_sample = self.samples_left is None or self._last_sample(request, served)
+        if last_sample and self.siblings is not None and self.request_of is not None:
+            self.siblings.pop(int(self.request_of[request.index]), None)
         request.token_runs = None
         routed_to = int(self.replica_of[request.index])
         row: tuple[object, ...] = (

@@ -1170,13 +1170,22 @@ class Scenario(ConfigModel):
     def fanned_out_samples_unmodelled(self) -> str | None:
         """What of this scenario is not modelled where the samples of one request run as
         requests of their own (``parallel_sampling: fan_out``), in words; None if nothing."""
-        # A whole answer's deadline is every sample's: they are given up together. A seat,
-        # a first token or a next token the client waits for of any sample, not each.
+        # A whole answer's deadline is every sample's: they are given up together; a seat
+        # or a first token is any sample's, as long as they share an engine. A next token
+        # the client waits for of any sample, not each.
         workload = self.workload
+        routed = self.prefill_ranks or self.ranks
+        spread = routed > 1 and self.engine.router.policy in ("vllm_dp", "vllm_dp_2026")
+        waits_for_first = (workload.queue_timeout_s, workload.ttft_timeout_s) != (None, None)
+        if spread and waits_for_first:
+            return ("not modelled with a client's wait for a seat or a first token "
+                    "(queue_timeout_s, ttft_timeout_s) where vLLM's balancer places each "
+                    "sample on a data-parallel rank of its own (engine.router.policy "
+                    f"{self.engine.router.policy}): the client waits for one of any sample, "
+                    "which ranks stepping apart do not know")
         unmodelled = [what for what, used in (
-            ("client time-outs but e2e_timeout_s (queue_timeout_s, ttft_timeout_s, "
-             "itl_timeout_s)", any(timeout is not None for timeout in (
-                 workload.queue_timeout_s, workload.ttft_timeout_s, workload.itl_timeout_s))),
+            ("a client's wait for a next token (itl_timeout_s)",
+             workload.itl_timeout_s is not None),
             ("retries", workload.retry is not None),
             ("a bounded line (scheduler.max_queued_requests)", any(
                 s.scheduler.max_queued_requests is not None for s in self.systems)),

@@ -77,6 +77,18 @@ def wait_us(wait_s: float) -> int:
     return int(wait_s * 1e6 + 0.5)
 
 
+class Siblings:
+    """The samples of one request that run as requests of their own (``fan_out``), as
+    their client sees them: seated when the first is, given a first token when the first
+    is. A client who waits for a seat or a first token waits for one of any sample."""
+
+    __slots__ = ("admitted_s", "first_token_s")
+
+    def __init__(self) -> None:
+        self.admitted_s = -1.0
+        self.first_token_s = -1.0
+
+
 class Request:
     """One request's progress through the system (times are simulation seconds)."""
 
@@ -118,6 +130,7 @@ class Request:
         "rejected",
         "resumed",
         "shed",
+        "siblings",
         "spec_cache",
         "streak_step",
         "swap_slots",
@@ -196,6 +209,9 @@ class Request:
         # looked its prompt up (the content of sample 0 never changes; its prompt grows).
         self.prefix_hasher: BlockHasher | None = None
         self.ticket = 0  # its place in the waiting line; a new one each time it joins or leaves
+        # A sample of a request fanned out whose client waits for a seat or a first token:
+        # what it waits for, of all the samples (None: its own).
+        self.siblings: Siblings | None = None
 
     @property
     def final_len(self) -> int:
@@ -465,14 +481,15 @@ class WaitingLine:
         regenerating), without a token ``itl_timeout_s`` after its last, whichever comes
         first."""
         deadline = math.inf
+        seen: Request | Siblings = request if request.siblings is None else request.siblings
         if self.e2e_timeout_s is not None:
             deadline = request.arrival_s + self.e2e_timeout_s
-        if self.ttft_timeout_s is not None and request.first_token_s < 0:
+        if self.ttft_timeout_s is not None and seen.first_token_s < 0:
             deadline = min(deadline, request.arrival_s + self.ttft_timeout_s)
         if (self.itl_timeout_s is not None and request.last_token_s >= 0
                 and (not request.decoding or request.regenerating)):
             deadline = min(deadline, request.last_token_s + self.itl_timeout_s)
-        if self.timeout_s is not None and request.admitted_s < 0:
+        if self.timeout_s is not None and seen.admitted_s < 0:
             deadline = min(deadline, request.arrival_s + self.timeout_s)
         return deadline
 
@@ -534,7 +551,13 @@ class WaitingLine:
             entry = self._next_deadline()
             if entry is None or entry[0] > now_s:
                 return gone
-            deadline, _, _, request = heapq.heappop(self._by_deadline)
+            deadline, index, ticket, request = heapq.heappop(self._by_deadline)
+            if request.siblings is not None:  # one seated or answered may have put it off
+                later = self.deadline_s(request)
+                if later > deadline:
+                    if later < math.inf:
+                        heapq.heappush(self._by_deadline, (later, index, ticket, request))
+                    continue
             if not self._heaped:
                 self._line.remove(request)  # near the front: the oldest unseated arrivals
             request.ticket += 1  # its entries in the other heaps are stale now
@@ -1558,6 +1581,8 @@ class Scheduler:
                                    (deadline, request.admit_seq, request))
             if request.admitted_s < 0:
                 request.admitted_s = now_s
+                if request.siblings is not None and request.siblings.admitted_s < 0:
+                    request.siblings.admitted_s = now_s
             if request.swapped:
                 # Its KV waits in host memory: copy it back rather than compute it (not a
                 # lookup: the prefix cache can only spare a copy here).
@@ -1699,6 +1724,8 @@ class Scheduler:
             # again, the first since it was preempted or handed over, a wait with no step).
             if request.first_token_s < 0:
                 request.first_token_s = end_s
+                if request.siblings is not None and request.siblings.first_token_s < 0:
+                    request.siblings.first_token_s = end_s
             if request.gen_sync > request.client_tokens:  # (else a fork group started over)
                 self._token_alone(request, end_s)
             if request.gen_sync >= request.output_len:

@@ -4,6 +4,8 @@ their request's row; against forks that share its blocks (``fork``, the default)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -156,13 +158,13 @@ def test_one_sample_a_request_runs_alike_either_way():
     pd.testing.assert_frame_equal(runs["fork"].requests, runs["fan_out"].requests)
 
 
-def fanned_out_both_ways(data: dict) -> dict:
-    """The fan_out system of ``data`` run stepping (its invariants checked) and jumping,
-    by mode; the two request tables are the same."""
+def fanned_out_both_ways(data: dict, base_dir: Path = Path()) -> dict:
+    """The fan_out system of ``data`` (its files in ``base_dir``) run stepping (its
+    invariants checked) and jumping, by mode; the two request tables are the same."""
     runs = {}
     for mode in ("step", "jump"):
         data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
-        runs[mode] = run_scenario(scenario_from_dict(data)).systems["fan_out"]
+        runs[mode] = run_scenario(scenario_from_dict(data), base_dir).systems["fan_out"]
     pd.testing.assert_frame_equal(runs["jump"].requests, runs["step"].requests)
     return runs
 
@@ -240,8 +242,9 @@ def test_the_samples_of_a_request_decode_on_one_replica(decode_router, tmp_path)
 @pytest.mark.parametrize(("workload", "message"), [
     ({"sampling": {"beam_width": 4}}, "beam search (workload.sampling.beam_width) keeps its "
                                       "beams together"),
-    ({"ttft_timeout_s": 30}, "not modelled with client time-outs but e2e_timeout_s"),
-    ({"queue_timeout_s": 30, "retry": {}}, "not modelled with client time-outs but e2e"),
+    ({"itl_timeout_s": 30}, "not modelled with a client's wait for a next token "
+                            "(itl_timeout_s)"),
+    ({"queue_timeout_s": 30, "retry": {}}, "not modelled with retries"),
     ({"e2e_timeout_s": 30, "retry": {}}, "not modelled with retries"),
 ])
 def test_what_fanned_out_samples_do_not_model_is_refused(workload, message):
@@ -266,11 +269,11 @@ def test_fanned_out_single_samples_run_with_what_samples_do_not_model(tmp_path):
     scenario_trace(scenario_from_dict(data), tmp_path).to_frame().to_csv(
         tmp_path / "eight.csv", index=False)
     data["workload"] = {"kind": "trace", "path": "eight.csv", "format": "kvsim",
-                        "queue_timeout_s": 5.0}
+                        "itl_timeout_s": 5.0}
     scenario = scenario_from_dict(data)  # its n is the table's
     message = (r"^systems\[fan_out\]\.scheduler\.parallel_sampling: fan_out: request 0 of "
-               r".*eight\.csv has 8 samples: not modelled with client time-outs but "
-               r"e2e_timeout_s")
+               r".*eight\.csv has 8 samples: not modelled with a client's wait for a next "
+               r"token \(itl_timeout_s\)")
     with pytest.raises(WorkloadError, match=message):
         read_workload_files(scenario, tmp_path)
     with pytest.raises(WorkloadError, match=message):
@@ -361,3 +364,42 @@ def test_samples_given_up_together_keep_the_itl_to_the_requests_served(itl_token
     assert (served["finished_s"] - served["arrival_s"] < 6).all()
     # Every token of a served request's samples after each one's first, once.
     assert counted[-1] == (served["n"] * (served["output_len"] - 1)).sum()
+
+
+@pytest.mark.parametrize("timeout", ["queue_timeout_s", "ttft_timeout_s"])
+def test_a_client_waits_for_a_seat_or_a_first_token_of_any_sample(timeout, tmp_path):
+    # One seat: the first request's first sample is seated at once, its second only when
+    # the first is done, some 2.5 s later, past the client's 1 s: the client has had a seat
+    # and a first token, and waits on for the whole answer. The second request, arriving at
+    # 0.5 s behind it, has neither by 1.5 s: its client gives up on both samples then.
+    (tmp_path / "t.csv").write_text("t,p,o\n0,100,300\n0.5,100,300\n")
+    data = {"name": "one", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1},
+            "workload": {"kind": "trace", "path": "t.csv", "format": "csv",
+                         "columns": {"arrival": "t", "prompt_len": "p", "output_len": "o"},
+                         "sampling": {"n": 2}, timeout: 1.0},
+            "systems": [{"name": "fan_out", "allocator": {"kind": "paged"},
+                         "scheduler": {"parallel_sampling": "fan_out", "max_num_seqs": 1}}],
+            "stop": {"num_requests": 2}}
+    run = fanned_out_both_ways(data, tmp_path)["step"]
+    served, gone = run.requests.iloc[0], run.requests.iloc[1]
+    assert served["admitted_s"] == 0 and served["first_token_s"] < 1.0
+    assert served["finished_s"] > 2.0 and pd.isna(served["abandoned_s"])
+    assert served["prefix_hit_tokens"] == 96  # the second sample, seated late, hit the first
+    assert gone["abandoned_s"] == 1.5 and pd.isna(gone["admitted_s"])
+    assert pd.isna(gone["first_token_s"]) and pd.isna(gone["finished_s"])
+    assert run.summary["abandoned"] == 1 and run.summary["completed"] == 1
+    assert run.steps["prefill_requests"].sum() == 2  # the samples of the first request
+
+
+def test_samples_on_ranks_of_their_own_keep_to_their_own_seat_and_first_token():
+    # vLLM's balancer places each sample on a data-parallel rank: a client's wait for one
+    # of any of them is refused there, the engines stepping apart.
+    data = rollouts(ttft_timeout_s=30)
+    data["engine"] = {"replicas": 2, "router": {"policy": "vllm_dp"}}
+    with pytest.raises(ScenarioError, match=r"fan_out \(workload\.sampling\.n: 8\): not "
+                       r"modelled with a client's wait for a seat or a first token "
+                       r"\(queue_timeout_s, ttft_timeout_s\) where vLLM's balancer places "
+                       r"each sample on a data-parallel rank of its own"):
+        scenario_from_dict(data)
+    data["engine"]["router"]["policy"] = "least_loaded"  # a request whole to one engine
+    assert scenario_from_dict(data).engine.router.policy == "least_loaded"
