@@ -1040,9 +1040,10 @@ class _SystemRun:
                              else None)
         self.sample_groups: dict[int, _SampleGroup] = {}  # by request, while it has samples
         # What the client of each request fanned out waits for of its samples, where it
-        # waits for a seat or a first token (by request, while it has samples; else None).
+        # waits for a seat or a first token, and of which try (by request, while it has
+        # samples; else None).
         workload = scenario.workload
-        self.siblings: dict[int, Siblings] | None = (
+        self.siblings: dict[int, tuple[int, Siblings]] | None = (
             {} if request_of is not None and (workload.queue_timeout_s,
                                               workload.ttft_timeout_s) != (None, None)
             else None)
@@ -1253,7 +1254,7 @@ class _SystemRun:
                 route_s = first_s
                 request = Request(self.trace, index, route_s)
             first = index if self.first_sample is None else int(self.first_sample[index])
-            if first != index and request.attempts == 1:  # (routed just before it)
+            if first != index:  # (its try routed just before it)
                 target = self.replicas[int(self.replica_of[first])]
             else:
                 target = self.replicas[router.route(route_s, request.prompt_segments,
@@ -1274,10 +1275,20 @@ class _SystemRun:
         request fanned out whose client waits for a seat or a first token shares what it
         waits for with its siblings."""
         request = Request(self.trace, index, arrival_s)
-        if self.siblings is not None and self.request_of is not None:
-            request.siblings = self.siblings.setdefault(int(self.request_of[index]),
-                                                        Siblings())
+        self._share_waits(request)
         return request
+
+    def _share_waits(self, request: Request) -> None:
+        """Give a sample of a request fanned out, whose client waits for a seat or a first
+        token, what it waits for in common with its siblings of the same try."""
+        if self.siblings is None or self.request_of is None:
+            return
+        of = int(self.request_of[request.index])
+        attempts, siblings = self.siblings.get(of, (0, None))
+        if siblings is None or attempts != request.attempts:  # (every try starts anew)
+            siblings = Siblings()
+            self.siblings[of] = (request.attempts, siblings)
+        request.siblings = siblings
 
     def new_request(self, index: int, arrival_s: float, replica: _Replica) -> Request:
         """Request ``index`` as ``replica`` serves it (see :meth:`serve_as`)."""
@@ -1520,16 +1531,19 @@ class _SystemRun:
         retry = self.retry
         if retry is None or request.attempts > retry.max_retries:
             return False
-        # A draw of each client's own, the same whatever else the run does.
-        draw = random.Random(f"kvsim retry {self.seed} {request.index} {request.attempts}")
+        # A draw of each client's own, the same whatever else the run does (the samples of
+        # a request fanned out are sent again together).
+        index = request.index
+        client = index if self.request_of is None else int(self.request_of[index])
+        draw = random.Random(f"kvsim retry {self.seed} {client} {request.attempts}")
         failed_s = request.abandoned_s if request.abandoned_s >= 0 else now_s
         again_s = failed_s + retry.delay_s(request.attempts, draw.random())
         if self.duration_s is not None and again_s > self.duration_s:
             return False
-        index = request.index
         again = Request(self.trace, index, again_s)
         again.first_arrival_s = request.first_arrival_s
         again.attempts = request.attempts + 1
+        self._share_waits(again)
         # Another replica takes the retry in when it is sent or, if the engine learns of
         # the failure only later (at the step boundary after a time-out), then: never
         # before what that replica has taken in already (its back-off counts from the

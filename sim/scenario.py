@@ -1171,8 +1171,9 @@ class Scenario(ConfigModel):
         """What of this scenario is not modelled where the samples of one request run as
         requests of their own (``parallel_sampling: fan_out``), in words; None if nothing."""
         # A whole answer's deadline is every sample's: they are given up together; a seat
-        # or a first token is any sample's, as long as they share an engine. A next token
-        # the client waits for of any sample, not each.
+        # or a first token is any sample's, as long as they share an engine, and a client
+        # who gave up on neither has had nothing and sends them all again. A next token the
+        # client waits for of any sample, not each.
         workload = self.workload
         routed = self.prefill_ranks or self.ranks
         spread = routed > 1 and self.engine.router.policy in ("vllm_dp", "vllm_dp_2026")
@@ -1183,10 +1184,13 @@ class Scenario(ConfigModel):
                     "sample on a data-parallel rank of its own (engine.router.policy "
                     f"{self.engine.router.policy}): the client waits for one of any sample, "
                     "which ranks stepping apart do not know")
+        if workload.retry is not None and workload.e2e_timeout_s is not None:
+            return ("not modelled with retries of answers given up (workload.retry with "
+                    "e2e_timeout_s): the client sends every sample again, those done in "
+                    "time too")
         unmodelled = [what for what, used in (
             ("a client's wait for a next token (itl_timeout_s)",
              workload.itl_timeout_s is not None),
-            ("retries", workload.retry is not None),
             ("a bounded line (scheduler.max_queued_requests)", any(
                 s.scheduler.max_queued_requests is not None for s in self.systems)),
         ) if used]

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from sim import engine
 from sim.engine import read_workload_files, run_scenario, scenario_trace
 from sim.results import run_notes
 from sim.scenario import ScenarioError, scenario_from_dict
@@ -244,8 +245,9 @@ def test_the_samples_of_a_request_decode_on_one_replica(decode_router, tmp_path)
                                       "beams together"),
     ({"itl_timeout_s": 30}, "not modelled with a client's wait for a next token "
                             "(itl_timeout_s)"),
-    ({"queue_timeout_s": 30, "retry": {}}, "not modelled with retries"),
-    ({"e2e_timeout_s": 30, "retry": {}}, "not modelled with retries"),
+    ({"e2e_timeout_s": 30, "retry": {}}, "not modelled with retries of answers given up "
+                                         "(workload.retry with e2e_timeout_s): the client "
+                                         "sends every sample again, those done in time too"),
 ])
 def test_what_fanned_out_samples_do_not_model_is_refused(workload, message):
     with pytest.raises(ScenarioError, match=r"system 'fan_out': scheduler.parallel_sampling: "
@@ -403,3 +405,29 @@ def test_samples_on_ranks_of_their_own_keep_to_their_own_seat_and_first_token():
         scenario_from_dict(data)
     data["engine"]["router"]["policy"] = "least_loaded"  # a request whole to one engine
     assert scenario_from_dict(data).engine.router.policy == "least_loaded"
+
+
+@pytest.mark.parametrize("engine_config", [{}, {"replicas": 2},
+                                           {"replicas": 3, "router": {"policy": "least_loaded"}}])
+def test_a_client_sends_all_its_samples_again_together(engine_config, monkeypatch):
+    # A client who gave up on a seat sends the request again, every sample at once (one
+    # back-off of the client's), to one replica (the next in turn, or where the balancer
+    # sends the request): each sample's rows, before they are gathered, say so.
+    rows = []
+    gather = engine.gather_samples
+    monkeypatch.setattr(engine, "gather_samples", lambda samples, request_of: (
+        rows.append(samples.assign(of=request_of[samples["request"]])),
+        gather(samples, request_of))[1])
+    data = rollouts(queue_timeout_s=1.5, retry={"max_retries": 3})
+    data["workload"]["arrival"]["rate"] = 4 * max(1, engine_config.get("replicas", 1))
+    data["systems"] = data["systems"][1:]
+    runs = {}
+    for mode in ("step", "jump"):
+        data["engine"] = {"mode": mode, **engine_config}
+        runs[mode] = run_scenario(scenario_from_dict(data)).systems["fan_out"]
+    pd.testing.assert_frame_equal(runs["jump"].requests, runs["step"].requests)
+    samples = rows[0].groupby("of")
+    assert runs["step"].summary["retries"] >= 5
+    for column in ("attempts", "abandoned_s", "replica"):
+        assert samples[column].nunique(dropna=False).eq(1).all(), column
+    assert samples["admitted_s"].count().isin([0, 8]).all()  # all seated in the end, or none
