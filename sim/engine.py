@@ -589,11 +589,22 @@ class _Replica:
                 sim.router.taken_in(sim.router_key(request), self.index,  # type: ignore[union-attr]
                                     self.clock)
             # (A decode replica's line takes every request handed over: none is shed.)
-            if request.rejected or not self.scheduler.add(request, bounded=self.bounded):
+            bounded = self.bounded and self.joins_on_its_own(request)
+            if request.rejected or request.shed or not self.scheduler.add(request, bounded):
                 sim.on_done(self, request, t)
         if sim.clients_give_up:
             for request in self.scheduler.time_out(self.clock):
                 sim.on_done(self, request, request.abandoned_s)
+
+    def joins_on_its_own(self, request: Request) -> bool:
+        """Whether ``request``, arriving, finds a bounded line as it is: a sample of a
+        request kept together follows the first of its try instead, which arrived just
+        before it, into the line (past its bound) or turned away with it (marked shed)."""
+        first = self.sim.first_sample
+        if request.siblings is None or first is None or request.index == first[request.index]:
+            return True
+        request.shed = request.siblings.shed
+        return False
 
     # -------------------------------------------------------------- the loop
     def arrivals(self):  # type: ignore[no-untyped-def]
@@ -1034,18 +1045,21 @@ class _SystemRun:
         self.system = system
         self.trace = trace
         # Under parallel_sampling fan_out, the request each of the trace's samples is of,
-        # and how many of each request's samples are not done yet (None: one row each).
+        # how many samples each request has, and how many of them are not done yet (None:
+        # one row each).
         self.request_of = request_of
-        self.samples_left = (np.bincount(request_of).tolist() if request_of is not None
-                             else None)
+        self.samples_of = np.bincount(request_of).tolist() if request_of is not None else []
+        self.samples_left = list(self.samples_of) if request_of is not None else None
         self.sample_groups: dict[int, _SampleGroup] = {}  # by request, while it has samples
         # What the client of each request fanned out waits for of its samples, where it
-        # waits for a seat or a first token, and of which try (by request, while it has
-        # samples; else None).
+        # waits for a seat or a first token or a full line turns requests away: by request
+        # and try, until each of its samples has started that try, with how many have yet
+        # to (else None).
         workload = scenario.workload
-        self.siblings: dict[int, tuple[int, Siblings]] | None = (
-            {} if request_of is not None and (workload.queue_timeout_s,
-                                              workload.ttft_timeout_s) != (None, None)
+        self.siblings: dict[tuple[int, int], tuple[Siblings, int]] | None = (
+            {} if request_of is not None and (
+                (workload.queue_timeout_s, workload.ttft_timeout_s) != (None, None)
+                or system.scheduler.max_queued_requests is not None)
             else None)
         # The replicas' setups: the scenario's (colocated, or decode replicas), and the
         # prefill replicas' under disaggregation (the same one unless spread otherwise).
@@ -1272,23 +1286,27 @@ class _SystemRun:
 
     def first_try(self, index: int, arrival_s: float) -> Request:
         """Request ``index`` as it arrives at ``arrival_s``, the first time: a sample of a
-        request fanned out whose client waits for a seat or a first token shares what it
-        waits for with its siblings."""
+        request fanned out shares what it waits for with its siblings (see
+        :meth:`_share_waits`)."""
         request = Request(self.trace, index, arrival_s)
         self._share_waits(request)
         return request
 
     def _share_waits(self, request: Request) -> None:
         """Give a sample of a request fanned out, whose client waits for a seat or a first
-        token, what it waits for in common with its siblings of the same try."""
+        token or may find the line full, what it waits for in common with its siblings of
+        the same try (see :class:`~sim.scheduler.Siblings`)."""
         if self.siblings is None or self.request_of is None:
             return
-        of = int(self.request_of[request.index])
-        attempts, siblings = self.siblings.get(of, (0, None))
-        if siblings is None or attempts != request.attempts:  # (every try starts anew)
-            siblings = Siblings()
-            self.siblings[of] = (request.attempts, siblings)
+        # (The try of one sample may start before another's try before it: each is its own.)
+        this_try = (int(self.request_of[request.index]), request.attempts)
+        siblings, waiting = self.siblings.get(this_try) or (Siblings(),
+                                                            self.samples_of[this_try[0]])
         request.siblings = siblings
+        if waiting > 1:
+            self.siblings[this_try] = (siblings, waiting - 1)
+        else:  # every sample of the try has it
+            self.siblings.pop(this_try, None)
 
     def new_request(self, index: int, arrival_s: float, replica: _Replica) -> Request:
         """Request ``index`` as ``replica`` serves it (see :meth:`serve_as`)."""
@@ -1488,8 +1506,6 @@ class _SystemRun:
         if (request.abandoned_s >= 0 or request.shed) and self._retry(replica, request, now_s):
             return
         last_sample = self.samples_left is None or self._last_sample(request, served)
-        if last_sample and self.siblings is not None and self.request_of is not None:
-            self.siblings.pop(int(self.request_of[request.index]), None)
         request.token_runs = None
         routed_to = int(self.replica_of[request.index])
         row: tuple[object, ...] = (

@@ -1171,34 +1171,33 @@ class Scenario(ConfigModel):
         """What of this scenario is not modelled where the samples of one request run as
         requests of their own (``parallel_sampling: fan_out``), in words; None if nothing."""
         # A whole answer's deadline is every sample's: they are given up together; a seat
-        # or a first token is any sample's, as long as they share an engine, and a client
-        # who gave up on neither has had nothing and sends them all again. A next token the
-        # client waits for of any sample, not each.
+        # or a first token is any sample's, and a full line turns them away together, as
+        # long as they share an engine; a client who had neither a seat nor a first token
+        # has had nothing and sends them all again. A next token the client waits for of
+        # any sample, not each.
         workload = self.workload
         routed = self.prefill_ranks or self.ranks
         spread = routed > 1 and self.engine.router.policy in ("vllm_dp", "vllm_dp_2026")
         waits_for_first = (workload.queue_timeout_s, workload.ttft_timeout_s) != (None, None)
-        if spread and waits_for_first:
-            return ("not modelled with a client's wait for a seat or a first token "
-                    "(queue_timeout_s, ttft_timeout_s) where vLLM's balancer places each "
-                    "sample on a data-parallel rank of its own (engine.router.policy "
-                    f"{self.engine.router.policy}): the client waits for one of any sample, "
-                    "which ranks stepping apart do not know")
+        bounded = any(s.scheduler.max_queued_requests is not None for s in self.systems)
+        if spread and (waits_for_first or bounded):
+            what = ("a client's wait for a seat or a first token (queue_timeout_s, "
+                    "ttft_timeout_s)" if waits_for_first
+                    else "a bounded line (scheduler.max_queued_requests)")
+            return (f"not modelled with {what} where vLLM's balancer places each sample on "
+                    "a data-parallel rank of its own (engine.router.policy "
+                    f"{self.engine.router.policy}): the client waits for, or is turned "
+                    "away with, its samples together, which ranks stepping apart do not "
+                    "know")
         if workload.retry is not None and workload.e2e_timeout_s is not None:
             return ("not modelled with retries of answers given up (workload.retry with "
                     "e2e_timeout_s): the client sends every sample again, those done in "
                     "time too")
-        unmodelled = [what for what, used in (
-            ("a client's wait for a next token (itl_timeout_s)",
-             workload.itl_timeout_s is not None),
-            ("a bounded line (scheduler.max_queued_requests)", any(
-                s.scheduler.max_queued_requests is not None for s in self.systems)),
-        ) if used]
-        if not unmodelled:
-            return None
-        return (f"not modelled with {unmodelled[0]} (a client gives up on, or is turned "
-                "away with, all the samples of its request at once, where the engine sees "
-                "requests of their own)")
+        if workload.itl_timeout_s is not None:
+            return ("not modelled with a client's wait for a next token (itl_timeout_s): "
+                    "the client waits for one of any sample, and gives up on all at once, "
+                    "where the engine sees requests of their own")
+        return None
 
     @model_validator(mode="before")
     @classmethod

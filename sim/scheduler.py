@@ -78,15 +78,18 @@ def wait_us(wait_s: float) -> int:
 
 
 class Siblings:
-    """The samples of one request that run as requests of their own (``fan_out``), as
-    their client sees them: seated when the first is, given a first token when the first
-    is. A client who waits for a seat or a first token waits for one of any sample."""
+    """The samples of one try of a request that run as requests of their own
+    (``fan_out``), as their client sees them: seated when the first is, given a first
+    token when the first is (a client who waits for a seat or a first token waits for one
+    of any sample), turned away when the first is (a full line turns a request away
+    whole)."""
 
-    __slots__ = ("admitted_s", "first_token_s")
+    __slots__ = ("admitted_s", "first_token_s", "shed")
 
     def __init__(self) -> None:
         self.admitted_s = -1.0
         self.first_token_s = -1.0
+        self.shed = False
 
 
 class Request:
@@ -209,8 +212,9 @@ class Request:
         # looked its prompt up (the content of sample 0 never changes; its prompt grows).
         self.prefix_hasher: BlockHasher | None = None
         self.ticket = 0  # its place in the waiting line; a new one each time it joins or leaves
-        # A sample of a request fanned out whose client waits for a seat or a first token:
-        # what it waits for, of all the samples (None: its own).
+        # A sample of a request fanned out whose client waits for a seat or a first token,
+        # or whose line turns requests away: what it waits for, and whether the line took
+        # it, of all the samples of its try (None: its own).
         self.siblings: Siblings | None = None
 
     @property
@@ -882,6 +886,8 @@ class Scheduler:
         limit = self.config.max_queued_requests
         if bounded and limit is not None and len(self.waiting) >= limit:
             request.shed = True  # the server answers 503 (or 429) at once
+            if request.siblings is not None:
+                request.siblings.shed = True
             return False
         self.waiting.arrive(request)
         # A new head may fit where the old one did not (under lpm, the next ranking may put

@@ -267,16 +267,17 @@ def random_scenario(seed: int) -> dict:
             del scheduler["max_lpm_queue_size"]
     # Drawn last, as the above: parallel samples as requests of their own (vLLM v1), where
     # nothing they do not model is in use (a client waiting for a seat or a first token of
-    # any sample, where its samples share an engine, and trying again if it had neither).
-    waits_for_first = any(key in workload for key in ("queue_timeout_s", "ttft_timeout_s"))
+    # any sample, or turned away with them all, where its samples share an engine, and
+    # trying again if it had neither).
+    waits_for_first = any(key in workload for key in ("queue_timeout_s", "ttft_timeout_s")
+                          ) or "max_queued_requests" in scheduler
     spread = router.get("policy", default) in ("vllm_dp", "vllm_dp_2026") and (
         engine["replicas"] > 1 or parallel.get("data_parallel_size", 1) > 1)
     if ("n" in workload.get("sampling", {}) and "sessions" not in workload
             and workload["arrival"]["process"] != "closed_loop"
             and "itl_timeout_s" not in workload
             and not ("retry" in workload and "e2e_timeout_s" in workload)
-            and not (waits_for_first and spread)
-            and "max_queued_requests" not in scheduler and rng.random() < 0.5):
+            and not (waits_for_first and spread) and rng.random() < 0.5):
         scheduler["parallel_sampling"] = "fan_out"
     return {
         **({"parallel": parallel} if parallel else {}),

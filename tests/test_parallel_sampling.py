@@ -64,20 +64,29 @@ def test_a_trace_fans_out_into_one_request_a_sample():
             seg_ids=np.array([7, 8, 9]), seg_lens=np.array([10, 10, 4])).fan_out()
 
 
-def test_fanned_out_samples_share_the_prompt_through_the_prefix_cache(tmp_path):
-    # One request of four samples, a 100-token prompt: six full blocks and a partial one.
-    (tmp_path / "t.csv").write_text("t,p,o\n0,100,10\n")
-    data = {"name": "one", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1},
+def replayed(tmp_path: Path, rows: str, n: int, scheduler: dict | None = None,
+             kv_memory_gib: float = 1, **workload: object) -> dict:
+    """Llama-2-7B in ``kv_memory_gib`` replaying ``rows`` ("arrival,prompt,output" lines)
+    of ``n`` samples each, written to a table in ``tmp_path``, on one system ``fan_out``
+    with ``scheduler``'s settings besides."""
+    (tmp_path / "t.csv").write_text("t,p,o\n" + rows)
+    return {"name": "replayed", "model": "llama-2-7b", "memory": {"kv_memory_gib": kv_memory_gib},
             "workload": {"kind": "trace", "path": "t.csv", "format": "csv",
                          "columns": {"arrival": "t", "prompt_len": "p", "output_len": "o"},
-                         "sampling": {"n": 4}},
-            "systems": [{"name": "fork", "allocator": {"kind": "paged"}},
-                        {"name": "fan_out", "allocator": {"kind": "paged"},
-                         "scheduler": {"parallel_sampling": "fan_out"}},
-                        {"name": "fan_out-nocache",
-                         "allocator": {"kind": "paged", "prefix_caching": False},
-                         "scheduler": {"parallel_sampling": "fan_out"}}],
-            "stop": {"num_requests": 1}, "engine": {"mode": "step", "debug_invariants": True}}
+                         "sampling": {"n": n}, **workload},
+            "systems": [{"name": "fan_out", "allocator": {"kind": "paged"},
+                         "scheduler": {"parallel_sampling": "fan_out", **(scheduler or {})}}],
+            "stop": {"num_requests": rows.count("\n")}}
+
+
+def test_fanned_out_samples_share_the_prompt_through_the_prefix_cache(tmp_path):
+    # One request of four samples, a 100-token prompt: six full blocks and a partial one.
+    data = replayed(tmp_path, "0,100,10\n", n=4)
+    data["systems"] = [{"name": "fork", "allocator": {"kind": "paged"}}, *data["systems"],
+                       {"name": "fan_out-nocache",
+                        "allocator": {"kind": "paged", "prefix_caching": False},
+                        "scheduler": {"parallel_sampling": "fan_out"}}]
+    data["engine"] = {"mode": "step", "debug_invariants": True}
     runs = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems
     rows = {name: run.requests.iloc[0] for name, run in runs.items()}
     # Forks share the prompt's blocks; three of the four samples find its 96 tokens of full
@@ -194,14 +203,8 @@ def two_requests_of_three_samples(tmp_path, engine: dict, apart_s: float = 0.0
                                   ) -> pd.DataFrame:
     """The steps of two requests of three samples, ``apart_s`` apart (prompts of 100
     tokens, their own), on the engine's replicas, fanned out."""
-    (tmp_path / "t.csv").write_text(f"t,p,o\n0,100,10\n{apart_s},100,10\n")
-    data = {"name": "two", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1},
-            "workload": {"kind": "trace", "path": "t.csv", "format": "csv",
-                         "columns": {"arrival": "t", "prompt_len": "p", "output_len": "o"},
-                         "sampling": {"n": 3}},
-            "systems": [{"name": "fan_out", "allocator": {"kind": "paged"},
-                         "scheduler": {"parallel_sampling": "fan_out"}}],
-            "stop": {"num_requests": 2}, "engine": {"mode": "step", **engine}}
+    data = replayed(tmp_path, f"0,100,10\n{apart_s},100,10\n", n=3)
+    data["engine"] = {"mode": "step", **engine}
     run = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["fan_out"]
     assert run.summary["completed"] == 2
     return run.steps
@@ -333,14 +336,8 @@ def test_a_clients_deadline_for_the_whole_answer_gives_up_all_its_samples(tmp_pa
     # after the other, past the 3.5 s the client waits for the whole answer. The request is
     # given up: every token generated for it was generated in vain, the finished sample's
     # too, and the ITL, of the requests served, has none.
-    (tmp_path / "t.csv").write_text("t,p,o\n0,100,300\n")
-    data = {"name": "one", "model": "llama-2-7b", "memory": {"kv_memory_gib": 0.2},
-            "workload": {"kind": "trace", "path": "t.csv", "format": "csv",
-                         "columns": {"arrival": "t", "prompt_len": "p", "output_len": "o"},
-                         "sampling": {"n": 2}, "e2e_timeout_s": 3.5},
-            "systems": [{"name": "fan_out", "allocator": {"kind": "paged"},
-                         "scheduler": {"parallel_sampling": "fan_out"}}],
-            "stop": {"num_requests": 1}, "engine": {"mode": "step", "debug_invariants": True}}
+    data = replayed(tmp_path, "0,100,300\n", n=2, kv_memory_gib=0.2, e2e_timeout_s=3.5)
+    data["engine"] = {"mode": "step", "debug_invariants": True}
     result = run_scenario(scenario_from_dict(data), base_dir=tmp_path).systems["fan_out"]
     row, steps, summary = result.requests.iloc[0], result.steps, result.summary
     assert row["preemptions"] == 1 and row["abandoned_s"] == 3.5 and pd.isna(row["finished_s"])
@@ -374,14 +371,8 @@ def test_a_client_waits_for_a_seat_or_a_first_token_of_any_sample(timeout, tmp_p
     # the first is done, some 2.5 s later, past the client's 1 s: the client has had a seat
     # and a first token, and waits on for the whole answer. The second request, arriving at
     # 0.5 s behind it, has neither by 1.5 s: its client gives up on both samples then.
-    (tmp_path / "t.csv").write_text("t,p,o\n0,100,300\n0.5,100,300\n")
-    data = {"name": "one", "model": "llama-2-7b", "memory": {"kv_memory_gib": 1},
-            "workload": {"kind": "trace", "path": "t.csv", "format": "csv",
-                         "columns": {"arrival": "t", "prompt_len": "p", "output_len": "o"},
-                         "sampling": {"n": 2}, timeout: 1.0},
-            "systems": [{"name": "fan_out", "allocator": {"kind": "paged"},
-                         "scheduler": {"parallel_sampling": "fan_out", "max_num_seqs": 1}}],
-            "stop": {"num_requests": 2}}
+    data = replayed(tmp_path, "0,100,300\n0.5,100,300\n", n=2, scheduler={"max_num_seqs": 1},
+                    **{timeout: 1.0})
     run = fanned_out_both_ways(data, tmp_path)["step"]
     served, gone = run.requests.iloc[0], run.requests.iloc[1]
     assert served["admitted_s"] == 0 and served["first_token_s"] < 1.0
@@ -431,3 +422,31 @@ def test_a_client_sends_all_its_samples_again_together(engine_config, monkeypatc
     for column in ("attempts", "abandoned_s", "replica"):
         assert samples[column].nunique(dropna=False).eq(1).all(), column
     assert samples["admitted_s"].count().isin([0, 8]).all()  # all seated in the end, or none
+
+
+def test_a_full_line_turns_a_request_away_whole(tmp_path):
+    # A line of one: the first request's first sample finds it empty, and its samples
+    # follow it in (past the bound: the line turns requests away, not samples); the second
+    # request finds two waiting, and is turned away whole.
+    data = replayed(tmp_path, "0,100,50\n0.1,100,50\n", n=3,
+                    scheduler={"max_num_seqs": 1, "max_queued_requests": 1})
+    run = fanned_out_both_ways(data, tmp_path)["step"]
+    served, shed = run.requests.iloc[0], run.requests.iloc[1]
+    assert not served["shed"] and served["finished_s"] > 0
+    assert shed["shed"] and pd.isna(shed["admitted_s"])
+    assert run.summary["shed"] == 1 and run.summary["completed"] == 1
+    assert run.steps["prefill_requests"].sum() == 3  # the first request's samples alone
+    # A client who tries again at once: its first sample's next try arrives before the
+    # second sample's first; each follows the first sample of its own try, away again.
+    data["workload"]["retry"] = {"max_retries": 2, "backoff_s": 0.0}
+    run = fanned_out_both_ways(data, tmp_path)["step"]
+    shed = run.requests.iloc[1]
+    assert shed["shed"] and shed["attempts"] == 3 and pd.isna(shed["admitted_s"])
+    assert run.summary["retries"] == 2
+    assert run.steps["prefill_requests"].sum() == 3
+    # Where vLLM's balancer spreads the samples over ranks, refused.
+    data["engine"] = {"replicas": 2, "router": {"policy": "vllm_dp"}}
+    with pytest.raises(ScenarioError, match=r"not modelled with a bounded line "
+                                            r"\(scheduler\.max_queued_requests\) where vLLM's "
+                                            r"balancer places each sample"):
+        scenario_from_dict(data)
