@@ -14,8 +14,7 @@ from matplotlib.ticker import PercentFormatter
 
 from reports.style import new_figure, system_color
 from sim.hit_curve import HitCurve
-
-GIB = 1024**3
+from sim.presets import GIB
 
 
 def curve_sizes(curves: list[HitCurve], points: int = 200) -> np.ndarray:

@@ -24,11 +24,10 @@ from reports.style import (
 )
 from sim.engine import kv_bytes_per_slot
 from sim.memory import TAXONOMY
+from sim.presets import GIB
 from sim.results import ScenarioResult
 from sim.scenario import scenario_from_dict
 from sim.slo import latencies
-
-GIB = 1024**3
 
 
 def slot_bytes_and_label(result: ScenarioResult, system: str) -> tuple[float, str]:
