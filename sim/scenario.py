@@ -1247,6 +1247,9 @@ class Scenario(ConfigModel):
             "kind": (lambda a: isinstance(a, VirtualConfig),
                      "virtual memory (vAttention) for state-space layers is not modelled: "
                      "use paged or contiguous"),
+            "host_cache_gib": (lambda a: isinstance(a, PagedConfig) and bool(a.host_cache_gib),
+                               "a host tier of a cache that keeps states is not modelled: "
+                               "leave it out"),
         }
         for system in self.systems:
             for field, (used, why) in unmodelled.items():

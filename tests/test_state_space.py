@@ -161,6 +161,11 @@ TINY = {"name": "m", "num_layers": 4, "num_heads": 4, "head_dim": 64, "num_param
                                      "num_speculative_tokens": 2, "acceptance_rate": 0.5}},
      "systems[paged].speculative.draft_model: a draft model of its own beside "
      "qwen3-next-80b-a3b's state-space layers is not modelled"),
+    ({"systems[paged].allocator.prefix_caching": True,
+      "systems[paged].scheduler.chunked_prefill": True,
+      "systems[paged].allocator.host_cache_gib": 20},
+     "systems[paged].allocator.host_cache_gib: qwen3-next-80b-a3b has state-space layers; "
+     "a host tier of a cache that keeps states is not modelled"),
     ({"systems[paged].scheduler.preemption_mode": "swap"},
      "systems[paged].scheduler.preemption_mode: swapping qwen3-next-80b-a3b's state out"),
     ({"parallel.pipeline_parallel_size": 2}, "parallel.pipeline_parallel_size: pipeline"),
