@@ -1185,10 +1185,12 @@ class _SystemRun:
         self.unrouted_pos = 0
         # A balancer in front of the engines sends each a request whole, its samples run as
         # requests of their own (fan_out) with it; vLLM's balancer of its data-parallel
-        # ranks places each sample, as its front end fans the request out first.
+        # ranks places each sample, as its front end fans the request out first (where
+        # there is more than one to place it on).
         self.first_sample: np.ndarray | None = None
-        if request_of is not None and policy not in ("vllm_dp", "vllm_dp_2026"):
-            starts = np.concatenate(([0], np.cumsum(np.bincount(request_of))[:-1]))
+        if request_of is not None and (policy not in ("vllm_dp", "vllm_dp_2026")
+                                       or routed == 1):
+            starts = np.concatenate(([0], np.cumsum(self.samples_of)[:-1]))
             self.first_sample = starts[request_of]
         if policy == "round_robin":
             turns = (np.arange(len(roots)) if self.first_sample is None or request_of is None

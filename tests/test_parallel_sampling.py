@@ -173,7 +173,8 @@ def fanned_out_both_ways(data: dict, base_dir: Path = Path()) -> dict:
     invariants checked) and jumping, by mode; the two request tables are the same."""
     runs = {}
     for mode in ("step", "jump"):
-        data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
+        data["engine"] = {**data.get("engine", {}), "mode": mode,
+                          "debug_invariants": mode == "step"}
         runs[mode] = run_scenario(scenario_from_dict(data), base_dir).systems["fan_out"]
     pd.testing.assert_frame_equal(runs["jump"].requests, runs["step"].requests)
     return runs
@@ -424,12 +425,15 @@ def test_a_client_sends_all_its_samples_again_together(engine_config, monkeypatc
     assert samples["admitted_s"].count().isin([0, 8]).all()  # all seated in the end, or none
 
 
-def test_a_full_line_turns_a_request_away_whole(tmp_path):
+@pytest.mark.parametrize("policy", ["round_robin", "vllm_dp"])
+def test_a_full_line_turns_a_request_away_whole(policy, tmp_path):
     # A line of one: the first request's first sample finds it empty, and its samples
     # follow it in (past the bound: the line turns requests away, not samples); the second
-    # request finds two waiting, and is turned away whole.
+    # request finds two waiting, and is turned away whole. (With one engine to send them
+    # to, vLLM's balancer keeps the samples together too.)
     data = replayed(tmp_path, "0,100,50\n0.1,100,50\n", n=3,
                     scheduler={"max_num_seqs": 1, "max_queued_requests": 1})
+    data["engine"] = {"router": {"policy": policy}}
     run = fanned_out_both_ways(data, tmp_path)["step"]
     served, shed = run.requests.iloc[0], run.requests.iloc[1]
     assert not served["shed"] and served["finished_s"] > 0
