@@ -220,7 +220,6 @@ def host_memory(scenario: Scenario, system: SystemConfig) -> tuple[int, int, flo
     swap space, and the seconds one token's KV takes to cross each GPU's PCIe link (the GPUs
     of a tensor-parallel group move their shares side by side). Zeros where it uses none."""
     tp = scenario.parallel.tensor_parallel_size
-    model = scenario.model_spec()
     cache_gib = getattr(system.allocator, "host_cache_gib", 0)
     swap = system.scheduler.swaps
     if not cache_gib and not swap:
@@ -229,10 +228,16 @@ def host_memory(scenario: Scenario, system: SystemConfig) -> tuple[int, int, flo
     if not link:  # the scenario refuses this; a GpuSpec built by hand may still lack it
         raise SizingError(f"systems[{system.name}]: host memory (a host cache, or swap) needs "
                           "the GPU's host link bandwidth")
+    # A host slot keeps what a pool slot holds (a drafter's KV with the target's), each
+    # GPU's share of it in the memory beside that GPU.
+    slot_bytes = kv_bytes_per_slot(scenario, system)
+
+    def slots_in(gib: float) -> int:
+        return int(gib * GIB // (slot_bytes * tp))
+
     # vLLM's --swap-space is per GPU; a tensor-parallel group swaps each GPU's share.
-    swap_slots = model.slots_in_gib(system.scheduler.swap_space_gib * tp, tp) if swap else 0
-    return (model.slots_in_gib(cache_gib, tp), swap_slots,
-            model.kv_bytes_per_token_per_gpu(tp) / link)
+    swap_slots = slots_in(system.scheduler.swap_space_gib * tp) if swap else 0
+    return slots_in(cache_gib), swap_slots, slot_bytes / link
 
 
 def load_calibration(file: str, base_dir: Path, model: ModelSpec, scenario: Scenario,

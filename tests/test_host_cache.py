@@ -112,6 +112,24 @@ def test_host_tier_turns_recompute_into_loads():
     assert (loads["loaded_tokens"] * load_s > timing.e * prefill * (prefill + 1200)).all()
 
 
+def test_a_drafters_kv_takes_its_share_of_host_memory_too():
+    # An EAGLE layer caches what one of Llama-3-8B's 32 layers does, in every slot: a host
+    # slot keeps it too, so 8 GiB hold 32/33 as many tokens, each 33/32 as long to load.
+    data = scenario(8)
+    data["systems"][0]["scheduler"] = {"preemption_mode": "swap", "swap_space_gib": 4}
+    plain = scenario_from_dict(data)
+    data["systems"][0]["speculative"] = {"method": "eagle", "num_speculative_tokens": 2,
+                                         "acceptance_rate": 0.7}
+    drafted = scenario_from_dict(data)
+    per_token = lookup_model("llama-3-8b").kv_bytes_per_token
+    (cache, swap, load_s), (drafted_cache, drafted_swap, drafted_load_s) = (
+        host_memory(s, s.systems[0]) for s in (plain, drafted))
+    assert (cache, swap) == (8 * GIB // per_token, 4 * GIB // per_token)
+    assert (drafted_cache, drafted_swap) == (8 * GIB // (per_token * 33 // 32),
+                                             4 * GIB // (per_token * 33 // 32))
+    assert drafted_load_s == pytest.approx(load_s * 33 / 32, rel=1e-12)
+
+
 def test_host_tier_settings_are_checked():
     with pytest.raises(ScenarioError, match=r"systems\[0\].allocator: host_cache_gib needs "
                        r"prefix_caching: true"):
