@@ -483,7 +483,8 @@ class WaitingLine:
         then (inf: never): unseated after ``timeout_s``, without a first token after
         ``ttft_timeout_s``, unanswered after ``e2e_timeout_s``, or, not decoding (or only
         regenerating), without a token ``itl_timeout_s`` after its last, whichever comes
-        first."""
+        first. A sample of a request fanned out is seated, or has had a first token, when
+        any of its ``siblings`` has."""
         deadline = math.inf
         seen: Request | Siblings = request if request.siblings is None else request.siblings
         if self.e2e_timeout_s is not None:

@@ -10,7 +10,8 @@ chunk by chunk (an eviction may then let a blocked head in), and with speculativ
 its drafts by batch size too (a step's K then follows the batch before it), under the
 hybrid manager of sliding-window layers too, with routers that hear from the replicas
 only every so often, with lines ordered by the prefix cache or shuffled each round, and
-with parallel samples run as requests of their own."""
+with parallel samples run as requests of their own, their client waiting for a seat or a
+first token of any of them, or turned away with them all by a full line."""
 
 from __future__ import annotations
 
