@@ -1520,8 +1520,35 @@ class Scenario(ConfigModel):
         elif router == "round_robin" and self.engine.router.stats_interval_s:
             notes.append("engine.router.stats_interval_s changes nothing here: round_robin "
                          "heeds nothing the replicas report")
+        if router != "cache_aware" and routed > 1:
+            notes += [f"engine.router.{name} changes nothing here: it is SGLang's router's "
+                      f"(policy cache_aware), not {router}'s"
+                      for name in ("cache_threshold", "balance_abs_threshold",
+                                   "balance_rel_threshold")
+                      if _not_default(self.engine.router, name)]
+        memory = self.memory
+        if memory.kv_memory_gib is not None and _not_default(memory, "gpu_memory_utilization"):
+            notes.append("memory.gpu_memory_utilization changes nothing here: "
+                         "memory.kv_memory_gib sizes the KV pool")
+        model = _model_spec(self.model)
         for system in self.systems:
             scheduler = system.scheduler
+            allocator = system.allocator
+            where = f"system {system.name!r}: "
+            if not scheduler.swaps and _not_default(scheduler, "swap_space_gib"):
+                notes.append(f"{where}scheduler.swap_space_gib changes nothing without "
+                             "preemption_mode swap or swap_groups (preemption recomputes)")
+            if isinstance(allocator, PagedConfig):
+                if not allocator.prefix_caching and _not_default(allocator, "eviction"):
+                    notes.append(f"{where}allocator.eviction changes nothing without "
+                                 "prefix_caching (no block stays cached to evict)")
+                if not allocator.host_cache_gib and _not_default(allocator, "host_load"):
+                    notes.append(f"{where}allocator.host_load changes nothing without "
+                                 "host_cache_gib (nothing is loaded from host memory)")
+                if not (model.sliding_window or model.has_state_layers) and _not_default(
+                        allocator, "hybrid_kv_cache"):
+                    notes.append(f"{where}allocator.hybrid_kv_cache changes nothing for "
+                                 f"{model.name}, whose layers all attend to every token")
             if scheduler.policy in ("lpm", "dfs_weight") and not (
                     isinstance(system.allocator, PagedConfig)
                     and system.allocator.prefix_caching):
@@ -1565,6 +1592,11 @@ class Scenario(ConfigModel):
                        host_link_bytes_per_s=_scaled(g.host_link_gbps, 1e9),
                        fp8_peak_flops=_scaled(g.peak_fp8_tflops, 1e12),
                        fp4_peak_flops=_scaled(g.peak_fp4_tflops, 1e12))
+
+
+def _not_default(config: ConfigModel, field: str) -> bool:
+    """Whether ``config``'s ``field`` holds other than its default."""
+    return bool(getattr(config, field) != type(config).model_fields[field].default)
 
 
 def _scaled(value: float | None, unit: float) -> float | None:

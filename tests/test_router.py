@@ -636,6 +636,42 @@ def test_settings_that_change_nothing_are_noted(tmp_path):
                                            "nothing here: one replica takes every new request")
 
 
+def test_settings_other_settings_leave_idle_are_noted():
+    # Each setting away from its default where another one leaves it nothing to do; the
+    # same after a round trip through the scenario's dump (as --seed and sweeps make).
+    data = routed(2, "kv_aware")
+    data["engine"]["router"].update(cache_threshold=0.9, balance_abs_threshold=4)
+    data["memory"] = {"kv_memory_gib": 2, "gpu_memory_utilization": 0.5}
+    data["systems"] = [{"name": "paged", "allocator": {
+        "kind": "paged", "prefix_caching": False, "eviction": "lfu", "host_load": "layerwise",
+        "hybrid_kv_cache": False}, "scheduler": {"swap_space_gib": 8}}]
+    expected = [
+        "engine.router.cache_threshold changes nothing here: it is SGLang's router's (policy "
+        "cache_aware), not kv_aware's",
+        "engine.router.balance_abs_threshold changes nothing here: it is SGLang's router's "
+        "(policy cache_aware), not kv_aware's",
+        "memory.gpu_memory_utilization changes nothing here: memory.kv_memory_gib sizes the "
+        "KV pool",
+        "system 'paged': scheduler.swap_space_gib changes nothing without preemption_mode "
+        "swap or swap_groups (preemption recomputes)",
+        "system 'paged': allocator.eviction changes nothing without prefix_caching (no block "
+        "stays cached to evict)",
+        "system 'paged': allocator.host_load changes nothing without host_cache_gib (nothing "
+        "is loaded from host memory)",
+        "system 'paged': allocator.hybrid_kv_cache changes nothing for llama-2-7b, whose "
+        "layers all attend to every token"]
+    scenario = scenario_from_dict(data)
+    assert scenario.idle_settings() == expected
+    assert scenario_from_dict(scenario.model_dump()).idle_settings() == expected
+    # Where they do something, or stay at their defaults, nothing is said.
+    data["engine"]["router"]["policy"] = "cache_aware"
+    data["memory"] = {"kv_memory_gib": 2}
+    data["systems"] = [{"name": "paged", "allocator": {
+        "kind": "paged", "eviction": "lfu", "host_cache_gib": 1, "host_load": "layerwise"},
+        "scheduler": {"preemption_mode": "swap", "swap_space_gib": 8}}]
+    assert scenario_from_dict(data).idle_settings() == []
+
+
 def test_router_settings_are_checked():
     refused = [
         ("sticky", {}, r"engine.router.policy: Input should be 'round_robin', 'least_loaded', "
