@@ -285,6 +285,10 @@ SMALL_RUN = {"workload": {"arrival": {"process": "poisson", "rate": 5},
         {"name": "paged-mtp", "allocator": {"kind": "paged"},
          "scheduler": {"chunked_prefill": True},
          "speculative": {"method": "mtp", "num_speculative_tokens": 2,
+                         "acceptance_rate": 0.7}},
+        {"name": "contiguous-mtp", "allocator": {"kind": "contiguous",
+                                                 "reserve_policy": "request_max"},
+         "speculative": {"method": "mtp", "num_speculative_tokens": 2,
                          "acceptance_rate": 0.7}}]),
     # An EAGLE-3 layer joins a sliding-window model's groups under the hybrid manager.
     ("gpt-oss-20b", 1, [
