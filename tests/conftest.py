@@ -37,6 +37,25 @@ def itl_token_counts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(sim.engine, "token_wait_summary", watched)
     return counted
 
+
+@pytest.fixture
+def sample_rows(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The rows of the samples of requests fanned out, each run's before they are
+    gathered into their requests' rows (with the request each is of, ``of``): the engine's
+    own gathering, watched (not replaced) as it is called."""
+    import sim.engine
+
+    rows: list = []
+    gather = sim.engine.gather_samples
+
+    def watched(samples, request_of):  # type: ignore[no-untyped-def]
+        rows.append(samples.assign(of=request_of[samples["request"].to_numpy()]))
+        return gather(samples, request_of)
+
+    monkeypatch.setattr(sim.engine, "gather_samples", watched)
+    return rows
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

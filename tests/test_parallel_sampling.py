@@ -4,13 +4,13 @@ their request's row; against forks that share its blocks (``fork``, the default)
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from sim import engine
 from sim.engine import read_workload_files, run_scenario, scenario_trace
 from sim.results import run_notes
 from sim.scenario import ScenarioError, scenario_from_dict
@@ -401,15 +401,11 @@ def test_samples_on_ranks_of_their_own_keep_to_their_own_seat_and_first_token():
 
 @pytest.mark.parametrize("engine_config", [{}, {"replicas": 2},
                                            {"replicas": 3, "router": {"policy": "least_loaded"}}])
-def test_a_client_sends_all_its_samples_again_together(engine_config, monkeypatch):
+def test_a_client_sends_all_its_samples_again_together(engine_config, sample_rows):
     # A client who gave up on a seat sends the request again, every sample at once (one
     # back-off of the client's), to one replica (the next in turn, or where the balancer
     # sends the request): each sample's rows, before they are gathered, say so.
-    rows = []
-    gather = engine.gather_samples
-    monkeypatch.setattr(engine, "gather_samples", lambda samples, request_of: (
-        rows.append(samples.assign(of=request_of[samples["request"]])),
-        gather(samples, request_of))[1])
+    rows = sample_rows
     data = rollouts(queue_timeout_s=1.5, retry={"max_retries": 3})
     data["workload"]["arrival"]["rate"] = 4 * max(1, engine_config.get("replicas", 1))
     data["systems"] = data["systems"][1:]
@@ -454,3 +450,41 @@ def test_a_full_line_turns_a_request_away_whole(policy, tmp_path):
                                             r"\(scheduler\.max_queued_requests\) where vLLM's "
                                             r"balancer places each sample"):
         scenario_from_dict(data)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_clients_keep_the_samples_of_a_request_together(seed, sample_rows):
+    # Random scenarios of requests of 2 to 5 samples kept together by a balancer in front
+    # of the engines, with clients who wait for a seat or a first token of any of them and
+    # try again, and lines that may turn requests away, more than 2 GiB serve:
+    # jumping equals stepping, and the samples of each request share their tries, their
+    # fate and their replica.
+    rng = random.Random(seed)
+    allocator = rng.choice([{"kind": "paged", "block_size": rng.choice([4, 16])},
+                            {"kind": "contiguous", "reserve_policy": "request_max"}])
+    data = {"name": f"random-{seed}", "model": "llama-2-7b", "memory": {"kv_memory_gib": 2},
+            "workload": {"arrival": {"process": "poisson", "rate": 80},
+                         "prompt_len": {"dist": "lognormal", "mean": 200, "sigma": 1,
+                                        "max": 1000},
+                         "output_len": {"dist": "uniform", "low": 10, "high": 200},
+                         "sampling": {"n": rng.randint(2, 5)},
+                         rng.choice(["queue_timeout_s", "ttft_timeout_s"]):
+                             rng.choice([0.05, 0.3]),
+                         "retry": {"max_retries": 2, "backoff_s": rng.choice([0.0, 0.05])}},
+            "systems": [{"name": "s", "allocator": allocator, "scheduler": {
+                "parallel_sampling": "fan_out", "chunked_prefill": rng.random() < 0.5,
+                "max_queued_requests": rng.choice([2, 8, 64])}}],
+            "engine": {"replicas": rng.choice([1, 2, 3]), "router": {"policy": rng.choice(
+                ["round_robin", "least_loaded", "cache_aware", "kv_aware"])}},
+            "stop": {"num_requests": 80}, "seed": seed}
+    tables = {}
+    for mode in ("step", "jump"):
+        data["engine"].update(mode=mode, debug_invariants=mode == "step")
+        tables[mode] = run_scenario(scenario_from_dict(data)).systems["s"].requests
+    pd.testing.assert_frame_equal(tables["jump"], tables["step"])
+    samples = sample_rows[0].groupby("of")
+    for column in ("attempts", "shed", "abandoned_s", "replica"):
+        assert samples[column].nunique(dropna=False).eq(1).all(), column
+    done = tables["step"]
+    assert (done["finished_s"].notna() | done["shed"] | done["abandoned_s"].notna()).all()
+    assert done["attempts"].max() > 1 and done["finished_s"].notna().any()
