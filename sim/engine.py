@@ -1040,6 +1040,20 @@ class _SampleGroup:
     given_up: bool = False  # the client gave up on one (on all that were not done)
 
 
+@dataclass
+class _SampleTry:
+    """One try of a request fanned out whose client gives up on the whole answer and sends
+    it again (``e2e_timeout_s`` with ``retry``): the samples done in time wait here until
+    every sample of the try is done, to be recorded if the client had them all, or sent
+    again with the others if it gave up."""
+
+    pending: int  # samples of the try not done yet
+    given_up_s: float = -1.0  # when the client gave up on it (-1: not yet)
+    resent: bool = False  # whether the client sent it again then
+    # The samples done in time, each with the replica that served it and when.
+    held: list[tuple[_Replica, Request, float]] = field(default_factory=list)
+
+
 class _SystemRun:
     """Everything one system's simulation shares between its replicas."""
 
@@ -1109,6 +1123,12 @@ class _SystemRun:
         # the ITL, which vLLM's benchmark counts over the requests served alone.
         self.vain_token_waits_us: Counter[int] = Counter()
         self.retry = scenario.workload.retry
+        # Under fan_out, a client who gives up on a whole answer and tries again sends every
+        # sample again, those done in time too: each try of such a request, by request and
+        # try, while some of its samples are not done (else None).
+        self.sample_tries: dict[tuple[int, int], _SampleTry] | None = (
+            {} if request_of is not None and self.retry is not None
+            and scenario.workload.e2e_timeout_s is not None else None)
         self.seed = scenario.seed
         # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode
         # (counted in ranks: P is the prefill engines' ranks).
@@ -1510,8 +1530,66 @@ class _SystemRun:
                 request.gen_sync + request.discarded_output) * request.n
         if request.token_runs is not None and request.abandoned_s >= 0:
             self._in_vain(request.token_runs)
+        if self.sample_tries is not None and self._settled_with_its_try(
+                replica, request, now_s, served):
+            return
         if (request.abandoned_s >= 0 or request.shed) and self._retry(replica, request, now_s):
             return
+        self._record(replica, request, now_s, served)
+
+    def _settled_with_its_try(self, replica: _Replica, request: Request, now_s: float,
+                              served: bool) -> bool:
+        """Whether ``request``, a sample done (``served``, or given up), is settled with the
+        other samples of its try (see :class:`_SampleTry`): waiting for them, done in time,
+        or sent again with them, its tokens in vain, the client having given up on another.
+        If not, record it (or send it again) as any request."""
+        if self.request_of is None or self.sample_tries is None or not (
+                served or request.abandoned_s >= 0):
+            return False  # (turned away: every sample of the try alike)
+        of = int(self.request_of[request.index])
+        key = (of, request.attempts)
+        this_try = self.sample_tries.get(key) or _SampleTry(self.samples_of[of])
+        this_try.pending -= 1
+        if this_try.pending:
+            self.sample_tries[key] = this_try
+        else:
+            self.sample_tries.pop(key, None)
+        if served and this_try.given_up_s < 0:
+            if this_try.pending:  # done in time: it waits for the others
+                this_try.held.append((replica, request, now_s))
+                return True
+            for held in this_try.held:  # all done in time: the client has them all
+                self._record(*held, True)
+            return False
+        if this_try.given_up_s < 0:  # the first the client gave up on: it gives up on all
+            this_try.given_up_s = request.abandoned_s
+            this_try.resent = self._retry(replica, request, now_s)
+            for held_replica, sample, held_s in this_try.held:
+                if this_try.resent:
+                    self._resend_done(held_replica, sample, this_try.given_up_s, now_s)
+                else:
+                    self._record(held_replica, sample, held_s, True)
+            this_try.held = []
+            return this_try.resent
+        if this_try.resent and served:  # done, but only after the client gave up
+            self._resend_done(replica, request, this_try.given_up_s, now_s)
+        return this_try.resent and (served or self._retry(replica, request, now_s))
+
+    def _resend_done(self, replica: _Replica, sample: Request, given_up_s: float,
+                     now_s: float) -> None:
+        """Send ``sample``, done, again with the other samples of its try, whose client gave
+        up on them at ``given_up_s``: the tokens it had are in vain."""
+        self.abandoned_output_tokens += sample.gen_sync + sample.discarded_output
+        if sample.token_runs is not None:
+            self._in_vain(sample.token_runs)
+        sample.abandoned_s = given_up_s
+        resent = self._retry(replica, sample, now_s)
+        assert resent, "the samples of a try are sent again together"
+
+    def _record(self, replica: _Replica, request: Request, now_s: float,
+                served: bool) -> None:
+        """Record ``request``, done for good at ``now_s``, and release whoever waits on
+        it."""
         last_sample = self.samples_left is None or self._last_sample(request, served)
         request.token_runs = None
         routed_to = int(self.replica_of[request.index])

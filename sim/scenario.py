@@ -1171,10 +1171,10 @@ class Scenario(ConfigModel):
         """What of this scenario is not modelled where the samples of one request run as
         requests of their own (``parallel_sampling: fan_out``), in words; None if nothing."""
         # A whole answer's deadline is every sample's: they are given up together; a seat
-        # or a first token is any sample's, and a full line turns them away together, as
-        # long as they share an engine; a client who had neither a seat nor a first token
-        # has had nothing and sends them all again. A next token the client waits for of
-        # any sample, not each.
+        # or a first token is any sample's, and a full line turns them away together, and
+        # a client who tries again sends them all again, those done in time too, as long
+        # as they share an engine. A next token the client waits for of any sample, not
+        # each.
         workload = self.workload
         routed = self.prefill_ranks or self.ranks
         spread = routed > 1 and self.engine.router.policy in ("vllm_dp", "vllm_dp_2026")
@@ -1189,10 +1189,12 @@ class Scenario(ConfigModel):
                     f"{self.engine.router.policy}): the client waits for, or is turned "
                     "away with, its samples together, which ranks stepping apart do not "
                     "know")
-        if workload.retry is not None and workload.e2e_timeout_s is not None:
+        if spread and workload.retry is not None and workload.e2e_timeout_s is not None:
             return ("not modelled with retries of answers given up (workload.retry with "
-                    "e2e_timeout_s): the client sends every sample again, those done in "
-                    "time too")
+                    "e2e_timeout_s) where vLLM's balancer places each sample on a "
+                    "data-parallel rank of its own (engine.router.policy "
+                    f"{self.engine.router.policy}): the client sends every sample again "
+                    "together, which ranks stepping apart do not know")
         if workload.itl_timeout_s is not None:
             return ("not modelled with a client's wait for a next token (itl_timeout_s): "
                     "the client waits for one of any sample, and gives up on all at once, "

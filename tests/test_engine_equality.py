@@ -11,7 +11,8 @@ its drafts by batch size too (a step's K then follows the batch before it), unde
 hybrid manager of sliding-window layers too, with routers that hear from the replicas
 only every so often, with lines ordered by the prefix cache or shuffled each round, and
 with parallel samples run as requests of their own, their client waiting for a seat or a
-first token of any of them, or turned away with them all by a full line."""
+first token of any of them, turned away with them all by a full line, or sending them all
+again."""
 
 from __future__ import annotations
 
@@ -268,17 +269,17 @@ def random_scenario(seed: int) -> dict:
             del scheduler["max_lpm_queue_size"]
     # Drawn last, as the above: parallel samples as requests of their own (vLLM v1), where
     # nothing they do not model is in use (a client waiting for a seat or a first token of
-    # any sample, or turned away with them all, where its samples share an engine, and
-    # trying again if it had neither).
-    waits_for_first = any(key in workload for key in ("queue_timeout_s", "ttft_timeout_s")
-                          ) or "max_queued_requests" in scheduler
+    # any sample, or turned away with them all, or sending them all again, where its
+    # samples share an engine).
+    together = any(key in workload for key in ("queue_timeout_s", "ttft_timeout_s")
+                   ) or "max_queued_requests" in scheduler or (
+        "retry" in workload and "e2e_timeout_s" in workload)
     spread = router.get("policy", default) in ("vllm_dp", "vllm_dp_2026") and (
         engine["replicas"] > 1 or parallel.get("data_parallel_size", 1) > 1)
     if ("n" in workload.get("sampling", {}) and "sessions" not in workload
             and workload["arrival"]["process"] != "closed_loop"
             and "itl_timeout_s" not in workload
-            and not ("retry" in workload and "e2e_timeout_s" in workload)
-            and not (waits_for_first and spread) and rng.random() < 0.5):
+            and not (together and spread) and rng.random() < 0.5):
         scheduler["parallel_sampling"] = "fan_out"
     return {
         **({"parallel": parallel} if parallel else {}),

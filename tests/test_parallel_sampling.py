@@ -249,9 +249,6 @@ def test_the_samples_of_a_request_decode_on_one_replica(decode_router, tmp_path)
                                       "beams together"),
     ({"itl_timeout_s": 30}, "not modelled with a client's wait for a next token "
                             "(itl_timeout_s)"),
-    ({"e2e_timeout_s": 30, "retry": {}}, "not modelled with retries of answers given up "
-                                         "(workload.retry with e2e_timeout_s): the client "
-                                         "sends every sample again, those done in time too"),
 ])
 def test_what_fanned_out_samples_do_not_model_is_refused(workload, message):
     with pytest.raises(ScenarioError, match=r"system 'fan_out': scheduler.parallel_sampling: "
@@ -387,7 +384,8 @@ def test_a_client_waits_for_a_seat_or_a_first_token_of_any_sample(timeout, tmp_p
 
 def test_samples_on_ranks_of_their_own_keep_to_their_own_seat_and_first_token():
     # vLLM's balancer places each sample on a data-parallel rank: a client's wait for one
-    # of any of them is refused there, the engines stepping apart.
+    # of any of them is refused there, the engines stepping apart, as is its sending them
+    # all again.
     data = rollouts(ttft_timeout_s=30)
     data["engine"] = {"replicas": 2, "router": {"policy": "vllm_dp"}}
     with pytest.raises(ScenarioError, match=r"fan_out \(workload\.sampling\.n: 8\): not "
@@ -395,6 +393,11 @@ def test_samples_on_ranks_of_their_own_keep_to_their_own_seat_and_first_token():
                        r"\(queue_timeout_s, ttft_timeout_s\) where vLLM's balancer places "
                        r"each sample on a data-parallel rank of its own"):
         scenario_from_dict(data)
+    again = rollouts(e2e_timeout_s=30, retry={})
+    again["engine"] = data["engine"]
+    with pytest.raises(ScenarioError, match=r"not modelled with retries of answers given up "
+                       r"\(workload\.retry with e2e_timeout_s\) where vLLM's balancer"):
+        scenario_from_dict(again)
     data["engine"]["router"]["policy"] = "least_loaded"  # a request whole to one engine
     assert scenario_from_dict(data).engine.router.policy == "least_loaded"
 
@@ -488,3 +491,28 @@ def test_random_clients_keep_the_samples_of_a_request_together(seed, sample_rows
     done = tables["step"]
     assert (done["finished_s"].notna() | done["shed"] | done["abandoned_s"].notna()).all()
     assert done["attempts"].max() > 1 and done["finished_s"].notna().any()
+
+
+def test_a_client_who_gives_up_on_a_whole_answer_sends_every_sample_again(
+        itl_token_counts, sample_rows):
+    # 6 s for the whole answer, then again after a back-off, twice at most: each time the
+    # client gives up, it sends every sample again, those done in time too, their tokens
+    # in vain with the others'. Every token generated is the answer of a request served or
+    # in vain, and the ITL counts those of the requests served alone.
+    data = rollouts(e2e_timeout_s=6, retry={"max_retries": 2, "backoff_s": 0.5})
+    data["systems"] = data["systems"][1:]
+    run = fanned_out_both_ways(data)["step"]
+    rows, steps, summary = run.requests, run.steps, run.summary
+    samples = sample_rows[0].groupby("of")
+    assert samples["attempts"].nunique().eq(1).all()
+    assert summary["retries"] > 10 and (rows["attempts"] == 3).any()
+    served = rows[rows["finished_s"].notna()]
+    assert len(served) + summary["abandoned"] == 60 and summary["abandoned"] > 5
+    answered = (served["n"] * served["output_len"]).sum()
+    generated = steps["decode_seqs"].sum() + steps["prefill_requests"].sum()
+    assert answered + summary["abandoned_output_tokens"] == generated
+    assert itl_token_counts[0] == itl_token_counts[1] == (
+        served["n"] * (served["output_len"] - 1)).sum()
+    # Served in the end, some within 6 s of a try that was not their first.
+    retried = served[served["attempts"] > 1]
+    assert len(retried) > 3 and (retried["finished_s"] - retried["arrival_s"] > 6).all()
