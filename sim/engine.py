@@ -1042,10 +1042,10 @@ class _SampleGroup:
 
 @dataclass
 class _SampleTry:
-    """One try of a request fanned out whose client gives up on the whole answer and sends
-    it again (``e2e_timeout_s`` with ``retry``): the samples done in time wait here until
-    every sample of the try is done, to be recorded if the client had them all, or sent
-    again with the others if it gave up."""
+    """One try of a request fanned out whose client gives up on an answer and sends it
+    again (``e2e_timeout_s`` or ``itl_timeout_s``, with ``retry``): the samples done in
+    time wait here until every sample of the try is done, to be recorded if the client
+    had them all, or sent again with the others if it gave up."""
 
     pending: int  # samples of the try not done yet
     given_up_s: float = -1.0  # when the client gave up on it (-1: not yet)
@@ -1077,9 +1077,13 @@ class _SystemRun:
         workload = scenario.workload
         self.siblings: dict[tuple[int, int], tuple[Siblings, int]] | None = (
             {} if request_of is not None and (
-                (workload.queue_timeout_s, workload.ttft_timeout_s) != (None, None)
+                (workload.queue_timeout_s, workload.ttft_timeout_s,
+                 workload.itl_timeout_s) != (None, None, None)
                 or system.scheduler.max_queued_requests is not None)
             else None)
+        # Where a client waits for a next token of any sample, each try's samples know one
+        # another until they are done (Siblings.members).
+        self.siblings_known = request_of is not None and workload.itl_timeout_s is not None
         # The replicas' setups: the scenario's (colocated, or decode replicas), and the
         # prefill replicas' under disaggregation (the same one unless spread otherwise).
         self.decode_setup, self.prefill_setup = decode, prefill
@@ -1123,12 +1127,13 @@ class _SystemRun:
         # the ITL, which vLLM's benchmark counts over the requests served alone.
         self.vain_token_waits_us: Counter[int] = Counter()
         self.retry = scenario.workload.retry
-        # Under fan_out, a client who gives up on a whole answer and tries again sends every
-        # sample again, those done in time too: each try of such a request, by request and
-        # try, while some of its samples are not done (else None).
+        # Under fan_out, a client who gives up on an answer (whole, or a next token) and
+        # tries again sends every sample again, those done in time too: each try of such a
+        # request, by request and try, while some of its samples are not done (else None).
         self.sample_tries: dict[tuple[int, int], _SampleTry] | None = (
-            {} if request_of is not None and self.retry is not None
-            and scenario.workload.e2e_timeout_s is not None else None)
+            {} if request_of is not None and self.retry is not None and (
+                scenario.workload.e2e_timeout_s, scenario.workload.itl_timeout_s) != (
+                    None, None) else None)
         self.seed = scenario.seed
         # Prefill/decode disaggregation: replicas [0, P) prefill, [P, replicas) decode
         # (counted in ranks: P is the prefill engines' ranks).
@@ -1320,9 +1325,9 @@ class _SystemRun:
         return request
 
     def _share_waits(self, request: Request) -> None:
-        """Give a sample of a request fanned out, whose client waits for a seat or a first
-        token or may find the line full, what it waits for in common with its siblings of
-        the same try (see :class:`~sim.scheduler.Siblings`)."""
+        """Give a sample of a request fanned out, whose client waits for a seat, a first
+        token or a next token, or may find the line full, what it waits for in common with
+        its siblings of the same try (see :class:`~sim.scheduler.Siblings`)."""
         if self.siblings is None or self.request_of is None:
             return
         # (The try of one sample may start before another's try before it: each is its own.)
@@ -1330,6 +1335,8 @@ class _SystemRun:
         siblings, waiting = self.siblings.get(this_try) or (Siblings(),
                                                             self.samples_of[this_try[0]])
         request.siblings = siblings
+        if self.siblings_known:
+            siblings.members.append(request)
         if waiting > 1:
             self.siblings[this_try] = (siblings, waiting - 1)
         else:  # every sample of the try has it
@@ -1514,6 +1521,8 @@ class _SystemRun:
         whoever waits on it."""
         if self.least_loaded_decode and replica.role == "decode":
             heapq.heappush(self.decode_done, (now_s, replica.index - self.prefill_replicas))
+        if request.siblings is not None and request in request.siblings.members:
+            request.siblings.members.remove(request)  # (its try is over)
         if self.router is not None and not request.rejected and replica.role != "decode":
             self.router.finished(self.router_key(request), replica.index, now_s)
         served = not (request.rejected or request.shed) and request.abandoned_s < 0

@@ -1170,11 +1170,10 @@ class Scenario(ConfigModel):
     def fanned_out_samples_unmodelled(self) -> str | None:
         """What of this scenario is not modelled where the samples of one request run as
         requests of their own (``parallel_sampling: fan_out``), in words; None if nothing."""
-        # A whole answer's deadline is every sample's: they are given up together; a seat
-        # or a first token is any sample's, and a full line turns them away together, and
-        # a client who tries again sends them all again, those done in time too, as long
-        # as they share an engine. A next token the client waits for of any sample, not
-        # each.
+        # A whole answer's deadline is every sample's: they are given up together; a seat,
+        # a first token or a next token is any sample's, a full line turns them away
+        # together, and a client who tries again sends them all again, those done in time
+        # too, as long as they share an engine (and its line: no pipeline stages).
         workload = self.workload
         routed = self.prefill_ranks or self.ranks
         spread = routed > 1 and self.engine.router.policy in ("vllm_dp", "vllm_dp_2026")
@@ -1195,10 +1194,15 @@ class Scenario(ConfigModel):
                     "data-parallel rank of its own (engine.router.policy "
                     f"{self.engine.router.policy}): the client sends every sample again "
                     "together, which ranks stepping apart do not know")
-        if workload.itl_timeout_s is not None:
-            return ("not modelled with a client's wait for a next token (itl_timeout_s): "
-                    "the client waits for one of any sample, and gives up on all at once, "
-                    "where the engine sees requests of their own")
+        if workload.itl_timeout_s is not None and (
+                spread or self.engine.disaggregation is not None
+                or self.parallel.pipeline_parallel_size > 1):
+            where = ("where vLLM's balancer places each sample on a data-parallel rank of "
+                     "its own" if spread else "across a prefill/decode split"
+                     if self.engine.disaggregation is not None else "with pipeline stages")
+            return (f"not modelled with a client's wait for a next token (itl_timeout_s) "
+                    f"{where}: the client waits for one of any sample, and gives up on all "
+                    "at once, which engines stepping apart do not know")
         return None
 
     @model_validator(mode="before")

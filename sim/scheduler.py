@@ -82,14 +82,20 @@ class Siblings:
     (``fan_out``), as their client sees them: seated when the first is, given a first
     token when the first is (a client who waits for a seat or a first token waits for one
     of any sample), turned away when the first is (a full line turns a request away
-    whole)."""
+    whole). Its stream of tokens is theirs together: while one decodes it flows, and
+    else its last token is the last any of them gave (a client who waits for a next token
+    waits for one of any sample); ``members``, where the engine keeps them, are the
+    samples of the try not done yet."""
 
-    __slots__ = ("admitted_s", "first_token_s", "shed")
+    __slots__ = ("admitted_s", "decoding", "first_token_s", "last_token_s", "members", "shed")
 
     def __init__(self) -> None:
         self.admitted_s = -1.0
         self.first_token_s = -1.0
         self.shed = False
+        self.decoding = 0  # of its samples, those decoding
+        self.last_token_s = -1.0  # the last token of those not decoding (-1: none yet)
+        self.members: list[Request] = []
 
 
 class Request:
@@ -484,16 +490,21 @@ class WaitingLine:
         ``ttft_timeout_s``, unanswered after ``e2e_timeout_s``, or, not decoding (or only
         regenerating), without a token ``itl_timeout_s`` after its last, whichever comes
         first. A sample of a request fanned out is seated, or has had a first token, when
-        any of its ``siblings`` has."""
+        any of its ``siblings`` has, and waits for a next token while none of them
+        decodes, from the last any of them gave."""
         deadline = math.inf
         seen: Request | Siblings = request if request.siblings is None else request.siblings
         if self.e2e_timeout_s is not None:
             deadline = request.arrival_s + self.e2e_timeout_s
         if self.ttft_timeout_s is not None and seen.first_token_s < 0:
             deadline = min(deadline, request.arrival_s + self.ttft_timeout_s)
-        if (self.itl_timeout_s is not None and request.last_token_s >= 0
-                and (not request.decoding or request.regenerating)):
-            deadline = min(deadline, request.last_token_s + self.itl_timeout_s)
+        if self.itl_timeout_s is not None:
+            if request.siblings is None:
+                if request.last_token_s >= 0 and (not request.decoding
+                                                  or request.regenerating):
+                    deadline = min(deadline, request.last_token_s + self.itl_timeout_s)
+            elif not request.siblings.decoding and request.siblings.last_token_s >= 0:
+                deadline = min(deadline, request.siblings.last_token_s + self.itl_timeout_s)
         if self.timeout_s is not None and seen.admitted_s < 0:
             deadline = min(deadline, request.arrival_s + self.timeout_s)
         return deadline
@@ -563,14 +574,26 @@ class WaitingLine:
                     if later < math.inf:
                         heapq.heappush(self._by_deadline, (later, index, ticket, request))
                     continue
-            if not self._heaped:
-                self._line.remove(request)  # near the front: the oldest unseated arrivals
-            request.ticket += 1  # its entries in the other heaps are stale now
-            request.abandoned_s = deadline
-            self._count -= 1
+            self.take_out(request, deadline)
             gone.append(request)
-            if self._heaped and len(self._heap) > 2 * self._count + 64:
-                self._drop_stale()
+
+    def take_out(self, request: Request, abandoned_s: float) -> None:
+        """Take ``request`` out of the line: its client gave up at ``abandoned_s``."""
+        if not self._heaped:
+            self._line.remove(request)  # near the front: the oldest unseated arrivals
+        request.ticket += 1  # its entries in the heaps are stale now
+        request.abandoned_s = abandoned_s
+        self._count -= 1
+        if self._heaped and len(self._heap) > 2 * self._count + 64:
+            self._drop_stale()
+
+    def watch(self, request: Request) -> None:
+        """``request``, waiting, may give up sooner than its client would have when it
+        joined (its siblings stopped decoding): its deadline as of now too."""
+        deadline = self.deadline_s(request)
+        if deadline < math.inf:
+            heapq.heappush(self._by_deadline, (deadline, request.index, request.ticket,
+                                               request))
 
     def _drop_stale(self) -> None:
         """Rebuild the heaps without their stale entries: those of requests that timed out
@@ -1128,6 +1151,8 @@ class Scheduler:
         self._c_sync_sum += seqs * request.c_sync
         request.version += 1
         self._push_events(request, start=True)
+        if request.siblings is not None:
+            request.siblings.decoding += 1
         if request.gen_sync <= request.client_tokens:
             # Started over: its client has these tokens, and waits for the one after.
             request.regenerating = True
@@ -1201,6 +1226,30 @@ class Scheduler:
         if not self.decode_seqs:  # no run of tokens goes on: none will ask of these steps
             self._wait_steps.clear()
             self._waits_s.clear()
+        siblings = request.siblings
+        if siblings is not None:
+            siblings.decoding -= 1
+            # (A client who gave up on it gave up on them all: nothing to watch.)
+            if received_now and request.last_token_s > siblings.last_token_s:
+                siblings.last_token_s = request.last_token_s
+            if received_now and not siblings.decoding:
+                self._watch_siblings(siblings, request)
+
+    def _watch_siblings(self, siblings: Siblings, stopped: Request) -> None:
+        """None of ``siblings`` decodes since ``stopped`` stopped (or finished without
+        decoding): the others, waiting or reading a prompt, may give up a next token's wait
+        from their last one; ``stopped`` itself, put back in the line, says when as it
+        joins."""
+        for member in siblings.members:
+            if member is stopped or member.abandoned_s >= 0 or member.finished_s >= 0:
+                continue
+            if self.running.get(member.admit_seq) is member:
+                deadline = self.waiting.deadline_s(member)
+                if deadline < math.inf:
+                    heapq.heappush(self._seated_deadlines,
+                                   (deadline, member.admit_seq, member))
+            else:
+                self.waiting.watch(member)
 
     def _push_events(self, request: Request, *, start: bool = False) -> None:
         """Queue the request's next block crossing: the first step that claims a slot past
@@ -1738,6 +1787,8 @@ class Scheduler:
             if request.gen_sync >= request.output_len:
                 self._finish(request, end_s)
                 finished.append(request)
+                if request.siblings is not None and not request.siblings.decoding:
+                    self._watch_siblings(request.siblings, request)  # (its token, alone)
             else:
                 self._start_decoding(request)
         finished += self._finish_due(end_s)
@@ -1811,6 +1862,8 @@ class Scheduler:
             if wait_s > request.max_itl_s:
                 request.max_itl_s = wait_s
         request.last_token_s = end_s
+        if request.siblings is not None and end_s > request.siblings.last_token_s:
+            request.siblings.last_token_s = end_s
 
     def _delivered(self, wait_s: float, tokens: int) -> None:
         """Count ``tokens`` received ``wait_s`` after the one before each."""
@@ -1827,7 +1880,30 @@ class Scheduler:
                    if request.decoding and not request.regenerating]
         for request in stalled:
             self._abort(request, gave_up_s)
-        return len(stalled)
+        gone = len(stalled)
+        for request in stalled:  # their siblings' stream stalled with theirs
+            if request.siblings is not None:
+                gone += self._give_up_siblings(request.siblings, gave_up_s)
+        return gone
+
+    def _give_up_siblings(self, siblings: Siblings, gave_up_s: float) -> int:
+        """The client of ``siblings`` gave up on them all at ``gave_up_s``: abort those
+        seated, take those waiting out of the line. How many there were."""
+        gone = 0
+        for member in siblings.members:
+            if member.abandoned_s >= 0 or member.finished_s >= 0:
+                continue
+            if self.running.get(member.admit_seq) is member:
+                self._abort(member, gave_up_s)
+            else:
+                self.waiting.take_out(member, gave_up_s)
+                if member.swap_slots:
+                    self.swap_used -= member.swap_slots
+                    member.swapped = member.swap_slots = 0
+                self.gave_up.append(member)
+                self.head_blocked = False
+            gone += 1
+        return gone
 
     def _abort(self, request: Request, abandoned_s: float) -> None:
         """Abort a seated request whose client gave up at ``abandoned_s``."""

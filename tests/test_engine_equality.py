@@ -271,14 +271,15 @@ def random_scenario(seed: int) -> dict:
     # nothing they do not model is in use (a client waiting for a seat or a first token of
     # any sample, or turned away with them all, or sending them all again, where its
     # samples share an engine).
-    together = any(key in workload for key in ("queue_timeout_s", "ttft_timeout_s")
+    together = any(key in workload for key in ("queue_timeout_s", "ttft_timeout_s",
+                                               "itl_timeout_s")
                    ) or "max_queued_requests" in scheduler or (
         "retry" in workload and "e2e_timeout_s" in workload)
     spread = router.get("policy", default) in ("vllm_dp", "vllm_dp_2026") and (
         engine["replicas"] > 1 or parallel.get("data_parallel_size", 1) > 1)
     if ("n" in workload.get("sampling", {}) and "sessions" not in workload
             and workload["arrival"]["process"] != "closed_loop"
-            and "itl_timeout_s" not in workload
+            and not ("itl_timeout_s" in workload and "disaggregation" in engine)
             and not (together and spread) and rng.random() < 0.5):
         scheduler["parallel_sampling"] = "fan_out"
     return {

@@ -5,6 +5,7 @@ their request's row; against forks that share its blocks (``fork``, the default)
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -247,8 +248,6 @@ def test_the_samples_of_a_request_decode_on_one_replica(decode_router, tmp_path)
 @pytest.mark.parametrize(("workload", "message"), [
     ({"sampling": {"beam_width": 4}}, "beam search (workload.sampling.beam_width) keeps its "
                                       "beams together"),
-    ({"itl_timeout_s": 30}, "not modelled with a client's wait for a next token "
-                            "(itl_timeout_s)"),
 ])
 def test_what_fanned_out_samples_do_not_model_is_refused(workload, message):
     with pytest.raises(ScenarioError, match=r"system 'fan_out': scheduler.parallel_sampling: "
@@ -273,10 +272,11 @@ def test_fanned_out_single_samples_run_with_what_samples_do_not_model(tmp_path):
         tmp_path / "eight.csv", index=False)
     data["workload"] = {"kind": "trace", "path": "eight.csv", "format": "kvsim",
                         "itl_timeout_s": 5.0}
+    data["engine"] = {"replicas": 2, "router": {"policy": "vllm_dp"}}
     scenario = scenario_from_dict(data)  # its n is the table's
     message = (r"^systems\[fan_out\]\.scheduler\.parallel_sampling: fan_out: request 0 of "
                r".*eight\.csv has 8 samples: not modelled with a client's wait for a next "
-               r"token \(itl_timeout_s\)")
+               r"token \(itl_timeout_s\) where vLLM's balancer places each sample")
     with pytest.raises(WorkloadError, match=message):
         read_workload_files(scenario, tmp_path)
     with pytest.raises(WorkloadError, match=message):
@@ -516,3 +516,43 @@ def test_a_client_who_gives_up_on_a_whole_answer_sends_every_sample_again(
     # Served in the end, some within 6 s of a try that was not their first.
     retried = served[served["attempts"] > 1]
     assert len(retried) > 3 and (retried["finished_s"] - retried["arrival_s"] > 6).all()
+
+
+def test_a_client_waits_for_a_next_token_of_any_sample(tmp_path):
+    # Two samples of 300 tokens in 0.2 GiB, a client who waits a second at most for a next
+    # token: one sample, preempted, waits 1.2 s for a seat while the other decodes. Its own
+    # tokens stop (its longest gap, as each sample's, is past the second), but the request's
+    # stream flows: the client waits on, and has the whole answer.
+    data = replayed(tmp_path, "0,100,300\n", n=2, kv_memory_gib=0.2, itl_timeout_s=1.0)
+    row = fanned_out_both_ways(data, tmp_path)["step"].requests.iloc[0]
+    assert row["preemptions"] == 1 and row["max_itl_s"] > 1.0
+    assert row["finished_s"] > 3 and pd.isna(row["abandoned_s"])
+    # One seat, a prompt of 4,000 tokens read again by the second sample (no prefix cache)
+    # after the first is done, in a 0.19 s step: nothing comes for 0.1 s after the first
+    # one's last token, and the client gives up on the request then, the first sample's
+    # tokens in vain and the second's prompt read for nothing.
+    data = replayed(tmp_path, "0,4000,50\n", n=2, scheduler={"max_num_seqs": 1},
+                    kv_memory_gib=4, itl_timeout_s=0.1)
+    data["systems"][0]["allocator"]["prefix_caching"] = False
+    run = fanned_out_both_ways(data, tmp_path)["step"]
+    row, steps = run.requests.iloc[0], run.steps
+    first_done_s = steps["time_s"].iloc[-1]  # the second sample's prompt starts then
+    assert steps["prefill_tokens"].iloc[-1] == 4000 and steps["duration_s"].iloc[-1] > 0.1
+    assert row["abandoned_s"] == pytest.approx(first_done_s + 0.1, abs=1e-12)
+    assert pd.isna(row["finished_s"]) and run.summary["abandoned"] == 1
+    assert run.summary["abandoned_output_tokens"] >= 50
+
+
+@pytest.mark.parametrize(("change", "where"), [
+    ({"engine": {"replicas": 2, "router": {"policy": "vllm_dp"}}},
+     "where vLLM's balancer places each sample on a data-parallel rank of its own"),
+    ({"engine": {"replicas": 2, "disaggregation": {"prefill_replicas": 1}}},
+     "across a prefill/decode split"),
+    ({"parallel": {"pipeline_parallel_size": 2}}, "with pipeline stages"),
+])
+def test_a_wait_for_a_next_token_of_samples_on_engines_apart_is_refused(change, where):
+    data = {**rollouts(itl_timeout_s=30), **change}
+    data["systems"] = data["systems"][1:]
+    with pytest.raises(ScenarioError, match=r"not modelled with a client's wait for a next "
+                       r"token \(itl_timeout_s\) " + re.escape(where)):
+        scenario_from_dict(data)
