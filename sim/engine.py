@@ -1222,6 +1222,12 @@ class _SystemRun:
                                        or routed == 1):
             starts = np.concatenate(([0], np.cumsum(self.samples_of)[:-1]))
             self.first_sample = starts[request_of]
+        # Such a balancer sees requests, not their samples: it counts a request once, from
+        # when it sends it until its last sample is done there (by request and try, the
+        # samples not done yet).
+        self.router_sees_requests = (self.first_sample is not None and policy not in (
+            "round_robin", "vllm_dp", "vllm_dp_2026"))
+        self.samples_out: dict[tuple[int, int], int] = {}
         if policy == "round_robin":
             turns = (np.arange(len(roots)) if self.first_sample is None or request_of is None
                      else np.unique(request_of[roots], return_inverse=True)[1])
@@ -1312,7 +1318,8 @@ class _SystemRun:
             else:
                 target.open.append(index)
             # Requests the pool will refuse never load a replica: the router knows at once.
-            if self.accepts(target, request):
+            if self.accepts(target, request) and (first == index
+                                                  or not self.router_sees_requests):
                 router.assign(target.index, request.prompt_segments,
                               self.router_key(request))
 
@@ -1476,8 +1483,34 @@ class _SystemRun:
                 else:
                     router.preempted(self.router_key(request), replica.index, now_s)
         for request, _, _ in batch.prefill:
-            if not request.in_prefill:
+            if not request.in_prefill and self._seen_by_router(request):
                 router.prefilled(self.router_key(request), replica.index, now_s)
+
+    def _seen_by_router(self, request: Request) -> bool:
+        """Whether the router knows ``request`` as a request of its own: always, but a
+        sample of a request the router sees whole other than its first."""
+        first = self.first_sample
+        return not self.router_sees_requests or first is None or (
+            request.index == first[request.index])
+
+    def _tell_router_done(self, replica: _Replica, request: Request, now_s: float) -> None:
+        """``request`` is done on ``replica`` at ``now_s``: the router sees it finish, or,
+        where it sees requests whole, the request once its last sample of the try is."""
+        router = self.router
+        assert router is not None
+        first, request_of = self.first_sample, self.request_of
+        if not self.router_sees_requests or first is None or request_of is None:
+            router.finished(self.router_key(request), replica.index, now_s)
+            return
+        this_try = (int(request_of[request.index]), request.attempts)
+        left = self.samples_out.get(this_try, self.samples_of[this_try[0]]) - 1
+        if left:
+            self.samples_out[this_try] = left
+            return
+        self.samples_out.pop(this_try, None)
+        leader = int(first[request.index])
+        router.finished(leader + (request.attempts - 1) * len(self.arrival_s), replica.index,
+                        now_s)
 
     def router_key(self, request: Request) -> int:
         """Who ``request`` is to the router: its index; each retry of it a request of its
@@ -1524,7 +1557,7 @@ class _SystemRun:
         if request.siblings is not None and request in request.siblings.members:
             request.siblings.members.remove(request)  # (its try is over)
         if self.router is not None and not request.rejected and replica.role != "decode":
-            self.router.finished(self.router_key(request), replica.index, now_s)
+            self._tell_router_done(replica, request, now_s)
         served = not (request.rejected or request.shed) and request.abandoned_s < 0
         if replica.role == "prefill" and served and self.output_lens[request.index] > 1:
             self._hand_over(replica, request, now_s,
@@ -1670,7 +1703,7 @@ class _SystemRun:
         target = self.replicas[(int(self.replica_of[index]) + 1) % self.routed_replicas]
         self.replica_of[index] = target.index
         self.release(target, join_s, index, again)
-        if self.router is not None:
+        if self.router is not None and self._seen_by_router(again):
             self.router.expect(self.router_key(again), target.index, again_s,
                                again.prompt_segments)
         return True

@@ -87,7 +87,8 @@ class Siblings:
     waits for one of any sample); ``members``, where the engine keeps them, are the
     samples of the try not done yet."""
 
-    __slots__ = ("admitted_s", "decoding", "first_token_s", "last_token_s", "members", "shed")
+    __slots__ = ("admitted_s", "decoding", "first_token_s", "given_up", "last_token_s",
+                 "members", "shed")
 
     def __init__(self) -> None:
         self.admitted_s = -1.0
@@ -96,6 +97,7 @@ class Siblings:
         self.decoding = 0  # of its samples, those decoding
         self.last_token_s = -1.0  # the last token of those not decoding (-1: none yet)
         self.members: list[Request] = []
+        self.given_up = False  # its client gave up on it, while some were seated
 
 
 class Request:
@@ -1821,8 +1823,7 @@ class Scheduler:
                 if deadline < math.inf:
                     heapq.heappush(deadlines, (deadline, admit_seq, request))
                 continue
-            self._abort(request, deadline)
-            aborted += 1
+            aborted += self._abort(request, deadline)
         return aborted
 
     def _deliver_step(self) -> int:
@@ -1878,23 +1879,20 @@ class Scheduler:
         # (A fork group regenerating gave its client no token: its own deadline holds.)
         stalled = [request for request in self.running.values()
                    if request.decoding and not request.regenerating]
-        for request in stalled:
-            self._abort(request, gave_up_s)
-        gone = len(stalled)
-        for request in stalled:  # their siblings' stream stalled with theirs
-            if request.siblings is not None:
-                gone += self._give_up_siblings(request.siblings, gave_up_s)
-        return gone
+        # (Their siblings' stream stalled with theirs: the client gives up on them too.)
+        return sum(self._abort(request, gave_up_s) for request in stalled
+                   if request.abandoned_s < 0)
 
     def _give_up_siblings(self, siblings: Siblings, gave_up_s: float) -> int:
         """The client of ``siblings`` gave up on them all at ``gave_up_s``: abort those
-        seated, take those waiting out of the line. How many there were."""
-        gone = 0
+        seated, take those waiting out of the line. How many were seated."""
+        siblings.given_up = True
+        seated = 0
         for member in siblings.members:
             if member.abandoned_s >= 0 or member.finished_s >= 0:
                 continue
             if self.running.get(member.admit_seq) is member:
-                self._abort(member, gave_up_s)
+                seated += self._abort(member, gave_up_s)
             else:
                 self.waiting.take_out(member, gave_up_s)
                 if member.swap_slots:
@@ -1902,11 +1900,12 @@ class Scheduler:
                     member.swapped = member.swap_slots = 0
                 self.gave_up.append(member)
                 self.head_blocked = False
-            gone += 1
-        return gone
+        return seated
 
-    def _abort(self, request: Request, abandoned_s: float) -> None:
-        """Abort a seated request whose client gave up at ``abandoned_s``."""
+    def _abort(self, request: Request, abandoned_s: float) -> int:
+        """Abort a seated request whose client gave up at ``abandoned_s``, and, a sample of
+        a request fanned out whose samples know one another, every other sample with it
+        (its client gave up on the request). How many seated requests that aborted."""
         if request.decoding:
             self._sync(request, include_current=False)  # cache what it computed
             self._stop_decoding(request, received_now=False)
@@ -1917,6 +1916,10 @@ class Scheduler:
         request.abandoned_s = abandoned_s
         del self.running[request.admit_seq]
         self.gave_up.append(request)
+        siblings = request.siblings
+        if siblings is not None and siblings.members and not siblings.given_up:
+            return 1 + self._give_up_siblings(siblings, abandoned_s)
+        return 1
 
     def _finish_due(self, end_s: float) -> list[Request]:
         """Finish the decoding requests whose last token was this step's."""

@@ -556,3 +556,23 @@ def test_a_wait_for_a_next_token_of_samples_on_engines_apart_is_refused(change, 
     with pytest.raises(ScenarioError, match=r"not modelled with a client's wait for a next "
                        r"token \(itl_timeout_s\) " + re.escape(where)):
         scenario_from_dict(data)
+
+
+@pytest.mark.parametrize("router", [{"policy": "least_loaded"},
+                                    {"policy": "cache_aware", "balance_abs_threshold": 0}])
+def test_a_balancer_counts_a_request_once_whatever_its_samples(router, tmp_path):
+    # A balancer in front of the engines counts the requests it sent (SGLang's router, its
+    # running requests by worker): four samples of one request load their engine as one
+    # request does. The third request goes to the first engine as to the second, 1 against
+    # 1, and to the first of equals, not away from four.
+    (tmp_path / "t.csv").write_text("arrival_s,prompt_len,output_len,n\n"
+                                    "0,100,200,4\n0.001,100,200,1\n0.002,100,200,1\n")
+    data = {"name": "loads", "model": "llama-2-7b", "memory": {"kv_memory_gib": 2},
+            "workload": {"kind": "trace", "path": "t.csv", "format": "kvsim"},
+            "engine": {"replicas": 2, "router": router},
+            "systems": [{"name": "fan_out", "allocator": {"kind": "paged"},
+                         "scheduler": {"parallel_sampling": "fan_out"}}],
+            "stop": {"num_requests": 3}}
+    rows = fanned_out_both_ways(data, tmp_path)["step"].requests
+    assert rows["replica"].tolist() == [0, 1, 0]
+    assert rows["finished_s"].notna().all()
