@@ -455,13 +455,13 @@ def test_a_full_line_turns_a_request_away_whole(policy, tmp_path):
         scenario_from_dict(data)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_random_clients_keep_the_samples_of_a_request_together(seed, sample_rows):
     # Random scenarios of requests of 2 to 5 samples kept together by a balancer in front
-    # of the engines, with clients who wait for a seat or a first token of any of them and
-    # try again, and lines that may turn requests away, more than 2 GiB serve:
-    # jumping equals stepping, and the samples of each request share their tries, their
-    # fate and their replica.
+    # of the engines, with clients who wait for a seat, a first token, a next token or the
+    # whole answer of any of them and try again, and lines that may turn requests away,
+    # more than 2 GiB serve: jumping equals stepping, and the samples of each request share
+    # their tries, their replica, and their fate (those not done, when they were given up).
     rng = random.Random(seed)
     allocator = rng.choice([{"kind": "paged", "block_size": rng.choice([4, 16])},
                             {"kind": "contiguous", "reserve_policy": "request_max"}])
@@ -480,14 +480,20 @@ def test_random_clients_keep_the_samples_of_a_request_together(seed, sample_rows
             "engine": {"replicas": rng.choice([1, 2, 3]), "router": {"policy": rng.choice(
                 ["round_robin", "least_loaded", "cache_aware", "kv_aware"])}},
             "stop": {"num_requests": 80}, "seed": seed}
+    for timeout, patience_s in (("itl_timeout_s", 0.05), ("e2e_timeout_s", 2.0)):
+        if rng.random() < 0.5:
+            data["workload"][timeout] = patience_s
     tables = {}
     for mode in ("step", "jump"):
         data["engine"].update(mode=mode, debug_invariants=mode == "step")
         tables[mode] = run_scenario(scenario_from_dict(data)).systems["s"].requests
     pd.testing.assert_frame_equal(tables["jump"], tables["step"])
-    samples = sample_rows[0].groupby("of")
-    for column in ("attempts", "shed", "abandoned_s", "replica"):
+    rows = sample_rows[0]
+    samples = rows.groupby("of")
+    for column in ("attempts", "shed", "replica"):
         assert samples[column].nunique(dropna=False).eq(1).all(), column
+    undone = rows[rows["finished_s"].isna()].groupby("of")
+    assert undone["abandoned_s"].nunique(dropna=False).eq(1).all()
     done = tables["step"]
     assert (done["finished_s"].notna() | done["shed"] | done["abandoned_s"].notna()).all()
     assert done["attempts"].max() > 1 and done["finished_s"].notna().any()
