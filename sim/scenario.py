@@ -1532,6 +1532,11 @@ class Scenario(ConfigModel):
                       for name in ("cache_threshold", "balance_abs_threshold",
                                    "balance_rel_threshold")
                       if _not_default(self.engine.router, name)]
+        split = self.engine.disaggregation
+        if (split is not None and self.ranks - self.prefill_ranks == 1
+                and _not_default(split, "decode_router")):
+            notes.append(f"engine.disaggregation.decode_router {split.decode_router} changes "
+                         "nothing here: one decode replica takes every request handed over")
         memory = self.memory
         if memory.kv_memory_gib is not None and _not_default(memory, "gpu_memory_utilization"):
             notes.append("memory.gpu_memory_utilization changes nothing here: "

@@ -663,6 +663,16 @@ def test_settings_other_settings_leave_idle_are_noted():
     scenario = scenario_from_dict(data)
     assert scenario.idle_settings() == expected
     assert scenario_from_dict(scenario.model_dump()).idle_settings() == expected
+    # One decode replica takes every handover, however the handovers are placed.
+    split = {**data, "engine": {"replicas": 2, "disaggregation": {
+        "prefill_replicas": 1, "decode_router": "least_loaded"}}}
+    split["systems"] = [{"name": "paged", "allocator": {"kind": "paged"}}]
+    assert ("engine.disaggregation.decode_router least_loaded changes nothing here: one "
+            "decode replica takes every request handed over"
+            in scenario_from_dict(split).idle_settings())
+    split["engine"]["replicas"] = 3
+    assert not any("decode_router" in note
+                   for note in scenario_from_dict(split).idle_settings())
     # Where they do something, or stay at their defaults, nothing is said.
     data["engine"]["router"]["policy"] = "cache_aware"
     data["memory"] = {"kv_memory_gib": 2}
