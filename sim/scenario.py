@@ -1176,29 +1176,27 @@ class Scenario(ConfigModel):
         # too, as long as they share an engine (and its line: no pipeline stages).
         workload = self.workload
         routed = self.prefill_ranks or self.ranks
-        spread = routed > 1 and self.engine.router.policy in ("vllm_dp", "vllm_dp_2026")
+        policy = self.engine.router.policy
+        spread = routed > 1 and policy in ("vllm_dp", "vllm_dp_2026")
+        ranks_apart = "where vLLM's balancer places each sample on a data-parallel rank of its own"
         waits_for_first = (workload.queue_timeout_s, workload.ttft_timeout_s) != (None, None)
         bounded = any(s.scheduler.max_queued_requests is not None for s in self.systems)
         if spread and (waits_for_first or bounded):
             what = ("a client's wait for a seat or a first token (queue_timeout_s, "
                     "ttft_timeout_s)" if waits_for_first
                     else "a bounded line (scheduler.max_queued_requests)")
-            return (f"not modelled with {what} where vLLM's balancer places each sample on "
-                    "a data-parallel rank of its own (engine.router.policy "
-                    f"{self.engine.router.policy}): the client waits for, or is turned "
-                    "away with, its samples together, which ranks stepping apart do not "
-                    "know")
+            return (f"not modelled with {what} {ranks_apart} (engine.router.policy "
+                    f"{policy}): the client waits for, or is turned away with, its samples "
+                    "together, which ranks stepping apart do not know")
         if spread and workload.retry is not None and workload.e2e_timeout_s is not None:
             return ("not modelled with retries of answers given up (workload.retry with "
-                    "e2e_timeout_s) where vLLM's balancer places each sample on a "
-                    "data-parallel rank of its own (engine.router.policy "
-                    f"{self.engine.router.policy}): the client sends every sample again "
-                    "together, which ranks stepping apart do not know")
+                    f"e2e_timeout_s) {ranks_apart} (engine.router.policy {policy}): the "
+                    "client sends every sample again together, which ranks stepping apart "
+                    "do not know")
         if workload.itl_timeout_s is not None and (
                 spread or self.engine.disaggregation is not None
                 or self.parallel.pipeline_parallel_size > 1):
-            where = ("where vLLM's balancer places each sample on a data-parallel rank of "
-                     "its own" if spread else "across a prefill/decode split"
+            where = (ranks_apart if spread else "across a prefill/decode split"
                      if self.engine.disaggregation is not None else "with pipeline stages")
             return (f"not modelled with a client's wait for a next token (itl_timeout_s) "
                     f"{where}: the client waits for one of any sample, and gives up on all "

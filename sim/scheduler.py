@@ -220,9 +220,9 @@ class Request:
         # looked its prompt up (the content of sample 0 never changes; its prompt grows).
         self.prefix_hasher: BlockHasher | None = None
         self.ticket = 0  # its place in the waiting line; a new one each time it joins or leaves
-        # A sample of a request fanned out whose client waits for a seat or a first token,
-        # or whose line turns requests away: what it waits for, and whether the line took
-        # it, of all the samples of its try (None: its own).
+        # A sample of a request fanned out whose client waits for a seat, a first token or
+        # a next token, or whose line turns requests away: what the client sees of all the
+        # samples of its try (None: its own; see Siblings).
         self.siblings: Siblings | None = None
 
     @property
@@ -991,9 +991,7 @@ class Scheduler:
             for sched in schedulers:
                 sched.head_blocked = False
             for request in gone:  # one preempted mid-answer may have parked its KV
-                if request.swap_slots:  # (never under pipeline stages: one scheduler's)
-                    self.swap_used -= request.swap_slots
-                    request.swapped = request.swap_slots = 0
+                self._free_swap(request)  # (never under pipeline stages: one scheduler's)
         aborted = [request for sched in schedulers for request in sched.gave_up]
         if aborted:
             for sched in schedulers:
@@ -1246,12 +1244,16 @@ class Scheduler:
             if member is stopped or member.abandoned_s >= 0 or member.finished_s >= 0:
                 continue
             if self.running.get(member.admit_seq) is member:
-                deadline = self.waiting.deadline_s(member)
-                if deadline < math.inf:
-                    heapq.heappush(self._seated_deadlines,
-                                   (deadline, member.admit_seq, member))
+                self._watch_seated(member)
             else:
                 self.waiting.watch(member)
+
+    def _watch_seated(self, request: Request) -> None:
+        """``request``, seated, gives up at its client's deadline as of now, if it has one
+        (:meth:`_abort_overdue` asks again then: a token since may have put it off)."""
+        deadline = self.waiting.deadline_s(request)
+        if deadline < math.inf:
+            heapq.heappush(self._seated_deadlines, (deadline, request.admit_seq, request))
 
     def _push_events(self, request: Request, *, start: bool = False) -> None:
         """Queue the request's next block crossing: the first step that claims a slot past
@@ -1435,6 +1437,11 @@ class Scheduler:
         self.swapped_in_slots += slots
         batch.swapped_slots += slots
         batch.swapped_units += self._swap_units(request, slots)
+        self._free_swap(request)
+
+    def _free_swap(self, request: Request) -> None:
+        """``request``'s KV parked in host memory is back, or no longer wanted: its swap
+        space is free."""
         self.swap_used -= request.swap_slots
         request.swapped = request.swap_slots = 0
 
@@ -1633,10 +1640,7 @@ class Scheduler:
             request.admit_seq = self._admit_counter
             self._admit_counter += 1
             if self.waiting.seated_may_time_out:
-                deadline = self.waiting.deadline_s(request)
-                if deadline < math.inf:
-                    heapq.heappush(self._seated_deadlines,
-                                   (deadline, request.admit_seq, request))
+                self._watch_seated(request)
             if request.admitted_s < 0:
                 request.admitted_s = now_s
                 if request.siblings is not None and request.siblings.admitted_s < 0:
@@ -1895,9 +1899,7 @@ class Scheduler:
                 seated += self._abort(member, gave_up_s)
             else:
                 self.waiting.take_out(member, gave_up_s)
-                if member.swap_slots:
-                    self.swap_used -= member.swap_slots
-                    member.swapped = member.swap_slots = 0
+                self._free_swap(member)
                 self.gave_up.append(member)
                 self.head_blocked = False
         return seated
