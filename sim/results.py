@@ -452,10 +452,47 @@ def load_run(out_dir: Path) -> ScenarioResult:
     return ScenarioResult(scenario=scenario, systems=systems, trace_notes=trace_notes)
 
 
+# The summary metrics held as text (a JSON list); every other one is a number or null.
+TEXT_METRICS = frozenset({"draft_schedule"})
+
+
+class ReadSummary(dict[str, Any]):
+    """One system's summary metrics as read back from a summary.json: a metric it lacks (a
+    folder written by another kvsim version, or edited) is asked for in a one-line
+    :class:`RunFolderError` that names the file and the metric, not a KeyError."""
+
+    def __init__(self, metrics: dict[str, Any], path: Path, system: str) -> None:
+        super().__init__(metrics)
+        self.path = path
+        self.system = system
+
+    def __missing__(self, key: str) -> Any:
+        raise RunFolderError(f"{self.path}: system {self.system!r} has no {key!r} metric (a "
+                             "folder of another kvsim version, or edited); rerun kvsim run "
+                             "to rebuild it")
+
+
 def _read_summary(path: Path) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Per-system summaries and trace notes from a run's summary.json."""
+    """Per-system summaries and trace notes from a run's summary.json, every metric checked
+    to be a number or null (an edited or damaged file is refused where it is wrong)."""
     data = json.loads(path.read_text())
-    return dict(data["systems"]), list(data.get("trace_notes", []))
+    systems = data["systems"] if isinstance(data, dict) else None
+    if not isinstance(systems, dict) or not all(
+            isinstance(metrics, dict) for metrics in systems.values()):
+        raise ValueError('expected {"systems": {system name: {metric: value, ...}}}')
+    for system, metrics in systems.items():
+        for key, value in metrics.items():
+            if not (value is None or (isinstance(value, str) if key in TEXT_METRICS else
+                                      isinstance(value, int | float)
+                                      and not isinstance(value, bool))):
+                raise ValueError(f"systems.{system}.{key}: expected "
+                                 f"{'text' if key in TEXT_METRICS else 'a number'} or null, "
+                                 f"got {value!r}")
+    notes = data.get("trace_notes", [])
+    if not isinstance(notes, list) or not all(isinstance(note, str) for note in notes):
+        raise ValueError("trace_notes: expected a list of texts")
+    return ({system: ReadSummary(metrics, path, system) for system, metrics in systems.items()},
+            notes)
 
 
 def _safe_name(name: str) -> str:

@@ -44,7 +44,7 @@ from sim.presets import (
 from sim.router import DYNAMO_TTL_S, VLLM_DP_STATS_INTERVAL_S
 from sim.timing import DEFAULT_ALLREDUCE_LATENCY_S, DEFAULT_PIPELINE_NETWORK_GBPS
 from sim.yaml_file import read_yaml
-from workloads.distributions import ConfigModel, YamlFlag
+from workloads.distributions import MAX_LENGTH, ConfigModel, YamlFlag
 from workloads.spec import (
     MAX_REQUESTS,
     MAX_SAMPLES,
@@ -68,7 +68,7 @@ class ModelConfig(ConfigModel):
         default=None, description="KV heads (grouped-query attention); absent: num_heads")
     head_dim: PositiveInt
     num_params: PositiveFloat = Field(description="all parameters, every expert's included")
-    max_model_len: PositiveInt
+    max_model_len: PositiveInt = Field(le=MAX_LENGTH)
     dtype_bytes: Literal[1, 2, 4] = Field(
         default=2, description="bytes of an activation and, unless memory.kv_cache_dtype says "
         "otherwise, of a cached K or V element")
@@ -1652,7 +1652,7 @@ def _loc(loc: tuple[Any, ...], data: Any) -> str:
             if key in tags or key in ("synthetic", "trace") or key in _TYPE_TAGS or (
                     "[" in key or key[:1].isupper()):
                 continue  # a union member's tag, not a field
-        elif not isinstance(node, dict) and "[" in key:
+        elif not isinstance(node, dict) and ("[" in key or key in ("synthetic", "trace")):
             continue  # a union member's tag (list[...], literal[...]) over a list or a value
         parts.append(f".{key}" if parts else key)
         node = node.get(key) if isinstance(node, dict) else None
@@ -1669,14 +1669,53 @@ def _format_error(error: ErrorDetails, data: Any) -> str:
         return f"{where}: required field is missing"
     message = error["msg"].removeprefix("Value error, ")
     value = error.get("input")
+    context = error.get("ctx") or {}
+    # pydantic's words for a section given as something else, or a kind not named, speak of
+    # its classes and tags; say what the file should hold instead.
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        fields = " of fields" if kind != "dict_type" else ""
+        return f"{where}: expected a mapping{fields} (got {_shown(value)})"
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        tag = str(context.get("discriminator", "kind")).strip("'")
+        section = re.sub(r"\[\d+\]", "[]", where)
+        expected = _one_of(sorted(_TAG_VALUES.get((section, tag), ())))
+        if kind == "union_tag_not_found" or tag not in value:
+            return f"{where}.{tag}: required field is missing ({expected})"
+        return f"{where}.{tag}: expected {expected} (got {_shown(value[tag])})"
+    if kind == "too_short":
+        least = context.get("min_length", 1)
+        return (f"{where}: expected at least {least} item{'s' if least != 1 else ''} (got "
+                f"{context.get('actual_length', 0)})")
+    if kind == "list_type" and isinstance(value, dict):
+        return f"{where}: expected a list (got a mapping)"
     if isinstance(value, YamlFlag):
         return (f"{where}: expected a number, got a yes/no flag ({value}: YAML reads yes, "
                 "no, on, off, true and false so)")
-    if kind != "value_error" and not isinstance(value, dict | list):
-        return f"{where}: {message} (got {value!r})"
+    if kind != "value_error":
+        return f"{where}: {message} (got {_shown(value)})"
     if not loc:  # a check across sections: its message names the fields it is about
         return message
     return f"{where}: {message}"
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it: short ones as written, long ones by kind."""
+    text = repr(value)
+    if len(text) <= 40:
+        return text
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return "a long string" if isinstance(value, str) else text[:40]
+
+
+def _one_of(names: list[str]) -> str:
+    """``'a', 'b' or 'c'``: the choices of a kind, as pydantic lists a literal's."""
+    quoted = [repr(name) for name in names]
+    if len(quoted) < 2:
+        return "".join(quoted) or "a kind"
+    return "one of " + ", ".join(quoted[:-1]) + " or " + quoted[-1]
 
 
 def _unknown_key_hint(key: str, loc: tuple[Any, ...], data: Any) -> str:
@@ -1718,6 +1757,7 @@ def _collect_fields() -> dict[str, list[tuple[str, str]]]:
     from pydantic import BaseModel
 
     homes: dict[str, list[tuple[str, str]]] = {}
+    tags = _TAG_VALUES
 
     def listed(annotation: Any) -> bool:
         return get_origin(annotation) in (list, tuple) or any(
@@ -1729,6 +1769,9 @@ def _collect_fields() -> dict[str, list[tuple[str, str]]]:
         kind = str(kinds[0]) if len(kinds) == 1 else ""
         for name, info in model.model_fields.items():
             homes.setdefault(name, []).append((section, kind))
+            values = get_args(info.annotation)
+            if get_origin(info.annotation) is Literal and len(values) == 1:
+                tags.setdefault((section, name), set()).add(str(values[0]))
             inner = f"{section}.{name}" if section else name
             inner += "[]" if listed(info.annotation) else ""
             for sub in _models_in(info.annotation):
@@ -1751,6 +1794,9 @@ def _models_in(annotation: Any) -> list[type]:
     return found
 
 
+# The kinds a tagged section takes: (section path, tag field) -> its values, as
+# ("systems[].allocator", "kind") -> {"contiguous", "paged", "virtual"}; filled with the homes.
+_TAG_VALUES: dict[tuple[str, str], set[str]] = {}
 _FIELD_HOMES = _collect_fields()
 
 

@@ -44,7 +44,13 @@ import pandas as pd
 from pydantic import Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from sim.metrics import ONLY_WHEN_SET
-from sim.results import make_output_folder, write_json, write_table
+from sim.results import (
+    RunFolderError,
+    load_summaries,
+    make_output_folder,
+    write_json,
+    write_table,
+)
 from sim.scenario import Scenario, ScenarioError, scenario_from_dict, validation_message
 from sim.slo import SLO_KEYS
 from workloads.distributions import ConfigModel
@@ -527,10 +533,10 @@ def _load_done(run_dir: Path) -> dict[str, Any] | None:
     if not summary.is_file():
         return None
     try:
-        data = json.loads(summary.read_text())
-    except json.JSONDecodeError:
-        return None  # a torn write from a killed run: rerun the point
-    return {"status": "ok", "summaries": data["systems"]}
+        summaries = load_summaries(run_dir)
+    except RunFolderError:
+        return None  # a torn write from a killed run, or a damaged file: rerun the point
+    return {"status": "ok", "summaries": summaries}
 
 
 def results_table(points: list[SweepPoint], outcomes: dict[str, dict[str, Any]]) -> pd.DataFrame:

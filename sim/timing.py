@@ -355,6 +355,17 @@ def state_write_s(model: ModelSpec, gpu: GpuSpec, tensor_parallel_size: int) -> 
             / gpu.hbm_bandwidth_bytes_per_s)
 
 
+def _finite(value: object) -> bool:
+    """Whether a value read from YAML is a finite number (a flag is none: YAML's yes/no)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(
+        value)
+
+
+def _whole(value: object) -> bool:
+    """Whether a value read from YAML is a whole number (a flag is none)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Calibration:
     """A calibration file (YAML) — what ``gpu_validate`` writes and ``timing.calibration`` reads.
@@ -389,19 +400,25 @@ class Calibration:
         if not isinstance(coefficients, dict) or set(coefficients) != set("abcde"):
             raise CalibrationError(f"{path}: coefficients: expected a mapping of a, b, c, d, e")
         for key, value in coefficients.items():
-            if not isinstance(value, int | float) or value < 0:
-                raise CalibrationError(f"{path}: coefficients.{key}: expected a number >= 0")
+            if not _finite(value) or value < 0:
+                raise CalibrationError(f"{path}: coefficients.{key}: expected a finite number "
+                                       f">= 0, got {value!r}")
         if not isinstance(data.get("model"), str) or not data["model"]:
             raise CalibrationError(f"{path}: model: expected the model preset the timings are "
                                    "for (e.g. llama-2-7b)")
         rho = data.get("rho") or {}
         if not isinstance(rho, dict) or not all(
-            isinstance(k, int) and isinstance(v, int | float) and v > 0 for k, v in rho.items()
+            _whole(k) and k >= 1 and _finite(v) and v > 0 for k, v in rho.items()
         ):
-            raise CalibrationError(f"{path}: rho: expected a mapping block_size -> factor > 0")
+            raise CalibrationError(f"{path}: rho: expected a mapping block_size (a whole "
+                                   "number >= 1) -> factor (a finite number > 0)")
+        fit = data.get("fit") or {}
+        if not isinstance(fit, dict) or not all(
+                isinstance(k, str) and _finite(v) for k, v in fit.items()):
+            raise CalibrationError(f"{path}: fit: expected a mapping of figures (mape, "
+                                   "max_error, ...) -> numbers")
         tensor_parallel_size = data.get("tensor_parallel_size", 1)
-        if (not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool)
-                or tensor_parallel_size < 1):
+        if not _whole(tensor_parallel_size) or tensor_parallel_size < 1:
             raise CalibrationError(f"{path}: tensor_parallel_size: expected a whole number >= 1 "
                                    f"(the GPUs the timings span), got {tensor_parallel_size!r}")
         kv_cache_dtype = data.get("kv_cache_dtype", "auto")
@@ -413,7 +430,7 @@ class Calibration:
             device=str(data.get("device", "")),
             coefficients={k: float(v) for k, v in coefficients.items()},
             rho={int(k): float(v) for k, v in rho.items()},
-            fit=dict(data.get("fit") or {}),
+            fit=dict(fit),
             tensor_parallel_size=tensor_parallel_size,
             kv_cache_dtype=kv_cache_dtype,
         )

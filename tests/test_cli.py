@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -122,6 +123,19 @@ BAD = [
     ("prefix past the context", GOOD.replace("length: 64", "length: 4095"),
      "bad.yaml: workload.prefix_groups.length 4095: shared prefixes of 4095 tokens leave no "
      "room in the model's context of 4096; expected fewer than 4095"),
+    # A kind misspelt or left out, or a section given as something else, is told in the
+    # file's words: the field, the kinds it takes, what was there.
+    ("a kind misspelt", GOOD.replace("{kind: paged,", "{kind: page,"),
+     "systems[1].allocator.kind: expected one of 'contiguous', 'paged' or 'virtual' (got "
+     "'page')"),
+    ("no kind", GOOD.replace("{kind: paged,", "{"),
+     "systems[1].allocator.kind: required field is missing (one of 'contiguous', 'paged' or "
+     "'virtual')"),
+    ("a section as a number", GOOD.replace("allocator: {kind: paged, block_size: 16}",
+                                           "allocator: 16"),
+     "systems[1].allocator: expected a mapping of fields (got 16)"),
+    ("no systems", GOOD.split("systems:")[0] + "systems: []\nstop: {num_requests: 60}\n",
+     "systems: expected at least 1 item (got 0)"),
     # YAML's flags are no numbers (pydantic would read true as 1: a one-token block).
     ("a flag for a number", GOOD.replace("block_size: 16", "block_size: yes"),
      "systems[1].allocator.block_size: expected a number, got a yes/no flag (true: YAML "
@@ -132,6 +146,11 @@ BAD = [
     # Sizes past any machine are refused, not run out of memory on.
     ("requests past any machine", GOOD.replace("num_requests: 60", "num_requests: 1000000000000"),
      "stop.num_requests: Input should be less than or equal to 50000000"),
+    ("a context past any model", GOOD.replace("name: tiny\n", "name: tiny\nmodel: {name: m, "
+                                               "num_layers: 2, num_heads: 4, head_dim: 64, "
+                                               "num_params: 1e8, "
+                                               "max_model_len: 100000000000000000000}\n"),
+     "model.max_model_len: Input should be less than or equal to 4294967296"),
     ("prompts past any machine", GOOD.replace("groups: 2", "groups: 1099511627776"),
      "workload.prefix_groups.groups: Input should be less than or equal to 1000000"),
     ("pool past any machine", GOOD.replace("kv_memory_gib: 2", "kv_memory_gib: 10000000")
@@ -462,6 +481,13 @@ def seed_run(tmp_path_factory) -> Path:
     return run
 
 
+def edit_summary(run: Path, edit: Callable[[dict], object]) -> None:
+    """Change a run folder's summary.json as a person editing it might."""
+    data = json.loads((run / "summary.json").read_text())
+    edit(data["systems"])
+    (run / "summary.json").write_text(json.dumps(data))
+
+
 @pytest.mark.parametrize(("damage", "expected"), [
     (lambda run: (run / "paged-16" / "memory.parquet").unlink(),
      "{run}: paged-16/memory.parquet is missing; rerun kvsim run or kvsim sweep to "
@@ -472,7 +498,19 @@ def seed_run(tmp_path_factory) -> Path:
      "{run}/summary.json: cannot be read back (no 'systems' field)"),
     (lambda run: (run / "paged-16" / "steps.parquet").write_text("xx"),
      "{run}/paged-16/steps.parquet: cannot be read back ("),
-], ids=["missing-table", "bad-json", "no-systems", "bad-parquet"])
+    # An edited metric is named where it is wrong; one gone is named where it is wanted.
+    (lambda run: edit_summary(run, lambda systems: systems["paged-16"].update(
+        makespan_s="long")),
+     "{run}/summary.json: cannot be read back (systems.paged-16.makespan_s: expected a "
+     "number or null, got 'long')"),
+    (lambda run: edit_summary(run, lambda systems: systems.update({"paged-16": [1]})),
+     '{run}/summary.json: cannot be read back (expected {{"systems": {{system name: {{metric: '
+     'value, ...}}}}}})'),
+    (lambda run: edit_summary(run, lambda systems: systems["paged-16"].pop("external_frac")),
+     "{run}/summary.json: system 'paged-16' has no 'external_frac' metric (a folder of "
+     "another kvsim version, or edited); rerun kvsim run to rebuild it"),
+], ids=["missing-table", "bad-json", "no-systems", "bad-parquet", "bad-metric",
+        "bad-system", "missing-metric"])
 def test_a_damaged_run_folder_is_named_in_one_line(seed_run, tmp_path, damage, expected):
     run = Path(shutil.copytree(seed_run, tmp_path / "run"))
     damage(run)

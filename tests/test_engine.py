@@ -176,6 +176,29 @@ def test_a_calibration_for_another_model_is_refused(tmp_path):
         Calibration.load(tmp_path / "nomodel.yaml")
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    # A NaN or infinite coefficient would make every step NaN or endless, not an error.
+    ("coefficients: {a: .nan, b: 1, c: 1, d: 1, e: 1}",
+     "coefficients.a: expected a finite number >= 0, got nan"),
+    ("coefficients: {a: 1, b: .inf, c: 1, d: 1, e: 1}",
+     "coefficients.b: expected a finite number >= 0, got inf"),
+    ("coefficients: {a: 1, b: 1, c: true, d: 1, e: 1}",
+     "coefficients.c: expected a finite number >= 0, got True"),
+    ("coefficients: {a: 1, b: 1, c: 1, d: 1, e: 1}\nrho: {true: 1.1}",
+     "rho: expected a mapping block_size (a whole number >= 1) -> factor"),
+    ("coefficients: {a: 1, b: 1, c: 1, d: 1, e: 1}\nrho: {16: .inf}",
+     "rho: expected a mapping block_size (a whole number >= 1) -> factor"),
+    ("coefficients: {a: 1, b: 1, c: 1, d: 1, e: 1}\nfit: held out",
+     "fit: expected a mapping of figures (mape, max_error, ...) -> numbers"),
+])
+def test_a_calibration_with_a_bad_number_names_it(tmp_path, text, expected):
+    path = tmp_path / "cal.yaml"
+    path.write_text(f"kvsim_calibration: 1\nmodel: llama-2-7b\n{text}\n")
+    with pytest.raises(CalibrationError) as error:
+        Calibration.load(path)
+    assert str(error.value).startswith(f"{path}: {expected}")
+
+
 def test_python_api_returns_dataframes(tmp_path):
     result = sim.run(small(), out=tmp_path / "run", seed=5)
     paged = result.systems["paged"]

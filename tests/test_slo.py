@@ -603,7 +603,7 @@ def test_a_sweep_whose_every_point_fails_keeps_their_errors(tmp_path):
                                            "{ttft_s: 1.0, tpot_s: 0.05}")
     assert "\n" not in refused.stderr.strip()
     # A malformed sweep section is told as kvsim sweep tells it, the file named once.
-    for grid, told in (("1", "sweep: grid: Input should be a valid dictionary (got '1')"),
+    for grid, told in (("1", "sweep: grid: expected a mapping (got '1')"),
                        ({"nope.x": [1, 2]}, "nope: unknown key [at sweep point nope.x=1]")):
         path.write_text(yaml.safe_dump({**data, "slo": OBJECTIVES, "sweep": {"grid": grid}}))
         bad = kvsim_in_process("capacity", str(path), "--sweep", "--out", str(tmp_path / "x"))

@@ -284,6 +284,20 @@ def test_failing_point_is_recorded_and_the_rest_runs(tmp_path):
         "the KV pool holds not one token").all()
 
 
+def test_a_damaged_point_is_run_again_not_read(tmp_path):
+    # A summary that parses but holds no number where one belongs (an edit, a damaged
+    # disk) is no finished point: the sweep runs it again rather than table the damage.
+    path = write(tmp_path, dict(BASE, sweep={"grid": {"memory.kv_memory_gib": [1, 2]}}))
+    first = run_sweep(path, out_dir=tmp_path / "out", jobs=1)
+    summary = next((tmp_path / "out" / "runs").glob("*/summary.json"))
+    data = json.loads(summary.read_text())
+    next(iter(data["systems"].values()))["throughput_tok_s"] = "fast"
+    summary.write_text(json.dumps(data))
+    again = run_sweep(path, out_dir=tmp_path / "out", jobs=1)
+    assert (again.ran, again.skipped) == (1, 1)
+    pd.testing.assert_frame_equal(again.table, first.table)
+
+
 def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
     data = dict(BASE, stop={"num_requests": 150},
                 sweep={"grid": {"workload.arrival.rate": [5, 10, 20, 40, 80, 160]},

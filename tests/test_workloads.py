@@ -15,7 +15,7 @@ from sim.engine import run_scenario
 from sim.memory.content import BlockHasher
 from sim.scenario import scenario_from_dict
 from sim.trace_stats import sharing_potential, trace_stats
-from workloads import Trace, TraceImportError, build_trace
+from workloads import Trace, TraceImportError, WorkloadError, build_trace
 from workloads.distributions import (
     GammaArrivals,
     LengthDist,
@@ -114,6 +114,28 @@ def test_sessions_grow_their_prefix():
     assert (trace.think_s[trace.turn > 0] > 0).all()
 
 
+def test_a_tail_past_any_context_is_clipped_not_wrapped():
+    # Pareto with alpha 0.01 draws past 2^63; clipped before the integer cast, such draws
+    # stay the longest length, never a negative one, and the context clips them again.
+    values = draw({"dist": "pareto", "alpha": 0.01, "scale": 100})
+    assert values.min() >= 100 and values.max() == 1 << 32
+    spec = WORKLOAD.validate_python(synthetic(prompt_len={"dist": "pareto", "alpha": 0.01,
+                                                          "scale": 100}))
+    trace = build_trace(spec, seed=0, max_model_len=4096, num_requests=200)
+    assert trace.prompt_len.min() >= 100 and trace.prompt_len.max() == 4095
+    assert any(note.startswith("clipped") for note in trace.notes)
+
+
+def test_conversations_longer_than_the_run_draw_only_what_it_takes():
+    # A billion turns a conversation: the turns drawn stop at the context, not at the
+    # billion (which would take terabytes).
+    spec = WORKLOAD.validate_python(synthetic(
+        sessions={"turns": {"dist": "constant", "value": 10**9}, "think_time_s": 1.0}))
+    trace = build_trace(spec, seed=0, max_model_len=100_000, num_requests=300)
+    assert len(trace) == 300 and trace.turn.max() > 0
+    assert (trace.prompt_len + trace.output_len).max() <= 100_000
+
+
 def test_empirical_lengths_and_few_shot_templates():
     values = draw({"dist": "empirical", "path": "builtin:azure_llm_2023_code.csv",
                    "column": "prompt_len"})
@@ -204,6 +226,31 @@ def test_closed_loop_chains_requests_per_user():
     assert (trace.after[4:] == np.arange(16)).all()
 
 
+def test_more_users_than_requests_send_one_each():
+    # Users past the requests never send; 2^63 of them are as many as the requests.
+    for users in (20, 1 << 63):
+        spec = WORKLOAD.validate_python({**synthetic(), "arrival": {
+            "process": "closed_loop", "users": users, "think_time_s": 1.0}})
+        trace = build_trace(spec, seed=0, max_model_len=4096, num_requests=20)
+        assert (trace.after == -1).all() and (trace.session_id == np.arange(20)).all()
+
+
+def test_a_clock_past_31_years_is_refused():
+    # Past about 1e15 s a float clock no longer adds a step's milliseconds; arrivals past
+    # 1e9 s and waits longer than that are refused before they stop time.
+    spec = WORKLOAD.validate_python({**synthetic(), "arrival": {"process": "poisson",
+                                                                "rate": 1e-9}})
+    with pytest.raises(WorkloadError, match=r"the last request arrives \S+ s in, past "
+                       r"1,000,000,000 s \(31 years\)"):
+        build_trace(spec, seed=0, max_model_len=4096, num_requests=20)
+    for section in ({"sessions": {"turns": {"dist": "constant", "value": 2},
+                                  "think_time_s": 1e16}},
+                    {"arrival": {"process": "closed_loop", "users": 2, "think_time_s": 1e16}},
+                    {"retry": {"backoff_s": 1e16}, "queue_timeout_s": 1.0}):
+        with pytest.raises(ValidationError, match="less than or equal to 1000000000"):
+            WORKLOAD.validate_python({**synthetic(), **section})
+
+
 @pytest.mark.parametrize(("name", "rows"), PUBLIC_TRACE_ROWS.items())
 def test_public_traces_import(name, rows):
     trace = build_trace(TraceWorkload(path=f"builtin:{name}"), seed=0,
@@ -260,6 +307,20 @@ def test_bad_rows_name_file_row_and_column(tmp_path, text, message):
     with pytest.raises(TraceImportError) as err:
         build_trace(TraceWorkload(path=str(path)), seed=0, max_model_len=4096)
     assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_a_bad_json_number_is_quoted_as_the_file_writes_it(tmp_path):
+    # JSON cells arrive as numpy numbers; the error quotes 0, not np.int64(0).
+    path = write(tmp_path, '{"timestamp": 0, "input_length": 10, "output_length": 5, '
+                 '"hash_ids": [0]}\n{"timestamp": 1, "input_length": 10, "output_length": 0, '
+                 '"hash_ids": [0]}\n', "m.jsonl")
+    with pytest.raises(TraceImportError) as err:
+        build_trace(TraceWorkload(path=str(path)), seed=0, max_model_len=4096)
+    assert str(err.value).startswith(f"{path}:2: column 'output_length': expected an integer "
+                                     "from 1 to 2^53, got 0 (skip_invalid: true")
+    trace = build_trace(TraceWorkload(path=str(path), skip_invalid=True), seed=0,
+                        max_model_len=4096)
+    assert "skipped 1 row with bad 'output_length' (first at line 2: 0)" in trace.notes
 
 
 def test_skip_invalid_counts_and_reports(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from workloads.distributions import draw_priorities
+from workloads.distributions import MAX_TIME_S, draw_priorities
 from workloads.importers import TraceImportError, builtin_traces, import_trace
 from workloads.spec import MAX_REQUESTS, SyntheticWorkload, TraceWorkload, Workload
 from workloads.synthetic import WorkloadError, generate
@@ -66,4 +66,9 @@ def build_trace(
         trace = trace.head(int((trace.arrival_s <= duration_s).sum()))
     if len(trace) == 0:
         raise WorkloadError("the stop condition leaves no requests")
+    if trace.arrival_s.max() > MAX_TIME_S:
+        raise WorkloadError(f"the last request arrives {trace.arrival_s.max():.3g} s in, past "
+                            f"{MAX_TIME_S:,.0f} s (31 years), where the simulated clock stops "
+                            "resolving steps: give a higher rate, a faster trace speed or "
+                            "fewer requests")
     return trace

@@ -16,6 +16,14 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 Z99 = 2.3263478740408408  # standard normal 99th percentile
+# The longest length given or drawn (tokens, turns), and the longest context taken: no
+# model's comes near (10 M tokens in 2026), and a heavy tail drawn past it is clipped here, so
+# that lengths, their sums and their bytes stay within 64-bit integers.
+MAX_LENGTH = 1 << 32
+# The longest wait a setting may ask for (a think time, a burst, a retry's back-off), and the
+# latest a request may arrive: 1e9 s is 31 years, and past about 1e15 s a float clock no
+# longer adds a step's milliseconds, so that time would stand still.
+MAX_TIME_S = 1e9
 
 
 class YamlFlag(str):
@@ -65,8 +73,8 @@ def _members(annotation: Any) -> list[Any]:
 class _LengthBase(ConfigModel):
     """Integer lengths, rounded and clipped to ``[min, max]``."""
 
-    min: PositiveInt = 1
-    max: PositiveInt | None = None
+    min: PositiveInt = Field(default=1, le=MAX_LENGTH)
+    max: PositiveInt | None = Field(default=None, le=MAX_LENGTH)
 
     @model_validator(mode="after")
     def _bounds(self):  # type: ignore[no-untyped-def]
@@ -78,8 +86,9 @@ class _LengthBase(ConfigModel):
         raise NotImplementedError
 
     def sample(self, rng: np.random.Generator, size: int, base_dir: Path = Path()) -> np.ndarray:
-        values = np.rint(self.raw(rng, size, base_dir))
-        upper = np.inf if self.max is None else self.max
+        with np.errstate(over="ignore"):  # a tail past any float is clipped like the rest
+            values = np.rint(self.raw(rng, size, base_dir))
+        upper = MAX_LENGTH if self.max is None else self.max
         return np.clip(values, self.min, upper).astype(np.int64)
 
 
@@ -87,7 +96,7 @@ class ConstantLength(_LengthBase):
     """Every request the same length."""
 
     dist: Literal["constant"]
-    value: PositiveInt
+    value: PositiveInt = Field(le=MAX_LENGTH)
 
     def raw(self, rng, size, base_dir):  # type: ignore[no-untyped-def]
         return np.full(size, float(self.value))
@@ -97,8 +106,8 @@ class UniformLength(_LengthBase):
     """Uniform integers in ``[low, high]``."""
 
     dist: Literal["uniform"]
-    low: PositiveInt
-    high: PositiveInt
+    low: PositiveInt = Field(le=MAX_LENGTH)
+    high: PositiveInt = Field(le=MAX_LENGTH)
 
     @model_validator(mode="after")
     def _order(self):  # type: ignore[no-untyped-def]
@@ -289,8 +298,8 @@ class OnOffArrivals(ConfigModel):
 
     process: Literal["onoff"]
     rate: PositiveFloat
-    on_s: PositiveFloat
-    off_s: float = Field(ge=0)
+    on_s: PositiveFloat = Field(le=MAX_TIME_S)
+    off_s: float = Field(ge=0, le=MAX_TIME_S)
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
         active = np.cumsum(rng.exponential(1.0 / self.rate, size))
@@ -303,7 +312,7 @@ class ClosedLoopArrivals(ConfigModel):
 
     process: Literal["closed_loop"]
     users: PositiveInt
-    think_time_s: float = Field(default=0.0, ge=0)
+    think_time_s: float = Field(default=0.0, ge=0, le=MAX_TIME_S)
     think_dist: Literal["exponential", "constant"] = "exponential"
 
     def think(self, rng: np.random.Generator, size: int) -> np.ndarray:

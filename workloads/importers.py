@@ -31,6 +31,7 @@ from workloads.trace_file import (
     TRACE_ENCODING,
     RowLines,
     TraceImportError,
+    cell_text,
     csv_row_lines,
     is_trace_table,
     read_rows,
@@ -185,13 +186,13 @@ def _bad_rows(
         mask = mask & ~bad
         if mask.any():
             row = int(np.flatnonzero(mask)[0])
-            value = raw[column].iloc[row]
+            value = cell_text(raw[column].iloc[row])
             if not skip_invalid:
                 raise TraceImportError(
                     f"{path}:{lines[row]}: column {column!r}: expected {expected}, got "
-                    f"{value!r} ({skip_hint}, skips such rows)")
+                    f"{value} ({skip_hint}, skips such rows)")
             notes.append(f"skipped {_rows(int(mask.sum()))} with bad {column!r} "
-                         f"(first at line {lines[row]}: {value!r})")
+                         f"(first at line {lines[row]}: {value})")
             bad |= mask
     return bad, notes
 
@@ -285,7 +286,7 @@ def read_trace_table(
         if not workload.skip_invalid:
             raise TraceImportError(
                 f"{path}:{lines[row]}: column {columns.arrival!r}: timestamps must not decrease "
-                f"(got {raw[columns.arrival].iloc[row]!r} after a later one)")
+                f"(got {cell_text(raw[columns.arrival].iloc[row])} after a later one)")
         notes.append(f"skipped {_rows(int(earlier.sum()))} with out-of-order "
                      f"{columns.arrival!r} (first at line {lines[row]})")
         bad |= earlier

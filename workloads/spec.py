@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, PositiveFloat, PositiveInt, Tag, model_validator
 
 from workloads.distributions import (
+    MAX_LENGTH,
+    MAX_TIME_S,
     ConfigModel,
     EmpiricalLength,
     LengthDist,
@@ -53,7 +55,7 @@ class Sessions(ConfigModel):
     text, sent ``think_time_s`` (exponential mean) after the previous answer completes."""
 
     turns: LengthDist
-    think_time_s: float = Field(default=5.0, ge=0)
+    think_time_s: float = Field(default=5.0, ge=0, le=MAX_TIME_S)
     user_len: LengthDist | None = None
 
 
@@ -125,8 +127,8 @@ class Retry(ConfigModel):
     new request to it (the engine routes it)."""
 
     max_retries: PositiveInt = Field(default=2, le=100)
-    backoff_s: float = Field(default=0.5, ge=0)
-    max_backoff_s: float = Field(default=8.0, ge=0)
+    backoff_s: float = Field(default=0.5, ge=0, le=MAX_TIME_S)
+    max_backoff_s: float = Field(default=8.0, ge=0, le=MAX_TIME_S)
     jitter: float = Field(default=0.25, ge=0, le=1)
 
     def delay_s(self, retry: int, draw: float) -> float:
@@ -148,7 +150,7 @@ class SyntheticWorkload(ConfigModel):
     arrival: SyntheticArrivals
     prompt_len: LengthDist
     output_len: LengthDist
-    max_tokens: PositiveInt | None = None
+    max_tokens: PositiveInt | None = Field(default=None, le=MAX_LENGTH)
     prefix_groups: PrefixGroups | None = None
     few_shot: FewShot | None = None
     sessions: Sessions | None = None
@@ -233,7 +235,7 @@ class TraceWorkload(ConfigModel):
     ] = TraceArrivals(process="trace")
     skip_invalid: bool = False
     hash_block_tokens: PositiveInt = 512
-    max_tokens: PositiveInt | None = None
+    max_tokens: PositiveInt | None = Field(default=None, le=MAX_LENGTH)
     sampling: Sampling = Sampling()
     priorities: Priorities = None
     queue_timeout_s: QueueTimeout = None

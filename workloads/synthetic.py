@@ -115,7 +115,7 @@ def generate(
     offsets, seg_ids, seg_lens = _pack_segments(ids, lens, present)
     columns: dict[str, np.ndarray] = {}
     if spec.arrival.process == "closed_loop":
-        users = spec.arrival.users
+        users = min(spec.arrival.users, size)  # users past the requests never send one
         columns["arrival_s"] = np.zeros(size)
         columns["after"] = np.where(idx >= users, idx - users, -1)
         columns["think_s"] = np.where(idx >= users, spec.arrival.think(rng, size), 0.0)
@@ -167,7 +167,10 @@ def _generate_sessions(
     seg_ids: list[int] = []
     seg_lens: list[int] = []
     offsets = [0]
-    max_turns = int(turns.max())
+    # No conversation outlasts the requests asked for, nor the context: each turn's prompt
+    # holds the last one and its answer, two tokens more at least.
+    max_turns = int(min(turns.max(), num_requests, max_model_len // 2 + 1))
+    turns = np.minimum(turns, max_turns)
     later_own = user_dist.sample(rng, estimate * max_turns, base_dir).reshape(estimate, max_turns)
     outputs = spec.output_len.sample(rng, estimate * max_turns, base_dir).reshape(
         estimate, max_turns)

@@ -49,6 +49,11 @@ _TIME_COLUMNS = ("arrival_s", "think_s")
 TRACE_ENCODING = "utf-8-sig"
 
 
+def cell_text(value: Any) -> str:
+    """A table cell as an error quotes it: ``0.0``, ``'abc'``, not ``np.float64(0.0)``."""
+    return repr(value.item() if isinstance(value, np.generic) else value)
+
+
 def is_trace_table(names: list[str]) -> bool:
     """Whether a file whose columns are ``names`` is a kvsim trace table: one ``kvsim trace
     export`` wrote, or one written by hand with the columns it needs."""
@@ -102,7 +107,7 @@ def read_trace_file(path: Path, max_model_len: int | None = None,
             raise TraceImportError(
                 f"{path}:{lines[row]}: column {name!r}: expected "
                 f"{'an integer within ±2^53' if whole else 'a finite time in seconds'}, "
-                f"got {frame[name].iloc[row]!r}")
+                f"got {cell_text(frame[name].iloc[row])}")
         columns[name] = values.astype(np.int64) if whole else values
     try:
         if SEGMENTS_COLUMN in frame:
