@@ -82,7 +82,8 @@ from sim.timing import (
     with_transfer,
 )
 from workloads import Trace, TraceError, WorkloadError, build_trace
-from workloads.spec import MAX_SAMPLES, SyntheticWorkload, clients_time_out
+from workloads.distributions import MAX_TIME_S
+from workloads.spec import MAX_REQUESTS, MAX_SAMPLES, SyntheticWorkload, clients_time_out
 
 MEMORY_COLUMNS = MemorySnapshot._fields  # the taxonomy, then duplicate
 
@@ -1730,6 +1731,13 @@ class _SystemRun:
                 self.env.process(self.replicas[first].run())
             first += ranks
         self.env.run()
+        if self.env.now > MAX_TIME_S:
+            # Arrivals and waits are bounded there; steps this slow come of a GPU's or a
+            # model's numbers, and past about 1e15 s a float clock stands still.
+            raise SizingError(f"system {self.system.name!r}: the run's clock reached "
+                              f"{self.env.now:.3g} s, past {MAX_TIME_S:,.0f} s (31 years): "
+                              "its steps take that long; check the GPU's and the model's "
+                              "numbers")
         for replica in self.replicas:
             if any(sched.running or sched.waiting for sched in replica.schedulers):
                 raise SimulationError(f"replica {replica.index} stopped with work left")
@@ -2065,6 +2073,12 @@ def run_system(scenario: Scenario, system: SystemConfig, trace: Trace, timing: S
     # the results gather them back into their request's row.
     request_of: np.ndarray | None = None
     if system.scheduler.parallel_sampling == "fan_out" and len(trace) and trace.n.max() > 1:
+        samples = int(trace.n.sum())
+        if samples > MAX_REQUESTS:
+            raise WorkloadError(f"systems[{system.name}].scheduler.parallel_sampling: fan_out: "
+                                f"{len(trace):,} requests of up to {int(trace.n.max()):,} "
+                                f"samples make {samples:,} requests of their own, past the "
+                                f"{MAX_REQUESTS:,} simulated: give fewer requests or samples")
         try:
             trace, request_of = trace.fan_out()
         except TraceError as exc:

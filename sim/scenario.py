@@ -68,7 +68,7 @@ class ModelConfig(ConfigModel):
         default=None, description="KV heads (grouped-query attention); absent: num_heads")
     head_dim: PositiveInt
     num_params: PositiveFloat = Field(description="all parameters, every expert's included")
-    max_model_len: PositiveInt = Field(le=MAX_LENGTH)
+    max_model_len: int = Field(ge=2, le=MAX_LENGTH)
     dtype_bytes: Literal[1, 2, 4] = Field(
         default=2, description="bytes of an activation and, unless memory.kv_cache_dtype says "
         "otherwise, of a cached K or V element")
@@ -193,7 +193,8 @@ class GpuConfig(ConfigModel):
     """A GPU given explicitly (instead of a preset name)."""
 
     name: str
-    memory_gib: PositiveFloat
+    memory_gib: float = Field(ge=0.001, le=1 << 20, description="GiB of device memory (1 MiB "
+                              "to 1 PiB)")
     hbm_bandwidth_gbps: PositiveFloat = Field(description="GB/s (10^9 bytes per second)")
     peak_tflops: PositiveFloat = Field(description="dense bf16/fp16 TFLOP/s")
     peak_fp8_tflops: PositiveFloat | None = Field(

@@ -168,7 +168,7 @@ def layout_rows(base: dict[str, Any], scenario: Scenario, layouts: LayoutsConfig
                                strict=True))
                 data = copy.deepcopy(base)
                 for path, value in row.items():
-                    set_path(data, path, value)
+                    set_path(data, path, value, label=f"{source}: sweep path")
                 try:
                     memory_summary(scenario_from_dict(data, source))
                 except ScenarioError as exc:
@@ -206,7 +206,7 @@ def _laid_out(base: dict[str, Any], config: SweepConfig, source: str,
     for params in places:
         data = copy.deepcopy(base)
         for path, value in params.items():
-            set_path(data, path, value)
+            set_path(data, path, value, label=f"{source}: sweep path")
         where = ", ".join(f"{p}={v}" for p, v in params.items())
         scenario = scenario_from_dict(data, source)
         rows, refused = layout_rows(data, scenario, layouts, source)
@@ -389,8 +389,11 @@ def _combinations(config: SweepConfig) -> Iterator[dict[str, Any]]:
 
 def sweep_config(raw: dict[str, Any], source: str) -> SweepConfig:
     """The raw scenario's ``sweep`` section, validated."""
-    if "sweep" not in raw or not raw["sweep"]:
+    if "sweep" not in raw or raw["sweep"] is None:
         raise SweepError(f"{source}: no sweep section (use kvsim run for a single run)")
+    if raw["sweep"] in ({}, []):
+        raise SweepError(f"{source}: sweep: an empty section; give grid, zip or seeds (and "
+                         "layouts) to sweep over")
     if not isinstance(raw["sweep"], dict):
         raise SweepError(f"{source}: sweep: expected a mapping of grid, zip, seeds and "
                          f"layouts, got {raw['sweep']!r}")
@@ -419,7 +422,7 @@ def expand(raw: dict[str, Any], source: str, *, quick: bool = False,
         for seed in seeds:
             data = copy.deepcopy(base)
             for path, value in params.items():
-                set_path(data, path, value)
+                set_path(data, path, value, label=f"{source}: sweep path")
             data["seed"] = seed
             try:
                 scenario = scenario_from_dict(data, source)

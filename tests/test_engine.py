@@ -11,9 +11,9 @@ import pytest
 import sim
 from sim.engine import MEMORY_COLUMNS, _RowBuffer, build_timing, memory_summary, run_scenario
 from sim.memory import TAXONOMY, final_kv_tokens
-from sim.presets import lookup_gpu, lookup_model
+from sim.presets import SizingError, lookup_gpu, lookup_model
 from sim.results import rejection_note, saturation_note
-from sim.scenario import load_scenario, scenario_from_dict
+from sim.scenario import ScenarioError, load_scenario, scenario_from_dict
 from sim.timing import Calibration, CalibrationError, roofline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,6 +197,19 @@ def test_a_calibration_with_a_bad_number_names_it(tmp_path, text, expected):
     with pytest.raises(CalibrationError) as error:
         Calibration.load(path)
     assert str(error.value).startswith(f"{path}: {expected}")
+
+
+def test_a_run_whose_steps_take_years_is_refused():
+    # A GPU of a thousand FLOP/s: each step of Llama-2-7B takes months at least, and the
+    # clock would reach where a float no longer adds a step. Refused, naming the system.
+    gpu = {"name": "abacus", "memory_gib": 80, "hbm_bandwidth_gbps": 2000, "peak_tflops": 1e-9}
+    with pytest.raises(SizingError, match=r"^system 'contiguous': the run's clock reached "
+                       r"\S+ s, past 1,000,000,000 s \(31 years\)"):
+        run_scenario(scenario_from_dict(small(gpu=gpu)))
+    for memory_gib, bound in ((1e-300, "greater than or equal to 0.001"),
+                              (1e300, "less than or equal to 1048576")):
+        with pytest.raises(ScenarioError, match=f"gpu.memory_gib: Input should be {bound}"):
+            scenario_from_dict(small(gpu={**gpu, "memory_gib": memory_gib}))
 
 
 def test_python_api_returns_dataframes(tmp_path):

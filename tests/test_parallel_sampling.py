@@ -163,6 +163,18 @@ def test_fanned_out_samples_outrun_forks_that_restart_together():
     assert fan_out["prefix_hit_rate"] > 0.8 > fork["prefix_hit_rate"]
 
 
+def test_samples_past_the_simulated_requests_are_refused_before_they_are_drawn():
+    # A trillion samples of 21 requests would take 153 TiB to lay out; refused in one line.
+    data = rollouts(sampling={"n": 10**12})
+    data["systems"] = data["systems"][1:]
+    data["stop"]["num_requests"] = 21
+    with pytest.raises(WorkloadError, match=r"^systems\[fan_out\]\.scheduler\.parallel_sampling: "
+                       r"fan_out: 21 requests of up to 1,000,000,000,000 samples make "
+                       r"21,000,000,000,000 requests of their own, past the 50,000,000 "
+                       "simulated"):
+        run_scenario(scenario_from_dict(data))
+
+
 def test_one_sample_a_request_runs_alike_either_way():
     data = rollouts(sampling={"n": 1})
     runs = run_scenario(scenario_from_dict(data)).systems

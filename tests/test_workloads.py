@@ -235,6 +235,17 @@ def test_more_users_than_requests_send_one_each():
         assert (trace.after == -1).all() and (trace.session_id == np.arange(20)).all()
 
 
+@pytest.mark.parametrize(("section", "field"), [
+    ({"output_len": {"dist": "lognormal", "mean": 100, "sigma": 1e300}}, "sigma"),
+    ({"arrival": {"process": "gamma", "rate": 10, "cv": 1e300}}, "cv"),
+    ({"arrival": {"process": "gamma", "rate": 10, "cv": 1e-300}}, "cv"),
+])
+def test_a_shape_past_float_arithmetic_is_refused(section, field):
+    # sigma²/2 and 1/cv² overflow or vanish there: refused, not an OverflowError mid-run.
+    with pytest.raises(ValidationError, match=rf"{field}\n  Input should be (less|greater)"):
+        WORKLOAD.validate_python({**synthetic(), **section})
+
+
 def test_a_clock_past_31_years_is_refused():
     # Past about 1e15 s a float clock no longer adds a step's milliseconds; arrivals past
     # 1e9 s and waits longer than that are refused before they stop time.

@@ -139,7 +139,9 @@ class LognormalLength(_LengthBase):
 
     dist: Literal["lognormal"]
     mean: PositiveFloat
-    sigma: float | None = Field(default=None, gt=0)
+    # Past 20 (lengths spread over e^20, 5e8 times) the shape means nothing more, and
+    # σ²/2 overflows a float long before σ does.
+    sigma: float | None = Field(default=None, gt=0, le=20)
     p99: PositiveFloat | None = None
 
     @model_validator(mode="after")
@@ -276,7 +278,9 @@ class GammaArrivals(ConfigModel):
 
     process: Literal["gamma"]
     rate: PositiveFloat
-    cv: PositiveFloat
+    # Beyond these the gamma's shape 1/cv² leaves a float (0 or infinite): between them,
+    # from clockwork to nearly every request at once.
+    cv: float = Field(ge=1e-6, le=1e6)
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
         shape = 1.0 / self.cv**2
