@@ -565,11 +565,15 @@ def _load_trace_arg(target: str, args: argparse.Namespace):  # type: ignore[no-u
 
     path = Path(target)
     if path.suffix in (".yaml", ".yml"):
-        for option, value, field in (("--columns", args.columns, "columns"),
-                                     ("--time-unit", args.time_unit, "time_unit")):
+        for option, value, field in (("--format", args.format, "workload.format"),
+                                     ("--columns", args.columns, "workload.columns"),
+                                     ("--time-unit", args.time_unit, "workload.time_unit"),
+                                     ("--skip-invalid", args.skip_invalid or None,
+                                      "workload.skip_invalid"),
+                                     ("--max-model-len", args.max_model_len, "max_model_len")):
             if value is not None:
                 raise BadInput(f"{target}: {option} reads a bare trace file; a scenario names "
-                               f"its own (workload.{field}; --set workload.{field}=...)")
+                               f"its own ({field}; --set {field}=...)")
         scenario, _ = load(path, overrides=dict(args.overrides or []))
         return scenario_trace(scenario, path.parent), scenario
     if args.overrides:
@@ -582,7 +586,12 @@ def _load_trace_arg(target: str, args: argparse.Namespace):  # type: ignore[no-u
                                  time_unit=args.time_unit, skip_invalid=args.skip_invalid)
     except ValidationError as exc:  # options that do not go together (kvsim with --columns)
         raise BadInput(f"{target}: {validation_message(exc, vars(args))}") from None
-    return build_trace(workload, seed=0, max_model_len=args.max_model_len, base_dir=Path()), None
+    return build_trace(workload, seed=0, max_model_len=_bare_context(args), base_dir=Path()), None
+
+
+def _bare_context(args: argparse.Namespace) -> int:
+    """A bare trace file's context limit: --max-model-len, else one no public trace reaches."""
+    return int(args.max_model_len or 1 << 20)
 
 
 def cmd_trace_stats(args: argparse.Namespace) -> int:
@@ -592,7 +601,7 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
         trace, scenario = _load_trace_arg(target, args)
         # (A bare file's requests may fill --max-model-len unless it gives max_tokens.)
         stats = trace_stats(trace, args.block_size,
-                            args.max_model_len if scenario is None else None)
+                            _bare_context(args) if scenario is None else None)
         print(f"== {target}")
         for note in trace.notes:
             print(f"note: {note}")
@@ -603,7 +612,7 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
                 text = f"{value:,}"
             else:
                 text = str(value)
-            print(f"  {key:<28}{text}")
+            print(f"  {key:<27} {text}")
     return EXIT_OK
 
 
@@ -897,6 +906,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _context_length(text: str) -> int:
+    """An argparse type: a context limit, a whole number of tokens from 2 (a prompt token and
+    an answer's) to the longest simulated."""
+    from workloads.distributions import MAX_LENGTH
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 2 <= value <= MAX_LENGTH:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens from 2 to "
+                                         f"{MAX_LENGTH:,}, got {text!r}")
+    return value
+
+
 def _seed_list(text: str) -> list[int]:
     """An argparse type: distinct whole numbers, comma-separated (``0,1,2``)."""
     try:
@@ -1119,7 +1143,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "with --model, how many KV tokens each GPU holds of it")
     presets.add_argument("--model", help="a model preset: the KV tokens an engine of it holds "
                          "on each GPU preset, at each tensor-parallel size")
-    presets.add_argument("--max-model-len", type=_positive_int, default=None,
+    presets.add_argument("--max-model-len", type=_context_length, default=None,
                          help="the context limit the concurrency counts (default: the "
                          "model's)")
     presets.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto")
@@ -1154,8 +1178,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="unit of the arrival column (default: the format's; s for a "
                         "generic file)")
     common.add_argument("--skip-invalid", action="store_true", help="skip bad rows")
-    common.add_argument("--max-model-len", type=_positive_int, default=1 << 20,
-                        help="context limit for a bare trace file (default: no clipping)")
+    common.add_argument("--max-model-len", type=_context_length, default=None,
+                        help="context limit for a bare trace file (default: 1,048,576 "
+                        "tokens, no clipping of any public trace)")
     _add_overrides(common)
     stats = trace_sub.add_parser("stats", parents=[common],
                                  help="count, rate, lengths, prefix-sharing potential")

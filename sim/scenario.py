@@ -58,33 +58,43 @@ class ScenarioError(ValueError):
     """A scenario that cannot be loaded; ``str()`` is the one-line message for the user."""
 
 
+# Bounds on a model given by its shape, far past any model (a trillion-parameter one has
+# 10^12 parameters, 10^5 of any dimension): beyond them a step's FLOPs and bytes leave a
+# float, and the run's times with them.
+MAX_MODEL_COUNT = 1 << 24
+MAX_PARAMS = 1e15
+ParamCount = Annotated[float, Field(gt=0, le=MAX_PARAMS)]
+ModelCount = Annotated[int, Field(gt=0, le=MAX_MODEL_COUNT)]
+StateBytes = Annotated[int, Field(gt=0, le=1 << 40)]
+
+
 class ModelConfig(ConfigModel):
     """A model given explicitly (instead of a preset name), in its config.json's terms."""
 
     name: str
-    num_layers: PositiveInt
-    num_heads: PositiveInt
-    num_kv_heads: PositiveInt | None = Field(
+    num_layers: ModelCount
+    num_heads: ModelCount
+    num_kv_heads: ModelCount | None = Field(
         default=None, description="KV heads (grouped-query attention); absent: num_heads")
-    head_dim: PositiveInt
-    num_params: PositiveFloat = Field(description="all parameters, every expert's included")
+    head_dim: ModelCount
+    num_params: ParamCount = Field(description="all parameters, every expert's included")
     max_model_len: int = Field(ge=2, le=MAX_LENGTH)
     dtype_bytes: Literal[1, 2, 4] = Field(
         default=2, description="bytes of an activation and, unless memory.kv_cache_dtype says "
         "otherwise, of a cached K or V element")
-    hidden_size: PositiveInt | None = Field(
+    hidden_size: ModelCount | None = Field(
         default=None, description="width of the residual stream; absent: num_heads × head_dim")
-    kv_latent_dim: PositiveInt | None = Field(
+    kv_latent_dim: ModelCount | None = Field(
         default=None, description="multi-head latent attention (MLA): elements of the latent "
         "a token caches per layer, kv_lora_rank + qk_rope_head_dim (DeepSeek: 576)")
-    active_params: PositiveFloat | None = Field(
+    active_params: ParamCount | None = Field(
         default=None, description="mixture of experts: parameters each token passes through")
-    num_experts: PositiveInt | None = Field(
+    num_experts: ModelCount | None = Field(
         default=None, description="mixture of experts: routed experts per MoE layer (a step "
         "reads only those its tokens choose); absent: every step reads every expert")
-    experts_per_token: PositiveInt | None = Field(
+    experts_per_token: ModelCount | None = Field(
         default=None, description="mixture of experts: routed experts each token goes to")
-    num_dense_layers: int = Field(
+    num_dense_layers: Annotated[int, Field(le=MAX_MODEL_COUNT)] = Field(
         default=0, ge=0, description="mixture of experts: the first layers whose MLP is "
         "dense (config.json's first_k_dense_replace; DeepSeek-V3: 3), which send no tokens "
         "to experts")
@@ -96,7 +106,7 @@ class ModelConfig(ConfigModel):
         default=None, gt=0, le=4, description="mixture of experts: bytes of a stored "
         "routed-expert weight where the experts are quantized apart from the rest (GPT-OSS's "
         "MXFP4: 0.53125, 4.25 bits with the scales); absent: weight_dtype_bytes")
-    vocab_size: PositiveInt | None = Field(
+    vocab_size: ModelCount | None = Field(
         default=None, description="mixture of experts: the vocabulary, where active_params "
         "leave out the input embedding (vocab_size × hidden_size, looked up rather than "
         "multiplied), as GPT-OSS's model card counts them; absent: active_params count "
@@ -112,20 +122,20 @@ class ModelConfig(ConfigModel):
     sliding_window: int | None = Field(
         default=None, ge=2, description="sliding-window attention: the tokens a sliding "
         "layer sees (Gemma-3: 1024); absent: every layer sees every token")
-    num_sliding_layers: PositiveInt | None = Field(
+    num_sliding_layers: ModelCount | None = Field(
         default=None, description="sliding-window attention: how many layers see only the "
         "window (Gemma-3-27B: 52 of 62); absent: all of them")
-    num_state_layers: PositiveInt | None = Field(
+    num_state_layers: ModelCount | None = Field(
         default=None, description="state-space (linear-attention) layers: how many layers "
         "keep one recurrent state a sequence instead of K and V a token (Mamba-2, Gated "
         "DeltaNet; Qwen3-Next-80B-A3B: 36 of 48); absent: none")
-    state_bytes_per_layer: PositiveInt | None = Field(
+    state_bytes_per_layer: StateBytes | None = Field(
         default=None, description="state-space layers: bytes of one sequence's state in one "
         "layer, on one GPU, in the dtypes it is kept in (Gated DeltaNet: (conv_kernel - 1) "
         "× (2 × key heads × key dim + value heads × value dim) elements of convolution "
         "state and value heads × key dim × value dim of recurrent state; Qwen3-Next in "
         "bf16: 1,097,728; vLLM's mamba page size, unpadded)")
-    state_bytes_per_draft_per_layer: PositiveInt | None = Field(
+    state_bytes_per_draft_per_layer: StateBytes | None = Field(
         default=None, description="state-space layers under speculative decoding: bytes "
         "one layer's state grows by for each draft a step verifies (Gated DeltaNet's "
         "convolution state keeps one more input a draft: 2 × key heads × key dim + value "
@@ -189,25 +199,32 @@ class ModelConfig(ConfigModel):
         return self
 
 
+# A GPU's rates (GB/s, TFLOP/s), from a millionth of any real GPU's to a million times its:
+# a step timed by a rate past them takes no time or for ever (an infinite float).
+MIN_RATE = 1e-3
+MAX_RATE = 1e9
+GpuRate = Annotated[float, Field(ge=MIN_RATE, le=MAX_RATE)]
+
+
 class GpuConfig(ConfigModel):
     """A GPU given explicitly (instead of a preset name)."""
 
     name: str
     memory_gib: float = Field(ge=0.001, le=1 << 20, description="GiB of device memory (1 MiB "
                               "to 1 PiB)")
-    hbm_bandwidth_gbps: PositiveFloat = Field(description="GB/s (10^9 bytes per second)")
-    peak_tflops: PositiveFloat = Field(description="dense bf16/fp16 TFLOP/s")
-    peak_fp8_tflops: PositiveFloat | None = Field(
+    hbm_bandwidth_gbps: GpuRate = Field(description="GB/s (10^9 bytes per second)")
+    peak_tflops: GpuRate = Field(description="dense bf16/fp16 TFLOP/s")
+    peak_fp8_tflops: GpuRate | None = Field(
         default=None, description="dense FP8 TFLOP/s, for a model's FP8 weights (fp8_share); "
         "absent: no FP8 tensor cores, FP8 weights multiply at the bf16 rate")
-    peak_fp4_tflops: PositiveFloat | None = Field(
+    peak_fp4_tflops: GpuRate | None = Field(
         default=None, description="dense FP4 TFLOP/s, for a model's FP4 weights (fp4_share); "
         "absent: no FP4 tensor cores, FP4 weights multiply at the bf16 rate")
-    interconnect_gbps: PositiveFloat | None = Field(
+    interconnect_gbps: GpuRate | None = Field(
         default=None, description="GPU-to-GPU GB/s in one direction (NVLink: half the "
         "datasheet figure); needed for tensor parallelism, and for pipeline stages without "
         "parallel.pipeline_link_gbps")
-    host_link_gbps: PositiveFloat | None = Field(
+    host_link_gbps: GpuRate | None = Field(
         default=None, description="GPU-to-host-memory GB/s in one direction (PCIe); needed "
         "only for a host cache")
 

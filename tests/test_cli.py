@@ -396,7 +396,12 @@ def test_presets_say_how_many_tokens_each_gpu_holds_of_a_model():
     ("sweep", "scenarios/sweeps/rate_sweep.yaml", "--jobs", "0"),
     ("trace", "stats", "builtin:azure_llm_2023_code.csv", "--block-size", "0"),
     ("trace", "stats", "builtin:azure_llm_2023_code.csv", "--max-model-len", "-5"),
-], ids=["sizes-text", "sizes-zero", "jobs-zero", "block-size-zero", "max-model-len-negative"])
+    # A one-token context holds no prompt and answer; one past 2^32 no simulated length.
+    ("trace", "stats", "builtin:azure_llm_2023_code.csv", "--max-model-len", "1"),
+    ("trace", "stats", "builtin:azure_llm_2023_code.csv", "--max-model-len",
+     "100000000000000000000"),
+], ids=["sizes-text", "sizes-zero", "jobs-zero", "block-size-zero", "max-model-len-negative",
+        "max-model-len-one", "max-model-len-huge"])
 def test_bad_numeric_options_are_refused_before_any_work(args):
     proc = kvsim(*args)
     assert proc.returncode == 2, proc.stderr
@@ -599,6 +604,9 @@ def test_trace_stats_and_export(tmp_path):
         "this is a trace file")
     proc = kvsim("trace", "stats", str(tmp_path / "missing.csv"))
     assert proc.returncode == 2 and "trace file not found" in proc.stderr
+    proc = kvsim("trace", "stats", str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr == (
+        f"kvsim: error: {tmp_path}: is a directory, expected a trace file\n")
     generic = tmp_path / "generic.csv"
     generic.write_text("t,in,out\n0,10,5\n")
     proc = kvsim("trace", "stats", str(generic), "--format", "csv")
@@ -663,12 +671,16 @@ def test_trace_columns_read_a_generic_file(tmp_path):
         f"kvsim: error: {generic}:1: missing column 'tokens'")
     scenario = tmp_path / "s.yaml"
     scenario.write_text(GOOD)
-    for option, value, field in [("--columns", columns, "columns"),
-                                 ("--time-unit", "ms", "time_unit")]:
-        proc = kvsim("trace", "stats", str(scenario), option, value)
+    # Each option a bare file's reading needs is refused on a scenario, not ignored.
+    for option, value, field in [("--columns", columns, "workload.columns"),
+                                 ("--time-unit", "ms", "workload.time_unit"),
+                                 ("--format", "azure", "workload.format"),
+                                 ("--skip-invalid", None, "workload.skip_invalid"),
+                                 ("--max-model-len", "4096", "max_model_len")]:
+        proc = kvsim("trace", "stats", str(scenario), option, *([value] if value else []))
         assert proc.returncode == 2 and proc.stderr.strip() == (
             f"kvsim: error: {scenario}: {option} reads a bare trace file; a scenario names "
-            f"its own (workload.{field}; --set workload.{field}=...)")
+            f"its own ({field}; --set {field}=...)")
 
 
 def test_invariant_checks_refuse_python_O(tmp_path):

@@ -200,16 +200,25 @@ def test_a_calibration_with_a_bad_number_names_it(tmp_path, text, expected):
 
 
 def test_a_run_whose_steps_take_years_is_refused():
-    # A GPU of a thousand FLOP/s: each step of Llama-2-7B takes months at least, and the
-    # clock would reach where a float no longer adds a step. Refused, naming the system.
-    gpu = {"name": "abacus", "memory_gib": 80, "hbm_bandwidth_gbps": 2000, "peak_tflops": 1e-9}
+    # A quadrillion parameters on a GPU of a GFLOP/s, each within its bounds: a step takes
+    # years, and the clock would reach where a float no longer adds a step. Refused, naming
+    # the system.
+    gpu = {"name": "abacus", "memory_gib": 80, "hbm_bandwidth_gbps": 2000, "peak_tflops": 1e-3}
+    model = {"name": "vast", "num_layers": 32, "num_heads": 32, "head_dim": 128,
+             "num_params": 1e15, "max_model_len": 4096}
     with pytest.raises(SizingError, match=r"^system 'contiguous': the run's clock reached "
                        r"\S+ s, past 1,000,000,000 s \(31 years\)"):
-        run_scenario(scenario_from_dict(small(gpu=gpu)))
-    for memory_gib, bound in ((1e-300, "greater than or equal to 0.001"),
-                              (1e300, "less than or equal to 1048576")):
-        with pytest.raises(ScenarioError, match=f"gpu.memory_gib: Input should be {bound}"):
-            scenario_from_dict(small(gpu={**gpu, "memory_gib": memory_gib}))
+        run_scenario(scenario_from_dict(small(gpu=gpu, model=model)))
+    # Past the bounds, a rate or a size would make a step take no time or for ever.
+    for field, value, bound in (("memory_gib", 1e-300, "greater than or equal to 0.001"),
+                                ("memory_gib", 1e300, "less than or equal to 1048576"),
+                                ("peak_tflops", 1e-300, "greater than or equal to 0.001"),
+                                ("hbm_bandwidth_gbps", 1e300, "less than or equal to 1000000000")):
+        with pytest.raises(ScenarioError, match=f"gpu.{field}: Input should be {bound}"):
+            scenario_from_dict(small(gpu={**gpu, field: value}))
+    for field, value in (("num_heads", 10**20), ("num_params", 1e300)):
+        with pytest.raises(ScenarioError, match=f"model.{field}: Input should be less than"):
+            scenario_from_dict(small(model={**model, field: value}))
 
 
 def test_python_api_returns_dataframes(tmp_path):

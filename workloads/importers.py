@@ -76,6 +76,8 @@ def resolve_path(path: str, base_dir: Path) -> Path:
     resolved = Path(path)
     if not resolved.is_absolute():
         resolved = base_dir / resolved
+    if resolved.is_dir():
+        raise TraceImportError(f"{resolved}: is a directory, expected a trace file")
     if not resolved.is_file():
         raise TraceImportError(f"{resolved}: trace file not found")
     return resolved
