@@ -639,14 +639,16 @@ def _sharding_hint(model: ModelSpec, gpu: GpuSpec, usable_bytes: float) -> str:
     if fitting:
         return (f"; shard them over {fitting[0]} GPUs (parallel.tensor_parallel_size: "
                 f"{fitting[0]}) or give memory.kv_memory_gib")
-    stages = [p for p in range(2, model.num_layers + 1)
-              if model.weight_bytes / board * max(model.pipeline_stage_layers(p))
-              / model.num_layers < usable_bytes]
-    if stages and model.tensor_parallel_problem(board) is None:
+    # The fewest stages whose largest (ceil(layers / stages) layers, as vLLM splits them)
+    # fits; the first found, since a model may have millions of layers.
+    stages = next((p for p in range(2, model.num_layers + 1)
+                   if model.weight_bytes / board * -(-model.num_layers // p)
+                   / model.num_layers < usable_bytes), None)
+    if stages is not None and model.tensor_parallel_problem(board) is None:
         return (f"; no tensor-parallel group of at most {board} {gpu.name} GPUs (one "
-                f"{domain}) holds them: split the layers over {domain}s as {stages[0]} "
+                f"{domain}) holds them: split the layers over {domain}s as {stages} "
                 f"pipeline stages (parallel: {{tensor_parallel_size: {board}, "
-                f"pipeline_parallel_size: {stages[0]}}}), choose a GPU with more memory, or "
+                f"pipeline_parallel_size: {stages}}}), choose a GPU with more memory, or "
                 "give memory.kv_memory_gib")
     return (f"; no tensor-parallel group of at most {board} {gpu.name} GPUs (one {domain}) "
             "holds them: choose a GPU with more memory, or give memory.kv_memory_gib")

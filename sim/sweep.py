@@ -273,8 +273,8 @@ def set_path(data: dict[str, Any], path: str, value: Any, label: str = "sweep pa
             raise SweepError(f"{label} {path!r}: {trail} is not a list")
         if isinstance(step, int):
             if not -len(node) <= step < len(node):
-                raise SweepError(f"{label} {path!r}: {trail} has {len(node)} items, no "
-                                 f"[{step}]")
+                items = f"{len(node)} item{'' if len(node) == 1 else 's'}"
+                raise SweepError(f"{label} {path!r}: {trail} has {items}, no [{step}]")
             targets = [step]
         elif step[0] == "*":
             targets = list(range(len(node)))
