@@ -96,9 +96,9 @@ REQUIRED_COLUMNS = {"attention": ("layout", "block_size", "batch", "context_len"
                     "gemm": ("tokens", "time_s", "flops")}
 
 
-def check_timings(timings: pd.DataFrame) -> None:
-    """Raise FitError naming the missing column or the first bad row (rows count from 2, as
-    in the CSV file with its header)."""
+def check_timings(timings: pd.DataFrame) -> pd.DataFrame:
+    """``timings`` with its numeric columns read as numbers; FitError naming the missing
+    column or the first bad row (rows count from 2, as in the CSV file with its header)."""
     if "kind" not in timings:
         raise FitError("no 'kind' column; expected a timings.csv written by gpu_validate")
     for kind, columns in REQUIRED_COLUMNS.items():
@@ -112,17 +112,22 @@ def check_timings(timings: pd.DataFrame) -> None:
             if column == "layout":
                 continue
             values = pd.to_numeric(rows[column], errors="coerce")
-            bad = values.isna() | (values < 0) | ((values == 0) & (column != "block_size"))
+            bad = (~np.isfinite(values.to_numpy(dtype=float)) | (values < 0)
+                   | ((values == 0) & (column != "block_size")))
             if bad.any():
-                row = int(rows.index[bad.to_numpy()][0]) + 2
+                row = int(rows.index[bad][0]) + 2
                 raise FitError(f"row {row}: {column} {rows[column][bad].iloc[0]}: expected "
                                "a positive number")
+    numeric = {c for columns in REQUIRED_COLUMNS.values() for c in columns} - {"layout"}
+    # (A column checked for one kind's rows only: the other kind leaves it empty.)
+    return timings.assign(**{c: pd.to_numeric(timings[c], errors="coerce")
+                             for c in numeric if c in timings})
 
 
 def fit_calibration(timings: pd.DataFrame, model: ModelSpec, *, device: str = "",
                     holdout_every: int = 4) -> FitResult:
     """Fit the step-time model and ρ(bs) to ``timings`` (see the module docstring)."""
-    check_timings(timings)
+    timings = check_timings(timings)
     points = decode_points(timings, model.num_layers)
     if len(points) < 4:
         raise FitError(f"need at least 4 decode points, got {len(points)}")

@@ -232,6 +232,21 @@ def test_fit_never_gives_a_negative_coefficient(tmp_path):
     assert loaded.coefficients == pytest.approx(result.calibration.coefficients)
 
 
+def test_text_in_a_column_another_kind_of_row_uses_is_not_read(tmp_path):
+    # An attention row has no FLOPs: a word there is no bad timing, and the GEMM rows'
+    # numbers still read as numbers (a column of text divided no float before).
+    timings = synthetic_timings(2e-4, 1.3e-6, 7.5e-9, {16: 1.1}, noise=0.0).astype(object)
+    attention_row = timings.index[timings["kind"] == "attention"][0]
+    timings.loc[attention_row, "flops"] = "unknown"
+    csv = tmp_path / "timings.csv"
+    timings.to_csv(csv, index=False)
+    proc = subprocess.run([sys.executable, "-m", "gpu_validate", "--from-csv", str(csv),
+                           "--out", str(tmp_path / "cal")], capture_output=True, text=True,
+                          cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "cal" / "calibration.yaml").is_file()
+
+
 def test_cli_without_gpu_says_so_and_fits_a_csv(tmp_path):
     ok, reason = cuda_status()
     if not ok:
@@ -259,6 +274,9 @@ def test_cli_without_gpu_says_so_and_fits_a_csv(tmp_path):
     (lambda t: t.assign(batch=t["batch"].where(t.index != 30, -4)), "row 32: batch -4"),
     (lambda t: t.assign(time_s=t["time_s"].astype(object).where(t.index != 20, "abc")),
      "row 22: time_s abc: expected a positive number"),
+    # An infinite time is no timing.
+    (lambda t: t.assign(time_s=t["time_s"].astype(object).where(t.index != 20, "1e400")),
+     "row 22: time_s inf: expected a positive number"),
 ])
 def test_a_bad_timings_csv_gets_one_line_naming_file_and_row(tmp_path, spoil, message):
     csv = tmp_path / "timings.csv"
