@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import difflib
+import math
 import re
 from fractions import Fraction
 from pathlib import Path
@@ -1706,6 +1707,13 @@ def _format_error(error: ErrorDetails, data: Any) -> str:
                 f"{context.get('actual_length', 0)})")
     if kind == "list_type" and isinstance(value, dict):
         return f"{where}: expected a list (got a mapping)"
+    if kind == "int_parsing" and isinstance(value, str) and _is_number(value):
+        # YAML 1.1 reads e-notation as a number only with a dot and a signed exponent
+        # (1.0e+5): 1e5 is text, which an integer field will not parse.
+        whole = float(value)
+        written = f"{int(whole)}" if whole.is_integer() else "a whole number"
+        return (f"{where}: expected a whole number, got the text {value!r} (YAML takes "
+                f"e-notation for a number only as 1.0e+5): write {written}")
     if isinstance(value, YamlFlag):
         return (f"{where}: expected a number, got a yes/no flag ({value}: YAML reads yes, "
                 "no, on, off, true and false so)")
@@ -1714,6 +1722,14 @@ def _format_error(error: ErrorDetails, data: Any) -> str:
     if not loc:  # a check across sections: its message names the fields it is about
         return message
     return f"{where}: {message}"
+
+
+def _is_number(text: str) -> bool:
+    """Whether ``text`` reads as a finite float (``1e5``, ``2.5``)."""
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def _shown(value: Any) -> str:

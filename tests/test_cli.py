@@ -136,6 +136,10 @@ BAD = [
      "systems[1].allocator: expected a mapping of fields (got 16)"),
     ("no systems", GOOD.split("systems:")[0] + "systems: []\nstop: {num_requests: 60}\n",
      "systems: expected at least 1 item (got 0)"),
+    # YAML reads 1e5 as text: an integer field says what to write instead.
+    ("e-notation for a whole number", GOOD.replace("num_requests: 60", "num_requests: 6e1"),
+     "stop.num_requests: expected a whole number, got the text '6e1' (YAML takes e-notation "
+     "for a number only as 1.0e+5): write 60"),
     # YAML's flags are no numbers (pydantic would read true as 1: a one-token block).
     ("a flag for a number", GOOD.replace("block_size: 16", "block_size: yes"),
      "systems[1].allocator.block_size: expected a number, got a yes/no flag (true: YAML "
