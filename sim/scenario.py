@@ -204,6 +204,12 @@ class ModelConfig(ConfigModel):
 # a step timed by a rate past them takes no time or for ever (an infinite float).
 MIN_RATE = 1e-3
 MAX_RATE = 1e9
+# The most engines one system runs (a million, past any deployment; each is simulated, so
+# 2^32 of them would take the machine's memory before a pool's cap could refuse them).
+MAX_REPLICAS = 1 << 20
+# The most memory any one setting gives (GiB), 2^40: far past any machine (the pools' own
+# caps refuse much less, in words), but short of 1e300, whose slots leave a float as NaN.
+MAX_GIB = 1 << 40
 GpuRate = Annotated[float, Field(ge=MIN_RATE, le=MAX_RATE)]
 
 
@@ -211,8 +217,8 @@ class GpuConfig(ConfigModel):
     """A GPU given explicitly (instead of a preset name)."""
 
     name: str
-    memory_gib: float = Field(ge=0.001, le=1 << 20, description="GiB of device memory (1 MiB "
-                              "to 1 PiB)")
+    memory_gib: float = Field(ge=0.001, le=MAX_GIB, description="GiB of device memory (at least 1 "
+                              "MiB)")
     hbm_bandwidth_gbps: GpuRate = Field(description="GB/s (10^9 bytes per second)")
     peak_tflops: GpuRate = Field(description="dense bf16/fp16 TFLOP/s")
     peak_fp8_tflops: GpuRate | None = Field(
@@ -236,7 +242,7 @@ class MemoryConfig(ConfigModel):
     16-bit model, so twice the tokens in the same memory and half the bytes to read), or an
     FP4 cache (SGLang's ``fp4_e2m1``, TensorRT-LLM's ``nvfp4``: 4.5 bits, scales included)."""
 
-    kv_memory_gib: PositiveFloat | None = None
+    kv_memory_gib: float | None = Field(default=None, gt=0, le=MAX_GIB)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "nvfp4"] = Field(
         default="auto", description="auto: the model's dtype; fp8 variants: one byte; "
@@ -275,7 +281,7 @@ class ParallelConfig(ConfigModel):
         default=1, description="pipeline stages, as vLLM's --pipeline-parallel-size: each "
         "holds a share of the layers (their weights and KV) on tensor_parallel_size GPUs of "
         "its own; a batch passes stage to stage, and as many batches as stages are in flight")
-    pipeline_link_gbps: PositiveFloat | None = Field(
+    pipeline_link_gbps: GpuRate | None = Field(
         default=None, description="GB/s one GPU sends a batch's activations to the next "
         "stage at (one direction); absent: NVLink where every stage is on one board, else "
         f"{DEFAULT_PIPELINE_NETWORK_GBPS:g} (a 400 Gb/s InfiniBand NIC a GPU, as DGX "
@@ -362,8 +368,8 @@ class PagedConfig(ConfigModel):
     watermark: float = Field(default=0.01, ge=0, lt=1,
                              description="share of blocks admission keeps free (vLLM v0)")
     host_cache_gib: float = Field(
-        default=0, ge=0, description="host (CPU) memory per replica that keeps the blocks the "
-        "GPU evicts, to load them back instead of recomputing them; 0: none")
+        default=0, ge=0, le=MAX_GIB, description="host (CPU) memory per replica that keeps the "
+        "blocks the GPU evicts, to load them back instead of recomputing them; 0: none")
     host_load: Literal["serial", "layerwise"] = Field(
         default="serial", description="serial: a step's host loads finish before it "
         "computes; layerwise: layer i+1 loads while layer i computes (LMCache, HiCache)")
@@ -453,8 +459,8 @@ class SchedulerConfig(ConfigModel):
         "over the host link (a victim that does not fit there is still recomputed; a group of "
         "forked samples goes whole, the blocks they share once); swap_groups: recompute a "
         "request of one sequence, swap a group of samples or beams (vLLM v0's default)")
-    swap_space_gib: float = Field(default=4.0, gt=0, description="host memory per GPU for "
-                                  "swapped KV, as vLLM's --swap-space")
+    swap_space_gib: float = Field(default=4.0, gt=0, le=MAX_GIB, description="host memory per "
+                                  "GPU for swapped KV, as vLLM's --swap-space")
     swap_copy_overhead_s: float = Field(
         default=5e-6, ge=0, description="seconds to issue one copy of a swap: vLLM v0 copies "
         "each block (page, contiguous extent) layer by layer, K and V apart, one "
@@ -949,8 +955,8 @@ class DisaggregationConfig(ConfigModel):
     (``kv_transfer_gbps`` per GPU, one direction, plus ``kv_transfer_latency_s``), which
     generates the rest."""
 
-    prefill_replicas: PositiveInt
-    kv_transfer_gbps: PositiveFloat = Field(
+    prefill_replicas: int = Field(gt=0, le=MAX_REPLICAS)
+    kv_transfer_gbps: GpuRate = Field(
         default=25.0, description="GB/s per GPU between prefill and decode replicas (one "
         "200 Gb/s RDMA NIC per GPU: 25)")
     kv_transfer_latency_s: float = Field(default=1e-3, ge=0,
@@ -975,7 +981,7 @@ class EngineConfig(ConfigModel):
     (jump and step give identical request tables), nor the sampling and checks."""
 
     mode: Literal["jump", "step"] = "jump"
-    replicas: PositiveInt = 1
+    replicas: int = Field(default=1, gt=0, le=MAX_REPLICAS)
     router: RouterConfig = RouterConfig()
     disaggregation: DisaggregationConfig | None = None
     sample_interval_s: float = Field(default=0.0, ge=0,

@@ -162,6 +162,12 @@ BAD = [
      "bad.yaml: memory.kv_memory_gib: the KV pool of system 'paged' would hold 1,280,000,000 "
      "blocks of 16 tokens; at most 33,554,432 are simulated: give a smaller pool or a larger "
      "block size"),
+    # 2^32 engines, each simulated, would take the machine's memory before a cap refuses.
+    ("engines past any deployment", GOOD + "engine: {replicas: 4294967296}\n",
+     "engine.replicas: Input should be less than or equal to 1048576"),
+    # Past 2^40 GiB a pool's slots would leave a float (NaN) before its cap could say so.
+    ("pool past any float", GOOD.replace("kv_memory_gib: 2", "kv_memory_gib: 1.0e+300"),
+     "memory.kv_memory_gib: Input should be less than or equal to 1099511627776"),
     # Contiguous memory has no blocks, but its slots are counted in int64 columns.
     ("contiguous pool past any machine", GOOD.replace("kv_memory_gib: 2", "kv_memory_gib: 1e10"),
      "bad.yaml: memory.kv_memory_gib: the KV pool of system 'contiguous' would hold "
