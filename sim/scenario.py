@@ -200,10 +200,11 @@ class ModelConfig(ConfigModel):
         return self
 
 
-# A GPU's rates (GB/s, TFLOP/s), from a millionth of any real GPU's to a million times its:
-# a step timed by a rate past them takes no time or for ever (an infinite float).
+# A GPU's or a link's rates (GB/s, TFLOP/s), from a millionth of any real GPU's to a
+# billion times its (1e12: "a link that costs nothing"): a step timed by a rate past them
+# takes no time or for ever (an infinite float).
 MIN_RATE = 1e-3
-MAX_RATE = 1e9
+MAX_RATE = 1e12
 # The most engines one system runs (a million, past any deployment; each is simulated, so
 # 2^32 of them would take the machine's memory before a pool's cap could refuse them).
 MAX_REPLICAS = 1 << 20

@@ -213,7 +213,8 @@ def test_a_run_whose_steps_take_years_is_refused():
     for field, value, bound in (("memory_gib", 1e-300, "greater than or equal to 0.001"),
                                 ("memory_gib", 1e300, "less than or equal to 1099511627776"),
                                 ("peak_tflops", 1e-300, "greater than or equal to 0.001"),
-                                ("hbm_bandwidth_gbps", 1e300, "less than or equal to 1000000000")):
+                                ("hbm_bandwidth_gbps", 1e300,
+                                 "less than or equal to 1000000000000")):
         with pytest.raises(ScenarioError, match=f"gpu.{field}: Input should be {bound}"):
             scenario_from_dict(small(gpu={**gpu, field: value}))
     for field, value in (("num_heads", 10**20), ("num_params", 1e300)):
