@@ -482,12 +482,12 @@ def _read_summary(path: Path) -> tuple[dict[str, dict[str, Any]], list[str]]:
         raise ValueError('expected {"systems": {system name: {metric: value, ...}}}')
     for system, metrics in systems.items():
         for key, value in metrics.items():
-            if not (value is None or (isinstance(value, str) if key in TEXT_METRICS else
-                                      isinstance(value, int | float)
-                                      and not isinstance(value, bool))):
+            text = key in TEXT_METRICS
+            kind_ok = isinstance(value, str) if text else (
+                isinstance(value, int | float) and not isinstance(value, bool))
+            if value is not None and not kind_ok:
                 raise ValueError(f"systems.{system}.{key}: expected "
-                                 f"{'text' if key in TEXT_METRICS else 'a number'} or null, "
-                                 f"got {value!r}")
+                                 f"{'text' if text else 'a number'} or null, got {value!r}")
     notes = data.get("trace_notes", [])
     if not isinstance(notes, list) or not all(isinstance(note, str) for note in notes):
         raise ValueError("trace_notes: expected a list of texts")

@@ -95,10 +95,10 @@ class ModelConfig(ConfigModel):
         "reads only those its tokens choose); absent: every step reads every expert")
     experts_per_token: ModelCount | None = Field(
         default=None, description="mixture of experts: routed experts each token goes to")
-    num_dense_layers: Annotated[int, Field(le=MAX_MODEL_COUNT)] = Field(
-        default=0, ge=0, description="mixture of experts: the first layers whose MLP is "
-        "dense (config.json's first_k_dense_replace; DeepSeek-V3: 3), which send no tokens "
-        "to experts")
+    num_dense_layers: int = Field(
+        default=0, ge=0, le=MAX_MODEL_COUNT, description="mixture of experts: the first "
+        "layers whose MLP is dense (config.json's first_k_dense_replace; DeepSeek-V3: 3), "
+        "which send no tokens to experts")
     weight_dtype_bytes: float | None = Field(
         default=None, gt=0, le=4, description="bytes of a stored weight when the checkpoint "
         "is quantized (FP8: 1, 4-bit: 0.5, with its scales a little more); absent: "
@@ -218,8 +218,8 @@ class GpuConfig(ConfigModel):
     """A GPU given explicitly (instead of a preset name)."""
 
     name: str
-    memory_gib: float = Field(ge=0.001, le=MAX_GIB, description="GiB of device memory (at least 1 "
-                              "MiB)")
+    memory_gib: float = Field(ge=0.001, le=MAX_GIB,
+                              description="GiB of device memory (at least 1 MiB)")
     hbm_bandwidth_gbps: GpuRate = Field(description="GB/s (10^9 bytes per second)")
     peak_tflops: GpuRate = Field(description="dense bf16/fp16 TFLOP/s")
     peak_fp8_tflops: GpuRate | None = Field(
@@ -1789,16 +1789,18 @@ def _homes_text(homes: list[tuple[str, str]]) -> str:
     return " or ".join(sections[:3]) + (" ..." if len(sections) > 3 else "")
 
 
-def _collect_fields() -> dict[str, list[tuple[str, str]]]:
+def _collect_fields() -> tuple[dict[str, list[tuple[str, str]]],
+                               dict[tuple[str, str], set[str]]]:
     """Where each field of the config models may stand: (section path, as ``systems[].
     allocator``, and the ``kind`` of section that has it, or "" where sections have no
-    kinds), for the hints on unknown keys."""
+    kinds), for the hints on unknown keys; and the values each tag field of a section takes
+    (its members' one-value literals), for the errors on a kind not named."""
     from typing import get_args, get_origin
 
     from pydantic import BaseModel
 
     homes: dict[str, list[tuple[str, str]]] = {}
-    tags = _TAG_VALUES
+    tags: dict[tuple[str, str], set[str]] = {}
 
     def listed(annotation: Any) -> bool:
         return get_origin(annotation) in (list, tuple) or any(
@@ -1819,7 +1821,7 @@ def _collect_fields() -> dict[str, list[tuple[str, str]]]:
                 walk(sub, inner)
 
     walk(Scenario, "")
-    return homes
+    return homes, tags
 
 
 def _models_in(annotation: Any) -> list[type]:
@@ -1835,10 +1837,9 @@ def _models_in(annotation: Any) -> list[type]:
     return found
 
 
-# The kinds a tagged section takes: (section path, tag field) -> its values, as
-# ("systems[].allocator", "kind") -> {"contiguous", "paged", "virtual"}; filled with the homes.
-_TAG_VALUES: dict[tuple[str, str], set[str]] = {}
-_FIELD_HOMES = _collect_fields()
+# Each field's homes; and the kinds a tagged section takes, (section path, tag field) ->
+# its values, as ("systems[].allocator", "kind") -> {"contiguous", "paged", "virtual"}.
+_FIELD_HOMES, _TAG_VALUES = _collect_fields()
 
 
 def _encloses(outer: str, path: str) -> bool:
