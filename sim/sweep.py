@@ -34,11 +34,12 @@ import os
 import re
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pandas as pd
 from pydantic import Field, PositiveInt, ValidationError, field_validator, model_validator
@@ -89,7 +90,7 @@ class SweepConfig(ConfigModel):
 
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     zip: dict[str, list[Any]] = Field(default_factory=dict)
-    seeds: list[int] | None = None
+    seeds: list[Annotated[int, Field(ge=0)]] | None = None
     layouts: LayoutsConfig | None = None
 
     @field_validator("grid", "zip")
@@ -99,6 +100,18 @@ class SweepConfig(ConfigModel):
             if not values:
                 raise ValueError(f"{path}: needs at least one value")
         return axes
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, seeds: list[int] | None) -> list[int] | None:
+        # An empty list must not fall back to the scenario's seed unsaid.
+        if seeds is not None and not seeds:
+            raise ValueError("expected at least one seed (leave seeds out to run the "
+                             "scenario's own seed)")
+        repeated = sorted(seed for seed, count in Counter(seeds or []).items() if count > 1)
+        if repeated:
+            raise ValueError(f"{', '.join(map(str, repeated))} given more than once")
+        return seeds
 
     @model_validator(mode="after")
     def _zip_lengths(self):  # type: ignore[no-untyped-def]
@@ -431,7 +444,7 @@ def expand(raw: dict[str, Any], source: str, *, quick: bool = False,
                         _trace_count(scenario, base_dir, counts, source, params))}
                     scenario = scenario_from_dict(data, source)
             except ScenarioError as exc:
-                raise SweepError(f"{exc} [at sweep point {_where(params)}]") from None
+                raise SweepError(f"{exc}{_where(params)}") from None
             resolved = scenario.model_dump(mode="json")
             points.append(SweepPoint(index, seed, params, resolved, config_key(resolved)))
     keys = [p.key for p in points]
@@ -475,8 +488,11 @@ def _quarter(num_requests: int) -> int:
 
 
 def _where(params: dict[str, Any]) -> str:
-    """A sweep point named by its parameters, for messages."""
-    return ", ".join(f"{p}={v!r}" for p, v in params.items())
+    """`` [at sweep point PATH=VALUE, ...]``, a sweep point named by its parameters for a
+    message's end; nothing for a point that changes nothing (a sweep over seeds alone)."""
+    if not params:
+        return ""
+    return f" [at sweep point {', '.join(f'{p}={v!r}' for p, v in params.items())}]"
 
 
 def _files_key(resolved: dict[str, Any]) -> str:
@@ -496,7 +512,7 @@ def _trace_count(scenario: Scenario, base_dir: Path, counts: dict[str, int], sou
         try:
             counts[key] = len(scenario_trace(scenario, base_dir))
         except (TraceError, TraceImportError, WorkloadError) as exc:
-            raise SweepError(f"{source}: {exc} [at sweep point {_where(params)}]") from None
+            raise SweepError(f"{source}: {exc}{_where(params)}") from None
     return counts[key]
 
 
@@ -686,7 +702,7 @@ def read_files(points: list[SweepPoint], base_dir: Path, source: str) -> None:
         try:
             read_workload_files(scenario_from_dict(resolved, source), base_dir)
         except (TraceError, TraceImportError, WorkloadError) as exc:
-            raise SweepError(f"{source}: {exc} [at sweep point {_where(point.params)}]"
+            raise SweepError(f"{source}: {exc}{_where(point.params)}"
                              ) from None
 
 

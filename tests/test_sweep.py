@@ -239,6 +239,10 @@ def test_keys_ignore_later_fields_at_the_value_that_does_as_before():
     ({"grid": {"workload.arrival.rat": [1]}}, "workload.arrival.rat: unknown key"),
     ({"grid": {"systems[nope].allocator.block_size": [8]}}, "no item named 'nope'"),
     ({"zip": {"memory.kv_memory_gib": [1, 2], "seed": [1]}}, "same length"),
+    # An empty list of seeds ran the scenario's own seed, unsaid.
+    ({"seeds": []}, "sweep: seeds: expected at least one seed (leave seeds out"),
+    ({"seeds": [3, 1, 3]}, "sweep: seeds: 3 given more than once"),
+    ({"seeds": [0, -1]}, "sweep: seeds[1]: Input should be greater than or equal to 0"),
 ])
 def test_invalid_points_are_reported_before_any_run(tmp_path, sweep, message):
     path = write(tmp_path, dict(BASE, sweep=sweep))
