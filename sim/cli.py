@@ -895,30 +895,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- parser
-def _positive_int(text: str) -> int:
-    """An argparse type: a whole number ≥ 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return value
+def _whole_number(low: int, high: int | None, expected: str) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``low`` to ``high`` (no end where None),
+    refused as ``expected``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _context_length(text: str) -> int:
+_positive_int = _whole_number(1, None, "a positive whole number")
+
+
+def _context_length() -> Callable[[str], int]:
     """An argparse type: a context limit, a whole number of tokens from 2 (a prompt token and
     an answer's) to the longest simulated."""
     from workloads.distributions import MAX_LENGTH
 
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 2 <= value <= MAX_LENGTH:
-        raise argparse.ArgumentTypeError(f"expected a whole number of tokens from 2 to "
-                                         f"{MAX_LENGTH:,}, got {text!r}")
-    return value
+    return _whole_number(2, MAX_LENGTH, f"a whole number of tokens from 2 to {MAX_LENGTH:,}")
 
 
 def _seed_list(text: str) -> list[int]:
@@ -1143,7 +1144,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "with --model, how many KV tokens each GPU holds of it")
     presets.add_argument("--model", help="a model preset: the KV tokens an engine of it holds "
                          "on each GPU preset, at each tensor-parallel size")
-    presets.add_argument("--max-model-len", type=_context_length, default=None,
+    presets.add_argument("--max-model-len", type=_context_length(), default=None,
                          help="the context limit the concurrency counts (default: the "
                          "model's)")
     presets.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto")
@@ -1178,7 +1179,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="unit of the arrival column (default: the format's; s for a "
                         "generic file)")
     common.add_argument("--skip-invalid", action="store_true", help="skip bad rows")
-    common.add_argument("--max-model-len", type=_context_length, default=None,
+    common.add_argument("--max-model-len", type=_context_length(), default=None,
                         help="context limit for a bare trace file (default: 1,048,576 "
                         "tokens, no clipping of any public trace)")
     _add_overrides(common)
