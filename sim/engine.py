@@ -60,7 +60,17 @@ from sim.presets import (
     kv_pool_slots,
     max_concurrency,
 )
-from sim.results import RunResult, ScenarioResult, summarize, token_wait_summary
+from sim.results import (
+    HANDOVER_COLUMNS,
+    MEMORY_COLUMNS,
+    MEMORY_TABLE_COLUMNS,
+    REQUEST_COLUMNS,
+    STEP_COLUMNS,
+    RunResult,
+    ScenarioResult,
+    summarize,
+    token_wait_summary,
+)
 from sim.router import CacheEvents, Router
 from sim.scenario import (
     ContiguousConfig,
@@ -84,8 +94,6 @@ from sim.timing import (
 from workloads import Trace, TraceError, WorkloadError, build_trace
 from workloads.distributions import MAX_TIME_S
 from workloads.spec import MAX_REQUESTS, MAX_SAMPLES, SyntheticWorkload, clients_time_out
-
-MEMORY_COLUMNS = MemorySnapshot._fields  # the taxonomy, then duplicate
 
 
 class SimulationError(RuntimeError):
@@ -444,13 +452,8 @@ class _Recorder:
     sample_interval_s: float
 
     def __post_init__(self) -> None:
-        self.steps = _RowBuffer([
-            "replica", "time_s", "duration_s", "steps", "decode_seqs", "draft_tokens",
-            "context_tokens", "prefill_tokens", "prefill_requests", "loaded_tokens",
-            "swapped_slots", "preempted", "running", "waiting"])
-        self.memory = _RowBuffer([
-            "replica", "time_s", *MEMORY_COLUMNS, "running", "waiting", "decode_seqs",
-            "preemptions", "hit_tokens", "lookup_tokens"])
+        self.steps = _RowBuffer(list(STEP_COLUMNS))
+        self.memory = _RowBuffer(list(MEMORY_TABLE_COLUMNS))
         self.weighted = dict.fromkeys((*MEMORY_COLUMNS, "running"), 0.0)
         self.weight = 0.0
         self._last_sample = -math.inf
@@ -1176,12 +1179,9 @@ class _SystemRun:
         self.think_s = trace.think_s.tolist()
         # One row per finished or rejected request, written when it is done, so that the
         # Request object (its content, its spec) is freed then, not kept to the end.
-        self.request_rows = _RowBuffer([
-            "request", "arrival_s", "admitted_s", "first_token_s", "finished_s", "prompt_len",
-            "output_len", "n", "priority", "preemptions", "prefix_hit_tokens",
-            "recomputed_tokens", "rejected", "shed", "abandoned_s", "attempts", "replica",
-            "allocated_at_finish", "max_itl_s",
-            *(["decode_replica"] if self.handovers else [])], {"rejected": bool, "shed": bool})
+        self.request_rows = _RowBuffer(
+            [*REQUEST_COLUMNS, *(HANDOVER_COLUMNS if self.handovers else ())],
+            {"rejected": bool, "shed": bool})
         self.allocated_at_finish = np.zeros(len(trace), dtype=np.int64)
         self.recorder = _Recorder(scenario.engine.sample_interval_s)
         self.progress = progress

@@ -18,6 +18,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,13 +26,30 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from sim.memory import TAXONOMY, final_kv_tokens
+from sim.memory import TAXONOMY, MemorySnapshot, final_kv_tokens
 from sim.slo import in_time, latencies, slo_summary
 
 if TYPE_CHECKING:
     from sim.scenario import SloConfig
 
 LATENCY_PERCENTILES = (50, 90, 99)
+
+# The columns of a system's tables, in their order: the engine writes these, and a folder
+# read back must have them (a table edited, or written by another kvsim, is refused by name).
+REQUEST_COLUMNS = (
+    "request", "arrival_s", "admitted_s", "first_token_s", "finished_s", "prompt_len",
+    "output_len", "n", "priority", "preemptions", "prefix_hit_tokens", "recomputed_tokens",
+    "rejected", "shed", "abandoned_s", "attempts", "replica", "allocated_at_finish",
+    "max_itl_s")
+HANDOVER_COLUMNS = ("decode_replica",)  # requests, past a prefill/decode split
+MEMORY_COLUMNS = MemorySnapshot._fields  # the taxonomy, then duplicate
+MEMORY_TABLE_COLUMNS = ("replica", "time_s", *MEMORY_COLUMNS, "running", "waiting",
+                        "decode_seqs", "preemptions", "hit_tokens", "lookup_tokens")
+STEP_COLUMNS = ("replica", "time_s", "duration_s", "steps", "decode_seqs", "draft_tokens",
+                "context_tokens", "prefill_tokens", "prefill_requests", "loaded_tokens",
+                "swapped_slots", "preempted", "running", "waiting")
+TABLE_COLUMNS = {"requests": REQUEST_COLUMNS, "memory": MEMORY_TABLE_COLUMNS,
+                 "steps": STEP_COLUMNS}
 
 
 @dataclass
@@ -446,10 +464,22 @@ def load_run(out_dir: Path) -> ScenarioResult:
     systems = {}
     for name, metrics in summaries.items():
         folder = _safe_name(name)
-        tables = {table: read_back(out_dir, f"{folder}/{table}.parquet", read_table)
-                  for table in ("requests", "memory", "steps")}
+        tables = {table: read_back(out_dir, f"{folder}/{table}.parquet",
+                                   partial(_read_system_table, table=table))
+                  for table in TABLE_COLUMNS}
         systems[name] = RunResult(system=name, summary=metrics, **tables)
     return ScenarioResult(scenario=scenario, systems=systems, trace_notes=trace_notes)
+
+
+def _read_system_table(path: Path, table: str) -> pd.DataFrame:
+    """One of a system's tables, checked to have every column kvsim writes in it."""
+    frame = read_table(path)
+    missing = [column for column in TABLE_COLUMNS[table] if column not in frame.columns]
+    if missing:
+        raise ValueError(f"no {', '.join(map(repr, missing))} column{'s' * (len(missing) > 1)}"
+                         "; a table of another kvsim version, or edited: rerun kvsim run to "
+                         "rebuild it")
+    return frame
 
 
 # The summary metrics held as text (a JSON list); every other one is a number or null.

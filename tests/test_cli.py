@@ -11,6 +11,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from conftest import PUBLIC_TRACE_ROWS, kvsim_in_process
 
@@ -503,6 +504,11 @@ def edit_summary(run: Path, edit: Callable[[dict], object]) -> None:
     (run / "summary.json").write_text(json.dumps(data))
 
 
+def drop_columns(table: Path, *columns: str) -> None:
+    """Take columns out of a run folder's table, as an older kvsim or an edit might."""
+    pd.read_parquet(table).drop(columns=list(columns)).to_parquet(table)
+
+
 @pytest.mark.parametrize(("damage", "expected"), [
     (lambda run: (run / "paged-16" / "memory.parquet").unlink(),
      "{run}: paged-16/memory.parquet is missing; rerun kvsim run or kvsim sweep to "
@@ -524,8 +530,14 @@ def edit_summary(run: Path, edit: Callable[[dict], object]) -> None:
     (lambda run: edit_summary(run, lambda systems: systems["paged-16"].pop("external_frac")),
      "{run}/summary.json: system 'paged-16' has no 'external_frac' metric (a folder of "
      "another kvsim version, or edited); rerun kvsim run to rebuild it"),
+    # A column gone from a table (the report read it as a KeyError: "run failed").
+    (lambda run: drop_columns(run / "paged-16" / "requests.parquet", "first_token_s", "n"),
+     "{run}/paged-16/requests.parquet: cannot be read back (no 'first_token_s', 'n' columns; "
+     "a table of another kvsim version, or edited: rerun kvsim run to rebuild it)"),
+    (lambda run: drop_columns(run / "contiguous-4096" / "memory.parquet", "cached"),
+     "{run}/contiguous-4096/memory.parquet: cannot be read back (no 'cached' column;"),
 ], ids=["missing-table", "bad-json", "no-systems", "bad-parquet", "bad-metric",
-        "bad-system", "missing-metric"])
+        "bad-system", "missing-metric", "missing-columns", "missing-column"])
 def test_a_damaged_run_folder_is_named_in_one_line(seed_run, tmp_path, damage, expected):
     run = Path(shutil.copytree(seed_run, tmp_path / "run"))
     damage(run)
