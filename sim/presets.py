@@ -9,6 +9,7 @@ a token slot spans all N of them (see :func:`kv_pool_slots`).
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, replace
 
@@ -640,10 +641,15 @@ def _sharding_hint(model: ModelSpec, gpu: GpuSpec, usable_bytes: float) -> str:
         return (f"; shard them over {fitting[0]} GPUs (parallel.tensor_parallel_size: "
                 f"{fitting[0]}) or give memory.kv_memory_gib")
     # The fewest stages whose largest (ceil(layers / stages) layers, as vLLM splits them)
-    # fits; the first found, since a model may have millions of layers.
-    stages = next((p for p in range(2, model.num_layers + 1)
-                   if model.weight_bytes / board * -(-model.num_layers // p)
-                   / model.num_layers < usable_bytes), None)
+    # fits. The largest stage only shrinks as stages are added, so a bisection finds it: a
+    # model may have millions of layers.
+    def stage_fits(stages: int) -> bool:
+        return (model.weight_bytes / board * -(-model.num_layers // stages)
+                / model.num_layers < usable_bytes)
+
+    counts = range(2, model.num_layers + 1)
+    first = bisect.bisect_left(counts, True, key=stage_fits)
+    stages = counts[first] if first < len(counts) else None
     if stages is not None and model.tensor_parallel_problem(board) is None:
         return (f"; no tensor-parallel group of at most {board} {gpu.name} GPUs (one "
                 f"{domain}) holds them: split the layers over {domain}s as {stages} "
