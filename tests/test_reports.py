@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -21,7 +22,7 @@ from reports.run_figures import (
 from reports.style import TAXONOMY_COLORS, close
 from sim.api import run
 from sim.memory import TAXONOMY
-from sim.results import saturation_note
+from sim.results import HANDOVER_COLUMNS, TABLE_COLUMNS, load_run, saturation_note
 
 SCENARIO = {
     "name": "report-test",
@@ -308,3 +309,17 @@ def test_the_memory_figures_pool_is_the_memory_kv_takes(model, tp, systems, tmp_
     assert set(tops) == {s["name"] for s in systems}
     for name, top in tops.items():
         assert gib / tp * 0.99 <= top <= gib / tp, name
+
+
+def test_the_readme_describes_every_column_of_a_run_folders_tables(result):
+    # The tables read back have the columns results.py defines, in that order, and the
+    # README's data dictionary names each of them.
+    back = load_run(result.out)
+    for system in back.systems.values():
+        for table, columns in TABLE_COLUMNS.items():
+            assert tuple(getattr(system, table).columns) == columns
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### The tables of a run folder", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)`", section))
+    documented = [*HANDOVER_COLUMNS, *(c for columns in TABLE_COLUMNS.values() for c in columns)]
+    assert [column for column in documented if column not in named] == []
