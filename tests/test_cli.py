@@ -629,6 +629,13 @@ def test_trace_stats_and_export(tmp_path):
     proc = kvsim("trace", "stats", str(tmp_path))
     assert proc.returncode == 2 and proc.stderr == (
         f"kvsim: error: {tmp_path}: is a directory, expected a trace file\n")
+    # A pipe (a shell's <(...)) is read twice, the header first: refused, not found empty.
+    pipe = tmp_path / "pipe.csv"
+    os.mkfifo(pipe)
+    proc = kvsim("trace", "stats", str(pipe))
+    assert proc.returncode == 2 and proc.stderr == (
+        f"kvsim: error: {pipe}: not a regular file (a device or a pipe), expected a trace "
+        "file\n")
     generic = tmp_path / "generic.csv"
     generic.write_text("t,in,out\n0,10,5\n")
     proc = kvsim("trace", "stats", str(generic), "--format", "csv")

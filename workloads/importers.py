@@ -78,6 +78,9 @@ def resolve_path(path: str, base_dir: Path) -> Path:
         resolved = base_dir / resolved
     if resolved.is_dir():
         raise TraceImportError(f"{resolved}: is a directory, expected a trace file")
+    if resolved.exists() and not resolved.is_file():  # read twice: a pipe would be empty
+        raise TraceImportError(f"{resolved}: not a regular file (a device or a pipe), "
+                               "expected a trace file")
     if not resolved.is_file():
         raise TraceImportError(f"{resolved}: trace file not found")
     return resolved
