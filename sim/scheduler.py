@@ -46,6 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
+import numpy as np
+
 from sim.memory import (
     ContiguousAllocator,
     HybridPagedAllocator,
@@ -323,8 +325,12 @@ class WaitingLine:
         # Under dfs_weight, the hashes of the blocks a waiting request finds cached now,
         # from its first (its path down the cache's tree; set as prefix_tokens is).
         self.cached_path: Callable[[Request], list[int]] | None = None
-        # Under random, the draws that shuffle the line, the same each run of one seed.
-        self._shuffler = random.Random(f"kvsim line {seed}") if order == "random" else None
+        # Under random, the draws that shuffle the line, the same each run of one seed:
+        # numpy's, since a line past capacity holds thousands, shuffled each step (a
+        # permutation drawn in C, where random.shuffle draws element by element).
+        self._shuffler = (np.random.default_rng(random.Random(f"kvsim line {seed}")
+                                                .getrandbits(128))
+                          if order == "random" else None)
         self.max_lpm_queue_size = (LPM_QUEUE_LIMIT if max_lpm_queue_size is None
                                    else max_lpm_queue_size)
         self.max_wait_s = max_wait_s
@@ -393,8 +399,8 @@ class WaitingLine:
             ranked = sorted(self._line, key=lambda request: request.prompt_len - request.max_len)
         else:
             assert self._shuffler is not None
-            ranked = list(self._line)
-            self._shuffler.shuffle(ranked)
+            waiting = list(self._line)
+            ranked = [waiting[i] for i in self._shuffler.permutation(len(waiting)).tolist()]
         self._line.clear()
         self._line.extend(ranked)
 
