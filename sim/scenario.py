@@ -1712,8 +1712,9 @@ def _format_error(error: ErrorDetails, data: Any) -> str:
         least = context.get("min_length", 1)
         return (f"{where}: expected at least {least} item{'s' if least != 1 else ''} (got "
                 f"{context.get('actual_length', 0)})")
-    if kind == "list_type" and isinstance(value, dict):
-        return f"{where}: expected a list (got a mapping)"
+    if kind == "list_type":
+        shown = "a mapping" if isinstance(value, dict) else _shown(value)
+        return f"{where}: expected a list (got {shown})"
     if kind == "int_parsing" and isinstance(value, str) and _is_number(value):
         # YAML 1.1 reads e-notation as a number only with a dot and a signed exponent
         # (1.0e+5): 1e5 is text, which an integer field will not parse.

@@ -122,6 +122,16 @@ class SweepConfig(ConfigModel):
         return self
 
     @model_validator(mode="after")
+    def _seeds_by_seeds(self):  # type: ignore[no-untyped-def]
+        # Each point's seed is set from seeds (or the scenario's) after its paths: a seed
+        # in the grid or zip would be overwritten unsaid.
+        for axes, name in ((self.grid, "grid"), (self.zip, "zip")):
+            if "seed" in axes:
+                raise ValueError(f"{name}.seed: sweep seeds with seeds: [0, 1, ...], which "
+                                 "sets every point's seed")
+        return self
+
+    @model_validator(mode="after")
     def _layouts_alone(self):  # type: ignore[no-untyped-def]
         if self.layouts is None:
             return self
@@ -410,10 +420,26 @@ def sweep_config(raw: dict[str, Any], source: str) -> SweepConfig:
     if not isinstance(raw["sweep"], dict):
         raise SweepError(f"{source}: sweep: expected a mapping of grid, zip, seeds and "
                          f"layouts, got {raw['sweep']!r}")
+    _refuse_unknown_keys(raw["sweep"], source)
     try:
         return SweepConfig.model_validate(raw["sweep"])
     except ValidationError as exc:
         raise SweepError(f"{source}: sweep: {validation_message(exc, raw['sweep'])}") from None
+
+
+def _refuse_unknown_keys(section: dict[str, Any], source: str) -> None:
+    """A key the sweep section (or its layouts) does not take, named with the keys it does:
+    the scenario's own hints would point at its fields (``gpus`` → ``gpu``)."""
+    layouts = section.get("layouts")
+    for where, keys, model in (("", section, SweepConfig),
+                               ("layouts.", layouts if isinstance(layouts, dict) else {},
+                                LayoutsConfig)):
+        for key in keys:
+            if key not in model.model_fields:
+                belongs = (" (it belongs under layouts)"
+                           if not where and key in LayoutsConfig.model_fields else "")
+                raise SweepError(f"{source}: sweep: {where}{key}: unknown key; expected "
+                                 f"{', '.join(model.model_fields)}{belongs}")
 
 
 def expand(raw: dict[str, Any], source: str, *, quick: bool = False,
@@ -447,10 +473,14 @@ def expand(raw: dict[str, Any], source: str, *, quick: bool = False,
                 raise SweepError(f"{exc}{_where(params)}") from None
             resolved = scenario.model_dump(mode="json")
             points.append(SweepPoint(index, seed, params, resolved, config_key(resolved)))
-    keys = [p.key for p in points]
-    if len(set(keys)) != len(keys):
-        raise SweepError(f"{source}: sweep: two points resolve to the same scenario (a path "
-                         "that does not change anything?)")
+    first_with: dict[str, SweepPoint] = {}
+    for point in points:
+        twin = first_with.setdefault(point.key, point)
+        if twin is not point:
+            raise SweepError(
+                f"{source}: sweep: the points [{_point_text(twin.params, twin.seed)}] and "
+                f"[{_point_text(point.params, point.seed)}] resolve to the same scenario (a "
+                "value given twice, or a path that changes nothing)")
     return points
 
 
@@ -492,7 +522,13 @@ def _where(params: dict[str, Any]) -> str:
     message's end; nothing for a point that changes nothing (a sweep over seeds alone)."""
     if not params:
         return ""
-    return f" [at sweep point {', '.join(f'{p}={v!r}' for p, v in params.items())}]"
+    return f" [at sweep point {_point_text(params)}]"
+
+
+def _point_text(params: dict[str, Any], seed: int | None = None) -> str:
+    """A sweep point's parameters as ``PATH=VALUE, ...`` (and its seed, where given)."""
+    return ", ".join([*(f"{p}={v!r}" for p, v in params.items()),
+                      *([] if seed is None else [f"seed {seed}"])])
 
 
 def _files_key(resolved: dict[str, Any]) -> str:

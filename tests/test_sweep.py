@@ -243,6 +243,20 @@ def test_keys_ignore_later_fields_at_the_value_that_does_as_before():
     ({"seeds": []}, "sweep: seeds: expected at least one seed (leave seeds out"),
     ({"seeds": [3, 1, 3]}, "sweep: seeds: 3 given more than once"),
     ({"seeds": [0, -1]}, "sweep: seeds[1]: Input should be greater than or equal to 0"),
+    ({"seeds": 0.5}, "sweep: seeds: expected a list (got 0.5)"),
+    # A seed in the grid or zip was overwritten by the point's seed, unsaid.
+    ({"grid": {"seed": [1, 2]}}, "sweep: grid.seed: sweep seeds with seeds: [0, 1, ...]"),
+    ({"zip": {"memory.kv_memory_gib": [1, 2], "seed": [1, 2]}}, "sweep: zip.seed: sweep "
+     "seeds with seeds"),
+    # The sweep's own keys, not the scenario's ("gpus: did you mean 'gpu'?").
+    ({"gpus": 8}, "sweep: gpus: unknown key; expected grid, zip, seeds, layouts (it belongs "
+     "under layouts)"),
+    ({"layouts": {"gpu": 8}}, "sweep: layouts.gpu: unknown key; expected gpus, "
+     "tensor_parallel_sizes, pipeline_parallel_sizes, data_parallel_sizes"),
+    # Twins are named, a value given twice as much as a path that changes nothing.
+    ({"grid": {"memory.kv_memory_gib": [1, 2, 1]}}, "sweep: the points "
+     "[memory.kv_memory_gib=1, seed 0] and [memory.kv_memory_gib=1, seed 0] resolve to the "
+     "same scenario (a value given twice, or a path that changes nothing)"),
 ])
 def test_invalid_points_are_reported_before_any_run(tmp_path, sweep, message):
     path = write(tmp_path, dict(BASE, sweep=sweep))
