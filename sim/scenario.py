@@ -1722,6 +1722,8 @@ def _format_error(error: ErrorDetails, data: Any) -> str:
         written = f"{int(whole)}" if whole.is_integer() else "a whole number"
         return (f"{where}: expected a whole number, got the text {value!r} (YAML takes "
                 f"e-notation for a number only as 1.0e+5): write {written}")
+    if kind == "int_parsing_size":  # pydantic's words speak of a string, whatever it got
+        return f"{where}: expected a whole number, got {_shown(value)}, far too large"
     if isinstance(value, YamlFlag):
         return (f"{where}: expected a number, got a yes/no flag ({value}: YAML reads yes, "
                 "no, on, off, true and false so)")
@@ -1766,9 +1768,10 @@ def _unknown_key_hint(key: str, loc: tuple[Any, ...], data: Any) -> str:
     section = re.sub(r"\[\d+\]", "[]", _loc(loc[:-1], data))
     section = "" if section == "(top level)" else section
     homes = _FIELD_HOMES.get(key, [])
-    kinds = sorted({kind for home, kind in homes if home == section and kind})
-    if kinds:
-        return f" for this kind (kind: {' or '.join(kinds)} has it)"
+    members = sorted({tag for home, tag in homes if home == section and tag})
+    if members:  # a field of another member of this section's union
+        tag_names = " or ".join(sorted({member.split(":")[0] for member in members}))
+        return f" for this {tag_names} ({' or '.join(members)} has it)"
     if homes:
         return f" here; it belongs under {_homes_text(homes)}"
     here = [f for f, places in _FIELD_HOMES.items() if any(h == section for h, _ in places)]
@@ -1793,9 +1796,10 @@ def _homes_text(homes: list[tuple[str, str]]) -> str:
 def _collect_fields() -> tuple[dict[str, list[tuple[str, str]]],
                                dict[tuple[str, str], set[str]]]:
     """Where each field of the config models may stand: (section path, as ``systems[].
-    allocator``, and the ``kind`` of section that has it, or "" where sections have no
-    kinds), for the hints on unknown keys; and the values each tag field of a section takes
-    (its members' one-value literals), for the errors on a kind not named."""
+    allocator``, and the tag of the union member that has it, as "kind: paged", or ""
+    where a section is of one shape), for the hints on unknown keys; and the values each
+    tag field of a section takes (its members' one-value literals), for the errors on a kind
+    not named."""
     from typing import get_args, get_origin
 
     from pydantic import BaseModel
@@ -1807,12 +1811,19 @@ def _collect_fields() -> tuple[dict[str, list[tuple[str, str]]],
         return get_origin(annotation) in (list, tuple) or any(
             listed(arg) for arg in get_args(annotation))
 
-    def walk(model: type[BaseModel], section: str) -> None:
-        tag = model.model_fields.get("kind")
-        kinds = get_args(tag.annotation) if tag is not None else ()
-        kind = str(kinds[0]) if len(kinds) == 1 else ""
+    def tag_of(model: type[BaseModel]) -> str:
+        # The field a tagged union tells its members by (kind, process, dist), as
+        # "process: closed_loop"; "" for a section of one shape.
         for name, info in model.model_fields.items():
-            homes.setdefault(name, []).append((section, kind))
+            values = get_args(info.annotation)
+            if get_origin(info.annotation) is Literal and len(values) == 1:
+                return f"{name}: {values[0]}"
+        return ""
+
+    def walk(model: type[BaseModel], section: str) -> None:
+        tag = tag_of(model)
+        for name, info in model.model_fields.items():
+            homes.setdefault(name, []).append((section, tag))
             values = get_args(info.annotation)
             if get_origin(info.annotation) is Literal and len(values) == 1:
                 tags.setdefault((section, name), set()).add(str(values[0]))

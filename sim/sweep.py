@@ -261,7 +261,10 @@ def _parse_path(path: str) -> list[str | int | tuple[str, str]]:
     for segment in path.split("."):
         match = _SEGMENT.match(segment)
         if not match:
-            raise SweepError(f"sweep path {path!r}: cannot read {segment!r}")
+            what = repr(segment) if segment else "an empty name"
+            raise SweepError(f"sweep path {path!r}: cannot read {what}; expected field names "
+                             "joined by dots, a list's item picked by [NAME], [INDEX] or [*] "
+                             "(systems[paged].allocator.block_size)")
         steps.append(match.group(1))
         for selector in re.findall(r"\[([^\]]+)\]", match.group(2)):
             if selector == "*":

@@ -141,6 +141,10 @@ BAD = [
     ("e-notation for a whole number", GOOD.replace("num_requests: 60", "num_requests: 6e1"),
      "stop.num_requests: expected a whole number, got the text '6e1' (YAML takes e-notation "
      "for a number only as 1.0e+5): write 60"),
+    # pydantic calls a float past int64 an "input string"; the field says what it got.
+    ("a float too large for a whole number", GOOD.replace("block_size: 16",
+                                                         "block_size: 1.0e+300"),
+     "systems[1].allocator.block_size: expected a whole number, got 1e+300, far too large"),
     # YAML's flags are no numbers (pydantic would read true as 1: a one-token block).
     ("a flag for a number", GOOD.replace("block_size: 16", "block_size: yes"),
      "systems[1].allocator.block_size: expected a number, got a yes/no flag (true: YAML "
@@ -204,6 +208,12 @@ def test_bad_input_is_one_line_exit_2(tmp_path, label, text, expected):
     # A field of another kind of the same section: which kind has it.
     ("{kind: contiguous}", "{kind: contiguous, block_size: 16}",
      "systems[0].allocator.block_size: unknown key for this kind (kind: paged has it)"),
+    # ... whatever field tells the members apart (it said "here; it belongs under
+    # workload.arrival", the section it stood in).
+    ("{process: poisson, rate: 50}", "{process: poisson, rate: 50, users: 4}",
+     "workload.arrival.users: unknown key for this process (process: closed_loop has it)"),
+    ("{dist: uniform, low: 10, high: 200}", "{dist: uniform, low: 10, high: 200, sigma: 1}",
+     "workload.prompt_len.sigma: unknown key for this dist (dist: lognormal has it)"),
     # A misspelling: this section's field, unless another section's is closer.
     ("prefix_groups:", "prefix_grups:", "workload.prefix_grups: unknown key; did you mean "
      "'prefix_groups'?"),

@@ -253,6 +253,9 @@ def test_keys_ignore_later_fields_at_the_value_that_does_as_before():
      "under layouts)"),
     ({"layouts": {"gpu": 8}}, "sweep: layouts.gpu: unknown key; expected gpus, "
      "tensor_parallel_sizes, pipeline_parallel_sizes, data_parallel_sizes"),
+    ({"grid": {"workload..rate": [1]}}, "sweep path 'workload..rate': cannot read an empty "
+     "name; expected field names joined by dots, a list's item picked by [NAME], [INDEX] or "
+     "[*] (systems[paged].allocator.block_size)"),
     # Twins are named, a value given twice as much as a path that changes nothing.
     ({"grid": {"memory.kv_memory_gib": [1, 2, 1]}}, "sweep: the points "
      "[memory.kv_memory_gib=1, seed 0] and [memory.kv_memory_gib=1, seed 0] resolve to the "
