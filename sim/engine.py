@@ -115,9 +115,17 @@ def allocation_unit(scenario: Scenario, system: SystemConfig) -> int:
     if not isinstance(cfg, PagedConfig):
         return 1
     # A state-space hybrid's blocks hold a sequence's state in a layer group: vLLM raises
-    # the block size to fit it.
+    # the block size to fit it (to whole Mamba-2 chunks under mamba cache mode all).
     return max(cfg.block_size, cached_model(scenario, system).state_block_size(
-        scenario.parallel.tensor_parallel_size))
+        scenario.parallel.tensor_parallel_size, caches_every_state(system)))
+
+
+def caches_every_state(system: SystemConfig) -> bool:
+    """Whether ``system`` keeps a state-space hybrid's state at every block boundary
+    (vLLM's mamba cache mode all), not only where steps end (align)."""
+    cfg = system.allocator
+    return (isinstance(cfg, PagedConfig) and cfg.prefix_caching
+            and cfg.mamba_cache_mode == "all")
 
 
 def cached_model(scenario: Scenario, system: SystemConfig) -> ModelSpec:
@@ -202,7 +210,8 @@ def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int,
             enable_prefix_caching=cfg.prefix_caching, eviction=cfg.eviction,
             watermark=cfg.watermark, state_groups=state_groups,
             state_slots=model.state_tokens_per_layer(tensor_parallel_size) or None,
-            states_per_group=states_per_sequence(system))
+            states_per_group=states_per_sequence(system),
+            cache_every_state=caches_every_state(system))
     if isinstance(cfg, ContiguousConfig):
         return ContiguousAllocator(
             pool_slots, max_model_len=max_model_len, reserve_policy=cfg.reserve_policy,
@@ -2000,13 +2009,16 @@ def _memory_text(scenario: Scenario) -> str:
     if model.has_state_layers:
         layers, full, _, state = model.kv_cache_groups()
         state_mib = model.state_bytes_per_layer_per_gpu(tp) * model.num_state_layers / MIB
+        all_mode = (f" ({model.state_block_size(tp, True)} under mamba_cache_mode all)"
+                    if any(caches_every_state(system) for system in scenario.systems) else "")
         text += (f"; {model.num_state_layers} of {model.num_layers} layers are state-space "
                  f"layers, keeping {state_mib:,.1f} MiB{each} of state a sequence instead of "
                  f"KV: paged, the hybrid KV cache manager keeps {full} full-attention and "
                  f"{state} state group{'s' if state > 1 else ''} of {layers} "
                  f"layer{'s' if layers > 1 else ''}, in "
-                 f"blocks of at least {model.state_block_size(tp)} tokens (vLLM's block size "
-                 f"raised so that a block holds a sequence's state in a layer); contiguous, "
+                 f"blocks of at least {model.state_block_size(tp)} tokens{all_mode} (vLLM's "
+                 f"block size raised so that a block holds a sequence's state in a layer); "
+                 f"contiguous, "
                  f"each extent holds it in {model.state_slots_per_sequence(tp):,} slots more")
     view = scenario.prefill_view()
     if view is not scenario:  # prefill replicas spread otherwise: their line too
@@ -2048,7 +2060,8 @@ def _drafted_memory_text(scenario: Scenario, system: SystemConfig, slots: int) -
     if model.has_state_layers:
         states = states_per_sequence(system)
         each = "" if scenario.parallel.gpus == 1 else " a GPU"
-        where = (f"in blocks of at least {kv_model.state_block_size(tp)} tokens"
+        where = (f"in blocks of at least "
+                 f"{kv_model.state_block_size(tp, caches_every_state(system))} tokens"
                  if uses_hybrid_kv_cache(model, system) else
                  f"in {extent_state_slots(kv_model, system, tp):,} slots an extent")
         state_mib = kv_model.state_bytes_per_layer_per_gpu(tp) / MIB

@@ -95,6 +95,11 @@ class ModelSpec:
     num_state_layers: int = 0
     state_bytes_per_layer: int = 0
     state_bytes_per_draft_per_layer: int = 0
+    # Mamba-2's chunk (config.json's mamba_chunk_size): its kernel can write a state at the
+    # end of each chunk of a prefill, which vLLM's mamba cache mode "all" keeps at every
+    # block boundary, in blocks of whole chunks. 0: not given (vLLM's Gated DeltaNet
+    # models, Qwen3-Next and Qwen3.5, take only mode "align").
+    state_chunk_size: int = 0
 
     @property
     def kv_layers(self) -> int:
@@ -167,13 +172,18 @@ class ModelSpec:
                        * self.state_bytes_per_layer_per_gpu(tensor_parallel_size))
         return math.ceil(state_bytes / self.kv_bytes_per_token_per_gpu(tensor_parallel_size))
 
-    def state_block_size(self, tensor_parallel_size: int) -> int:
+    def state_block_size(self, tensor_parallel_size: int, cache_all_states: bool = False
+                         ) -> int:
         """The least block size, in tokens, at which one block of an attention layer holds
         a sequence's state in a state layer, as vLLM v1 raises a hybrid model's attention
         block size to (``HybridAttentionMambaModelConfig``): a multiple of
-        :data:`KERNEL_BLOCK_ALIGNMENT` tokens (Qwen3-Next in bf16 on one GPU: 544). 0 for a
-        model without state layers."""
+        :data:`KERNEL_BLOCK_ALIGNMENT` tokens (Qwen3-Next in bf16 on one GPU: 544); with
+        ``cache_all_states`` (mamba cache mode "all"), of whole Mamba-2 chunks, so that a
+        state written at a chunk's end lies on a block boundary. 0 for a model without state
+        layers."""
         align = KERNEL_BLOCK_ALIGNMENT
+        if cache_all_states and self.state_chunk_size:
+            align = math.lcm(self.state_chunk_size, KERNEL_BLOCK_ALIGNMENT)
         return align * -(-self.state_tokens_per_layer(tensor_parallel_size) // align)
 
     @property
@@ -505,6 +515,19 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                   num_state_layers=48,
                   state_bytes_per_layer=3 * 10240 * 2 + 48 * 128 * 128 * 4,
                   state_bytes_per_draft_per_layer=10240 * 2),
+        # Mamba-2 beside attention. IBM's Granite-4.0-H-Tiny (config.json): 4 of 40 layers
+        # attend (12 heads, 4 KV heads of 128, no positional encoding), 36 are Mamba-2
+        # layers of 48 heads of 64 (d_state 128, one group, a convolution of 4), each
+        # keeping a convolution state (3 × (3,072 + 2 × 128)) and an SSM state (48 × 64 ×
+        # 128) in bf16; 6 of 64 experts a token beside a shared one. Parameters counted from
+        # its shapes (the model card's 7B and 1B active; the active count the tied
+        # unembedding). vLLM raises its block to 400 tokens (512 under mamba cache mode
+        # "all", whole chunks of 256).
+        ModelSpec("granite-4.0-h-tiny", 40, 12, 4, 128, 6.939e9, 131072, model_dim=1536,
+                  active_params=1.465e9, num_experts=64, experts_per_token=6,
+                  vocab_size=100352, num_state_layers=36,
+                  state_bytes_per_layer=(3 * (3072 + 2 * 128) + 48 * 64 * 128) * 2,
+                  state_chunk_size=256),
     ]
 }
 

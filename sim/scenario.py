@@ -141,11 +141,19 @@ class ModelConfig(ConfigModel):
         "one layer's state grows by for each draft a step verifies (Gated DeltaNet's "
         "convolution state keeps one more input a draft: 2 × key heads × key dim + value "
         "heads × value dim elements; Qwen3-Next in bf16: 16,384); absent: none")
+    state_chunk_size: int | None = Field(
+        default=None, ge=1, le=MAX_MODEL_COUNT, description="state-space layers: Mamba-2's "
+        "chunk (config.json's mamba_chunk_size; Granite-4.0-H: 256), which "
+        "allocator.mamba_cache_mode all needs; absent: mode align only (as vLLM's Gated "
+        "DeltaNet models)")
 
     @model_validator(mode="after")
     def _consistent(self):  # type: ignore[no-untyped-def]
         if (self.num_state_layers is None) != (self.state_bytes_per_layer is None):
             raise ValueError("num_state_layers and state_bytes_per_layer go together")
+        if self.state_chunk_size is not None and self.num_state_layers is None:
+            raise ValueError("state_chunk_size needs num_state_layers and "
+                             "state_bytes_per_layer (the Mamba-2 layers it chunks)")
         if self.state_bytes_per_draft_per_layer is not None and self.num_state_layers is None:
             raise ValueError("state_bytes_per_draft_per_layer needs num_state_layers and "
                              "state_bytes_per_layer (the state it grows)")
@@ -379,6 +387,11 @@ class PagedConfig(ConfigModel):
         "KV cache manager: each kind of layer keeps its own block tables in the one pool, "
         "and sliding-window layers give back the blocks their window has passed; false: "
         "every layer keeps every token, as --disable-hybrid-kv-cache-manager")
+    mamba_cache_mode: Literal["align", "all"] = Field(
+        default="align", description="for a state-space hybrid's prefix cache, vLLM's "
+        "--mamba-cache-mode: align keeps the states at block boundaries a step ends on, "
+        "prefill chunks cut to end there; all keeps one at every block boundary, the Mamba-2 "
+        "kernel writing them inside a chunk too, in blocks of whole chunks")
 
     @model_validator(mode="after")
     def _host_cache_finds_by_content(self):  # type: ignore[no-untyped-def]
@@ -1287,13 +1300,19 @@ class Scenario(ConfigModel):
                     raise ValueError(f"systems[{system.name}].allocator.{field}: {model.name} "
                                      f"has state-space layers; {why}")
             if isinstance(system.allocator, PagedConfig) and system.allocator.prefix_caching:
-                # vLLM's mamba cache mode "align": it asserts chunked prefill, whose chunks
-                # it ends on block boundaries.
+                # vLLM's mamba cache modes: it asserts chunked prefill, whose chunks align
+                # ends on block boundaries.
                 if not system.scheduler.chunked_prefill:
                     raise ValueError(f"systems[{system.name}].allocator.prefix_caching: a "
                                      f"prefix cache of {model.name}'s states needs "
                                      "scheduler.chunked_prefill: true (vLLM's mamba cache "
-                                     "mode align ends prefill chunks on block boundaries)")
+                                     "modes chunk prefills)")
+                if system.allocator.mamba_cache_mode == "all" and not model.state_chunk_size:
+                    raise ValueError(f"systems[{system.name}].allocator.mamba_cache_mode: all "
+                                     f"needs the Mamba-2 chunk of {model.name}'s state-space "
+                                     "layers (model.state_chunk_size), and vLLM refuses it "
+                                     "for its Gated DeltaNet models (Qwen3-Next, Qwen3.5): "
+                                     "use align")
                 if system.speculative is not None:
                     raise ValueError(f"systems[{system.name}].allocator.prefix_caching: a "
                                      f"prefix cache of {model.name}'s states under "
@@ -1584,6 +1603,10 @@ class Scenario(ConfigModel):
                         allocator, "hybrid_kv_cache"):
                     notes.append(f"{where}allocator.hybrid_kv_cache changes nothing for "
                                  f"{model.name}, whose layers all attend to every token")
+                if not (model.has_state_layers and allocator.prefix_caching) and _not_default(
+                        allocator, "mamba_cache_mode"):
+                    notes.append(f"{where}allocator.mamba_cache_mode changes nothing without "
+                                 "a prefix cache of a state-space hybrid's states")
             if scheduler.policy in ("lpm", "dfs_weight") and not (
                     isinstance(system.allocator, PagedConfig)
                     and system.allocator.prefix_caching):
@@ -1652,6 +1675,7 @@ def _model_spec(model: str | ModelConfig) -> ModelSpec:
     fields["num_state_layers"] = model.num_state_layers or 0
     fields["state_bytes_per_layer"] = model.state_bytes_per_layer or 0
     fields["state_bytes_per_draft_per_layer"] = model.state_bytes_per_draft_per_layer or 0
+    fields["state_chunk_size"] = model.state_chunk_size or 0
     return ModelSpec(**fields)
 
 

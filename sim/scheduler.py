@@ -851,9 +851,11 @@ class Scheduler:
         self._windowed = allocator if isinstance(allocator, HybridPagedAllocator) and (
             allocator.sliding_groups) else None
         # A prefix cache of states (vLLM's mamba cache mode "align"): the block size prefill
-        # chunks end on, so that the states they leave are kept (0: none).
+        # chunks end on, so that the states they leave are kept (0: none; mode "all" keeps
+        # the states inside a chunk too).
         self._state_align: int = allocator.block_size if isinstance(
-            allocator, HybridPagedAllocator) and allocator.caches_states else 0
+            allocator, HybridPagedAllocator) and allocator.caches_states and not (
+            allocator.caches_every_state) else 0
         self._predicts = getattr(allocator, "reserve_policy", None) == "predicted"
         # Longest prefix match and dfs_weight rank the line by the prefix cache: without
         # one, first come, first served (as SGLang falls back when its radix cache is off).

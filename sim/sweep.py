@@ -336,6 +336,7 @@ class SweepPoint:
 # a null is.
 _AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
     ("allocator", "hybrid_kv_cache"): True,  # no effect on a model without a window
+    ("allocator", "mamba_cache_mode"): "align",
     ("scheduler", "prefill_allocation"): "whole_prompt",
 }
 _SCENARIO_AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {

@@ -281,6 +281,7 @@ class HybridMachine(PagedMachine):
     state_groups = 0  # groups keeping one state block a sequence
     state_slots = 4  # slots of it the state fills
     states_per_group = 1  # 1 + k under speculative decoding: a state a draft position
+    every_state = False  # mode "all": a state kept at every boundary, inside chunks too
 
     @property
     def state_blocks(self) -> int:
@@ -298,7 +299,8 @@ class HybridMachine(PagedMachine):
                                     enable_prefix_caching=self.caching,
                                     state_groups=self.state_groups,
                                     state_slots=self.state_slots,
-                                    states_per_group=self.states_per_group)
+                                    states_per_group=self.states_per_group,
+                                    cache_every_state=self.every_state)
 
     def _admitted(self, spec: SeqSpec, hit: int | None) -> None:
         if hit is not None:
@@ -651,6 +653,13 @@ class HybridStateCaching(HybridStateSpace):
         assert alloc.pool.num_free == self.num_blocks - len(tables) - len(running)
 
 
+class HybridStateCachingAll(HybridStateCaching):
+    """The same under vLLM's mamba cache mode "all": the states at a prefill chunk's inner
+    boundaries are kept too (and a chunk crosses several here: 12 tokens in blocks of 4)."""
+
+    every_state = True
+
+
 class HybridStateSpeculative(HybridStateSpace):
     """The state-space hybrid under speculative decoding of 2 drafts a step: each state
     group keeps 3 states a sequence (one after each draft too)."""
@@ -663,7 +672,8 @@ _SETTINGS = settings(max_examples=int(os.environ.get("KVSIM_HYPOTHESIS_EXAMPLES"
                      stateful_step_count=40, deadline=None,
                      derandomize="KVSIM_HYPOTHESIS_EXAMPLES" not in os.environ)
 for _machine in (HybridMachine, HybridPerChunk, HybridPureSlidingUnchunked, HybridNoCache,
-                 HybridStateSpace, HybridStateCaching, HybridStateSpeculative):
+                 HybridStateSpace, HybridStateCaching, HybridStateCachingAll,
+                 HybridStateSpeculative):
     _machine.TestCase.settings = _SETTINGS
     globals()[f"Test{_machine.__name__}"] = _machine.TestCase
 

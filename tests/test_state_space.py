@@ -543,3 +543,72 @@ def test_a_prompt_sent_again_hits_whole_blocks_before_its_last_token_as_measured
             "stop": {"num_requests": 2}}
     hits = run(data).systems["s"].requests["prefix_hit_tokens"].tolist()
     assert hits == [0, (prompt - 1) // 1056 * 1056]
+
+
+# ------------------------------------------------------ vLLM's mamba cache mode "all"
+# The Mamba-2 kernel writes a state at the end of each of its chunks inside a prefill, and
+# mode "all" keeps one at every block boundary, in blocks of whole chunks: chunks need not
+# end on boundaries, and a hit ends at the attention's last cached block.
+ALL_STATES = {"systems[s].allocator.mamba_cache_mode": "all",
+              "model": {**SMALL_HYBRID, "state_chunk_size": 64}}
+
+
+def test_mode_all_keeps_a_state_at_every_boundary_and_chunks_are_not_cut():
+    def chunks_and_hits(overrides: dict) -> tuple[list[int], list[int]]:
+        result = run(SHARED, overrides=overrides).systems["s"]
+        steps = result.steps
+        chunks = steps[steps["prefill_tokens"] > 0]["prefill_tokens"].tolist()[:6]
+        return chunks, result.requests["prefix_hit_tokens"].tolist()
+
+    # align: chunks cut to end on boundaries; the states where they ended (384) bound hits.
+    assert chunks_and_hits({}) == ([192] * 5 + [128], [0, 384, 384, 384])
+    # all: the budget's chunks as without a cache; every boundary's state kept, so the hit
+    # is the attention's 7 cached blocks (448), as without state layers.
+    assert chunks_and_hits(ALL_STATES) == ([192] * 5 + [140], [0, 448, 448, 448])
+
+
+def test_mode_all_under_memory_pressure_runs_as_stepping():
+    model = {**SMALL_HYBRID, "state_chunk_size": 32}
+    data = _under_pressure(model, 0.002, {
+        "allocator": {"kind": "paged", "block_size": 32, "prefix_caching": True,
+                      "mamba_cache_mode": "all"},
+        "scheduler": {"chunked_prefill": True, "max_num_batched_tokens": 100}})
+    data["workload"]["prefix_groups"] = {"groups": 2, "length": 160, "fraction": 0.9}
+    summary = _jump_as_stepping(data)
+    assert summary["prefix_hit_rate"] > 0.05
+    assert summary["preemptions"] > 0 and summary["evictions"] > 0
+
+
+def test_granite_4_blocks_are_whole_chunks_under_mode_all():
+    # Granite-4.0-H-Tiny: a Mamba-2 state of 806,400 bytes a layer in bf16 is 394 tokens of
+    # an attention layer's KV (2,048 bytes): blocks of 400 tokens (16-token alignment), or
+    # of 512 under mode all (chunks of 256). Its 36 state and 4 attention layers make
+    # 1 + 9 groups of 4; its bf16 weights are its checkpoint's 13.88 GB.
+    granite = MODEL_PRESETS["granite-4.0-h-tiny"]
+    assert granite.state_bytes_per_layer == 806_400
+    assert granite.state_tokens_per_layer(1) == 394
+    for tp in (1, 2, 4):
+        assert (granite.state_block_size(tp), granite.state_block_size(tp, True)) == (400, 512)
+    assert granite.kv_cache_groups() == (4, 1, 0, 9)
+    assert round(granite.weight_bytes / 1e9, 2) == 13.88
+    scenario, _ = load({**SHARED, "model": "granite-4.0-h-tiny", "gpu": "h100-80g"},
+                       overrides={"systems[s].allocator.mamba_cache_mode": "all"})
+    assert allocation_unit(scenario, scenario.systems[0]) == 512
+    assert "(512 under mamba_cache_mode all)" in memory_summary(scenario)
+
+
+@pytest.mark.parametrize(("data", "change", "message"), [
+    (SCENARIO, {"systems[paged].allocator.prefix_caching": True,
+                "systems[paged].scheduler.chunked_prefill": True,
+                "systems[paged].allocator.mamba_cache_mode": "all"},
+     "systems[paged].allocator.mamba_cache_mode: all needs the Mamba-2 chunk of "
+     "qwen3-next-80b-a3b's state-space layers (model.state_chunk_size), and vLLM refuses it "
+     "for its Gated DeltaNet models (Qwen3-Next, Qwen3.5): use align"),
+    (SHARED, {"systems[s].allocator.mamba_cache_mode": "all"},
+     "needs the Mamba-2 chunk of small-hybrid's state-space layers"),
+    (SHARED, {"model": {**SMALL_HYBRID, "num_state_layers": None,
+                        "state_bytes_per_layer": None, "state_chunk_size": 64}},
+     "model: state_chunk_size needs num_state_layers and state_bytes_per_layer"),
+])
+def test_mode_all_without_a_mamba_2_chunk_is_refused_in_one_line(data, change, message):
+    assert_refused_in_one_line(data, change, message)

@@ -54,9 +54,12 @@ With prefix caching a state group keeps states as vLLM's mamba cache mode "align
 step that starts on a block boundary leaves the sequence's running state (the state after
 the tokens before the boundary) to the cache, under the key of the block that ends there,
 and goes on in a new block; the scheduler ends prefill chunks on boundaries so that such
-states exist. A prefix hit is then the longest full-attention hit cut back to the last
-boundary whose every state group's state is cached; its states are copied into the
-sequence's own. (Not modelled with speculative states, or beside sliding windows.)
+states exist. Under mode "all" (``cache_every_state``) the Mamba-2 kernel writes the state
+at every boundary inside a prefill chunk too, in blocks of whole chunks of the kernel's,
+and each is kept so; chunks need not end on boundaries. A prefix hit is then the longest
+full-attention hit cut back to the last boundary whose every state group's state is
+cached; its states are copied into the sequence's own. (Not modelled with speculative
+states, or beside sliding windows.)
 
 Not modelled: a host tier, swapping out.
 """
@@ -133,6 +136,7 @@ class HybridPagedAllocator(KVAllocator):
         state_groups: int = 0,
         state_slots: int | None = None,
         states_per_group: int = 1,
+        cache_every_state: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -168,8 +172,11 @@ class HybridPagedAllocator(KVAllocator):
         # Blocks a sequence's states take: one a state group, or 1 + k under speculation.
         self.state_blocks = state_groups * states_per_group
         # With a prefix cache, the state at each block boundary a step ends on is kept
-        # (vLLM's mamba cache mode "align"), under each state group's own key.
+        # (vLLM's mamba cache mode "align"), under each state group's own key; or, with
+        # cache_every_state (mode "all"), at every boundary, a prefill chunk's inner ones
+        # too (the Mamba-2 kernel writes a state at each chunk's end).
         self.caches_states = bool(state_groups) and enable_prefix_caching
+        self.caches_every_state = self.caches_states and cache_every_state
         self._state_group_ids = range(self.groups, self.groups + state_groups)
         # Slots of a sequence's state blocks its states leave unwritten (vLLM's padding).
         self._state_padding = self.state_blocks * (block_size - state_slots)
@@ -420,11 +427,14 @@ class HybridPagedAllocator(KVAllocator):
         """The block boundaries whose states an append of tokens ``start`` to ``end`` keeps
         in the prefix cache (of states: ``caches_states``): the boundary the last step ended
         on, and those its decode steps ended on; a prefill chunk's inner boundaries end no
-        step, so their states never exist (vLLM aligns chunks to blocks for this)."""
+        step, so their states never exist (vLLM aligns chunks to blocks for this), but under
+        ``caches_every_state`` (mode "all") the kernel writes them too."""
         bs = self.block_size
+        boundaries = range(max(bs, -(-start // bs) * bs), end, bs)
+        if self.caches_every_state:
+            return list(boundaries)
         prompt = seq.spec.prompt_len
-        return [b for b in range(max(bs, -(-start // bs) * bs), end, bs)
-                if b == start or b >= prompt]
+        return [b for b in boundaries if b == start or b >= prompt]
 
     def _keep_states(self, seq: _HybridSeq, boundary: int) -> None:
         """Leave the sequence's running states, the states at ``boundary``, to the prefix
