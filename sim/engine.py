@@ -1997,6 +1997,9 @@ def _memory_text(scenario: Scenario) -> str:
             f"{slots:,} tokens{rank} of {per_gpu / 1024:,.1f} KiB{each}; maximum concurrency "
             f"for {model.max_model_len:,} tokens per request: "
             f"{max_concurrency(model, slots, model.max_model_len, tp):.2f}x{rank}")
+    if model.has_state_layers and any(caches_every_state(s) for s in scenario.systems):
+        text += (f" ({max_concurrency(model, slots, model.max_model_len, tp, True):.2f}x "
+                 "under mamba_cache_mode all)")
     if slots < model.max_model_len:
         text += (" (under 1x: vLLM would refuse to start, as the pool cannot hold one request "
                  "of the whole context; set max_model_len lower, or give the pool more memory)")

@@ -641,15 +641,15 @@ def kv_pool_slots(
 
 
 def max_concurrency(model: ModelSpec, slots: int, context: int,
-                    tensor_parallel_size: int) -> float:
+                    tensor_parallel_size: int, cache_all_states: bool = False) -> float:
     """Requests of ``context`` tokens a pool of ``slots`` token slots holds at once, as vLLM
     reports its "maximum concurrency": a state-space hybrid's each take, in blocks raised to
-    hold a state, one block a state group and the context's blocks in every full-attention
-    group."""
+    hold a state (whole Mamba-2 chunks under ``cache_all_states``), one block a state group
+    and the context's blocks in every full-attention group."""
     if not model.has_state_layers:
         return slots / context
     layers, full, _, state = model.kv_cache_groups()
-    block_size = model.state_block_size(tensor_parallel_size)
+    block_size = model.state_block_size(tensor_parallel_size, cache_all_states)
     blocks = slots * model.kv_layers // (layers * block_size)
     return blocks / (full * -(-context // block_size) + state)
 
