@@ -596,11 +596,11 @@ def test_granite_4_blocks_are_whole_chunks_under_mode_all():
     assert allocation_unit(scenario, scenario.systems[0]) == 512
     assert "(512 under mamba_cache_mode all)" in memory_summary(scenario)
     # vLLM's "maximum concurrency" on an H100 (7,701,505 slots: 19,253 blocks of 400, or
-    # 15,041 of 512): a 131,072-token request takes 328 attention blocks and 9 states, or
+    # 15,042 of 512): a 131,072-token request takes 328 attention blocks and 9 states, or
     # 256 and 9.
     slots = 7_701_505
     assert max_concurrency(granite, slots, 131_072, 1) == 19_253 / 337
-    assert max_concurrency(granite, slots, 131_072, 1, True) == 15_041 / 265
+    assert max_concurrency(granite, slots, 131_072, 1, True) == 15_042 / 265
 
 
 @pytest.mark.parametrize(("data", "change", "message"), [
