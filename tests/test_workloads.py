@@ -47,6 +47,14 @@ def test_length_means(spec, mean, rel_tol):
     assert values.min() >= 1
 
 
+def test_a_lognormal_p99_out_of_reach_names_the_bound_readably():
+    # (The bound of a mean of 1e300 was printed with all its 302 digits.)
+    for mean, p99, bound in ((1000, 500, "14968"), (1e300, 3000, "1.5e+301")):
+        with pytest.raises(ValidationError) as caught:
+            LognormalLength(dist="lognormal", mean=mean, p99=p99)
+        assert f"be at most {bound} for a lognormal" in str(caught.value)
+
+
 def test_lognormal_p99_is_reproduced():
     values = draw({"dist": "lognormal", "mean": 338, "p99": 2000, "max": 100_000})
     assert np.percentile(values, 99) == pytest.approx(2000, rel=0.05)

@@ -151,9 +151,11 @@ class LognormalLength(_LengthBase):
         if self.p99 is not None:
             ratio = math.log(self.p99 / self.mean)
             if ratio <= 0 or Z99 * Z99 - 2 * ratio < 0:
+                most = self.mean * math.exp(Z99 * Z99 / 2)
+                shown = f"{most:.0f}" if most < 1e15 else f"{most:.3g}"  # not 300 digits
                 raise ValueError(
                     f"p99 ({self.p99}) must exceed the mean ({self.mean}) and be at most "
-                    f"{self.mean * math.exp(Z99 * Z99 / 2):.0f} for a lognormal"
+                    f"{shown} for a lognormal"
                 )
         return self
 
