@@ -24,18 +24,39 @@ SEEDS = range(30)
 
 
 def run_digests(seeds: range) -> dict[str, str]:
-    """SHA-256 of every table and summary of the random equality scenarios, per seed."""
+    """SHA-256 of every table and summary of the random equality scenarios, per seed, and
+    of two state-space runs."""
     from test_engine_equality import random_scenario
 
     from sim.engine import run_scenario
     from sim.scenario import scenario_from_dict
 
     digests = {}
-    for seed in seeds:
-        result = run_scenario(scenario_from_dict(random_scenario(seed))).systems["s"]
+    scenarios = {str(seed): random_scenario(seed) for seed in seeds}
+    # The random scenarios have no state-space model: a prefix cache of states under both
+    # of vLLM's mamba cache modes, in a pool small enough to evict and preempt.
+    for mode in ("align", "all"):
+        scenarios[f"states-{mode}"] = {
+            "name": "states", "memory": {"kv_memory_gib": 0.002},
+            "model": {"name": "h", "num_layers": 8, "num_heads": 4, "num_kv_heads": 2,
+                      "head_dim": 64, "num_params": 1e8, "max_model_len": 4096,
+                      "num_state_layers": 6, "state_bytes_per_layer": 8192,
+                      "state_chunk_size": 32},
+            "workload": {"arrival": {"process": "poisson", "rate": 100},
+                         "prompt_len": {"dist": "uniform", "low": 20, "high": 200},
+                         "output_len": {"dist": "uniform", "low": 1, "high": 120},
+                         "prefix_groups": {"groups": 2, "length": 160, "fraction": 0.9}},
+            "systems": [{"name": "s", "allocator": {"kind": "paged", "block_size": 32,
+                                                     "prefix_caching": True,
+                                                     "mamba_cache_mode": mode},
+                         "scheduler": {"chunked_prefill": True,
+                                       "max_num_batched_tokens": 100}}],
+            "stop": {"num_requests": 80}}
+    for name, data in scenarios.items():
+        result = run_scenario(scenario_from_dict(data)).systems["s"]
         blob = "".join(frame.to_csv() for frame in (result.requests, result.steps, result.memory))
         blob += json.dumps(result.summary, sort_keys=True)
-        digests[str(seed)] = hashlib.sha256(blob.encode()).hexdigest()
+        digests[name] = hashlib.sha256(blob.encode()).hexdigest()
     return digests
 
 
