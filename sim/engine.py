@@ -1997,7 +1997,10 @@ def _memory_text(scenario: Scenario) -> str:
             f"{slots:,} tokens{rank} of {per_gpu / 1024:,.1f} KiB{each}; maximum concurrency "
             f"for {model.max_model_len:,} tokens per request: "
             f"{max_concurrency(model, slots, model.max_model_len, tp):.2f}x{rank}")
-    if model.has_state_layers and any(caches_every_state(s) for s in scenario.systems):
+    # A state-space hybrid's systems under mamba cache mode all take larger blocks.
+    every_state = model.has_state_layers and any(caches_every_state(system)
+                                                 for system in scenario.systems)
+    if every_state:
         text += (f" ({max_concurrency(model, slots, model.max_model_len, tp, True):.2f}x "
                  "under mamba_cache_mode all)")
     if slots < model.max_model_len:
@@ -2013,7 +2016,7 @@ def _memory_text(scenario: Scenario) -> str:
         layers, full, _, state = model.kv_cache_groups()
         state_mib = model.state_bytes_per_layer_per_gpu(tp) * model.num_state_layers / MIB
         all_mode = (f" ({model.state_block_size(tp, True)} under mamba_cache_mode all)"
-                    if any(caches_every_state(system) for system in scenario.systems) else "")
+                    if every_state else "")
         text += (f"; {model.num_state_layers} of {model.num_layers} layers are state-space "
                  f"layers, keeping {state_mib:,.1f} MiB{each} of state a sequence instead of "
                  f"KV: paged, the hybrid KV cache manager keeps {full} full-attention and "
