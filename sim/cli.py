@@ -117,11 +117,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     path = Path(args.scenario)
     scenario, _ = load(path, args.seed, dict(args.overrides or []))
-    out = make_output_folder(Path(args.out or scenario.output_dir
-                                  or Path("runs") / scenario.name))
+    out = Path(args.out or scenario.output_dir or Path("runs") / scenario.name)
+    made = not out.exists()
+    make_output_folder(out)
     try:
         result = run_scenario(scenario, path.parent, progress=_progress_factory(args.quiet))
     except _bad_input_types() as exc:
+        _unmake_empty(out, made)
         raise BadInput(f"{path}: {exc}") from None
     write_run(result, out)
     changed = "".join(f", {field}={value}" for field, value in (args.overrides or []))
@@ -143,6 +145,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"report: {report}")
     print(f"results: {out}")
     return EXIT_OK
+
+
+def _unmake_empty(out: Path, made: bool) -> None:
+    """Remove the output folder a refused command ``made`` (before any work, so that a bad
+    ``--out`` costs none), as long as nothing was written in it."""
+    if made and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
 
 
 def _write_report(out: Path) -> Path:
@@ -223,7 +232,9 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         slo = {**(scenario.slo.model_dump(exclude_none=True) if scenario.slo else {}), **given}
         scenario = scenario_from_dict({**scenario.model_dump(), "slo": slo}, "command line")
     runs = Path(scenario.output_dir or Path("runs") / scenario.name)
-    out = make_output_folder(Path(args.out or runs.with_name(f"{runs.name}-capacity")))
+    out = Path(args.out or runs.with_name(f"{runs.name}-capacity"))
+    made = not out.exists()
+    make_output_folder(out)
     if args.sweep:
         return _capacity_sweep(path, args, out, scenario)
 
@@ -239,6 +250,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                                             systems=args.system, progress=progress,
                                             jobs=args.jobs or os.cpu_count() or 1)
     except _bad_input_types() as exc:
+        _unmake_empty(out, made)
         raise BadInput(f"{path}: {exc}") from None
     if scenario.sweep:
         print(f"note: {path} has a sweep section; this searched its base scenario only "

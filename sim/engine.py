@@ -205,7 +205,7 @@ def build_allocator(system: SystemConfig, pool_slots: int, max_model_len: int,
         return HybridPagedAllocator(
             num_blocks, block_size, full_groups=full_groups,
             sliding_groups=sliding_groups, sliding_window=model.sliding_window,
-            prefill_chunk_tokens=(scheduler.max_num_batched_tokens
+            prefill_chunk_tokens=(scheduler.prefill_chunk_tokens
                                   if scheduler.chunked_prefill else None),
             enable_prefix_caching=cfg.prefix_caching, eviction=cfg.eviction,
             watermark=cfg.watermark, state_groups=state_groups,
@@ -2151,6 +2151,11 @@ def read_workload_files(scenario: Scenario, base_dir: Path) -> None:
     workload = scenario.workload
     if isinstance(workload, SyntheticWorkload):
         workload.length_notes(base_dir)
+        # Every drawn request has the workload's samples: one stands for them all.
+        forks = workload.sampling.forks
+        one = np.ones(1, np.int64)
+        _samples_run(scenario, Trace.from_columns(arrival_s=np.zeros(1), prompt_len=one,
+                                                  output_len=one, n=one * forks))
     else:
         scenario_trace(scenario, base_dir)
 
@@ -2199,6 +2204,17 @@ def _samples_run(scenario: Scenario, trace: Trace) -> None:
             raise WorkloadError(f"{where}fork: request {request} of {trace.source} has "
                                 f"{int(trace.n[request])} samples; at most {MAX_SAMPLES} run "
                                 "together (fan_out runs more, each a request of its own)")
+        if (system.scheduler.parallel_sampling == "fork"
+                and isinstance(system.allocator, ContiguousConfig)
+                and system.scheduler.long_prefill_token_threshold is not None):
+            # Forks find their extents when the prompt's last chunk is read; capped chunks
+            # leave budget to seat others meanwhile, who may take that room.
+            request = int(np.argmax(trace.n > 1))
+            raise WorkloadError(f"{where}fork: request {request} of {trace.source} has "
+                                f"{int(trace.n[request])} samples, whose contiguous extents "
+                                "beside prompts read in capped chunks (scheduler."
+                                "long_prefill_token_threshold) are not modelled; use fan_out "
+                                "(as vLLM, whose cap it is, runs samples) or paged memory")
         if system.scheduler.parallel_sampling == "fan_out" and unmodelled:
             request = int(np.argmax(trace.n > 1))
             raise WorkloadError(f"{where}fan_out: request {request} of {trace.source} has "

@@ -836,6 +836,9 @@ class Scheduler:
         self._append = allocator.append
         # Prompt memory taken chunk by chunk as it is written (vLLM v1), not at admission.
         self._per_chunk = config.chunked_prefill and config.prefill_allocation == "per_chunk"
+        # The most prompt tokens one request reads in a step (the budget, or vLLM's
+        # long_prefill_token_threshold below it).
+        self._chunk_cap: int = config.prefill_chunk_tokens
         self._pool: BlockPool | None = getattr(allocator, "pool", None)
         # Paged tables grow a block at a time: a decoding sequence holding t tokens holds
         # ceil(t / bs) blocks. Contiguous extents never grow (cap stays the reservation),
@@ -1578,7 +1581,8 @@ class Scheduler:
         if self.prefilling:
             for request in [r for r in self.running.values() if r.in_prefill]:
                 if request.admit_seq in self.running and budget > 0:
-                    chunk = min(request.prefill_target - request.prefilled, budget)
+                    chunk = min(request.prefill_target - request.prefilled, budget,
+                                self._chunk_cap)
                     if self._state_align:
                         chunk = self._aligned_chunk(request.prefill_target, request.prefilled,
                                                     chunk)
@@ -1618,10 +1622,11 @@ class Scheduler:
                             request.swapped)
                 if spec.prompt_len - ready > budget:
                     break  # not blocked for good: a step without other prefills admits it
-            if self._state_align and budget < self._state_align:
+            if self._state_align and min(budget, self._chunk_cap) < self._state_align:
                 ready = self.allocator.lookup(spec)  # type: ignore[attr-defined]
                 if not self._aligned_chunk(spec.prompt_len, ready,
-                                           min(spec.prompt_len - ready, budget)):
+                                           min(spec.prompt_len - ready, budget,
+                                               self._chunk_cap)):
                     break  # not blocked for good: a step with a block's budget seats it
             # Per chunk (vLLM v1), a prompt computed here claims only its first chunk's memory
             # (a swapped or transferred one arrives whole).
@@ -1632,8 +1637,9 @@ class Scheduler:
             if group:
                 hits = self._admit_group(request, spec)
             elif self._samples_fit(request, spec):
-                hits = self.allocator.admit(spec, budget if self._per_chunk and not (
-                    request.swapped or request.transferred) else None)
+                first_chunk = min(budget, self._chunk_cap) if self._per_chunk and not (
+                    request.swapped or request.transferred) else None
+                hits = self.allocator.admit(spec, first_chunk)
             if hits is None:
                 if self._make_room(request, batch):
                     continue  # memory freed for a better priority: try again
@@ -1681,7 +1687,8 @@ class Scheduler:
             self.running[request.admit_seq] = request
             self.prefilling += 1
             remaining = spec.prompt_len - request.prefilled
-            chunk = min(remaining, budget) if self.config.chunked_prefill else remaining
+            chunk = (min(remaining, budget, self._chunk_cap) if self.config.chunked_prefill
+                     else remaining)
             if self._state_align:
                 chunk = self._aligned_chunk(spec.prompt_len, request.prefilled, chunk)
                 assert chunk, "seated with a block's budget (checked above)"
@@ -1713,13 +1720,14 @@ class Scheduler:
         "align" cuts them (``_mamba_block_aligned_split``): to whole blocks while the
         prefill's last block boundary lies beyond the chunk, at that boundary where the
         chunk would pass it, and the tokens after it as they come. Where a block is larger
-        than a step's whole budget, chunks go on to the next boundary instead, keeping no
+        than the most a request reads in a step (the step's whole budget, or its
+        long_prefill_token_threshold), chunks go on to the next boundary instead, keeping no
         state before it (as newer vLLM does)."""
         bs = self._state_align
         last = end - end % bs
         if start >= last:
             return chunk
-        if self.config.max_num_batched_tokens < bs:
+        if self._chunk_cap < bs:
             return min(chunk, (start // bs + 1) * bs - start)
         if start + chunk < last:
             return chunk // bs * bs

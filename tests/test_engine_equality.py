@@ -282,6 +282,14 @@ def random_scenario(seed: int) -> dict:
             and not ("itl_timeout_s" in workload and "disaggregation" in engine)
             and not (together and spread) and rng.random() < 0.5):
         scheduler["parallel_sampling"] = "fan_out"
+    # Drawn last, as the above: vLLM's cap on the prompt tokens one request reads a step (a
+    # prompt read in more chunks, beside others), never under a decode step's tokens, nor
+    # where contiguous forks would find their extents only after the last chunk.
+    forked_extents = ("sampling" in workload and allocator["kind"] == "contiguous"
+                      and scheduler.get("parallel_sampling") != "fan_out")
+    if scheduler["chunked_prefill"] and not forked_extents and rng.random() < 0.4:
+        drafts = system.get("speculative", {}).get("num_speculative_tokens", 0)
+        scheduler["long_prefill_token_threshold"] = max(1 + drafts, rng.choice([1, 16, 100]))
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",
