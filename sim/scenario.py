@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import math
 import re
+from collections.abc import Iterable
 from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -646,8 +647,8 @@ class SpeculativeConfig(ConfigModel):
             raise ValueError("draft_layers: a draft model has its own layers (draft_layers is "
                              "for eagle, eagle3 and mtp)")
         if isinstance(self.draft_model, str) and self.draft_model.lower() not in MODEL_PRESETS:
-            raise ValueError(f"draft_model: unknown preset {self.draft_model!r}; known: "
-                             f"{', '.join(MODEL_PRESETS)} (or give the model's shape)")
+            raise ValueError(f"draft_model: {unknown_preset(self.draft_model, MODEL_PRESETS)} "
+                             "(or give the model's shape)")
         if self.draft_model is not None and _model_spec(self.draft_model).sliding_window:
             raise ValueError("draft_model: a draft model with sliding-window layers is not "
                              "modelled")
@@ -1123,8 +1124,7 @@ class Scenario(ConfigModel):
         presets, explicit = ((MODEL_PRESETS, "the model's shape") if info.field_name == "model"
                              else (GPU_PRESETS, "the GPU's figures"))
         if isinstance(value, str) and value.lower() not in presets:
-            raise ValueError(f"unknown preset {value!r}; known: {', '.join(presets)} "
-                             f"(or give {explicit})")
+            raise ValueError(f"{unknown_preset(value, presets)} (or give {explicit})")
         return value
 
     @field_validator("stop", mode="before")
@@ -1735,7 +1735,8 @@ def _loc(loc: tuple[Any, ...], data: Any) -> str:
             if key in tags or key in ("synthetic", "trace") or key in _TYPE_TAGS or (
                     "[" in key or key[:1].isupper()):
                 continue  # a union member's tag, not a field
-        elif not isinstance(node, dict) and ("[" in key or key in ("synthetic", "trace")):
+        elif not isinstance(node, dict) and ("[" in key or key in ("synthetic", "trace")
+                                             or key in _TYPE_TAGS):
             continue  # a union member's tag (list[...], literal[...]) over a list or a value
         parts.append(f".{key}" if parts else key)
         node = node.get(key) if isinstance(node, dict) else None
@@ -1765,6 +1766,8 @@ def _format_error(error: ErrorDetails, data: Any) -> str:
         if kind == "union_tag_not_found" or tag not in value:
             return f"{where}.{tag}: required field is missing ({expected})"
         return f"{where}.{tag}: expected {expected} (got {_shown(value[tag])})"
+    if kind == "string_type" and loc[-1:] == ("str",):  # a preset's name or its shape
+        return f"{where}: expected a preset's name or a mapping of fields (got {_shown(value)})"
     if kind == "too_short":
         least = context.get("min_length", 1)
         return (f"{where}: expected at least {least} item{'s' if least != 1 else ''} (got "
@@ -1839,6 +1842,15 @@ def _unknown_key_hint(key: str, loc: tuple[Any, ...], data: Any) -> str:
     if anywhere:  # a closer field of another section: say where it goes
         return f"; did you mean {anywhere[0]!r} (under {_homes_text(_FIELD_HOMES[anywhere[0]])})?"
     return ""
+
+
+def unknown_preset(name: str, presets: Iterable[str]) -> str:
+    """Why ``name`` is no preset, in words: the nearest preset where one is near (a typo,
+    a version left out), and every one known."""
+    known = list(presets)
+    near = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.6)
+    guess = f"; did you mean {near[0]!r}?" if near else ""
+    return f"unknown preset {name!r}{guess} (known: {', '.join(known)})"
 
 
 def _likeness(a: str, b: str) -> float:

@@ -86,6 +86,10 @@ def test_same_seed_gives_identical_files(tmp_path):
 BAD = [
     ("unknown key", GOOD.replace("stop:", "stpo:"),
      "stpo: unknown key; did you mean 'stop'?"),
+    ("a preset misspelt", GOOD.replace("name: tiny", "name: tiny\nmodel: llama3.1-8b"),
+     "model: unknown preset 'llama3.1-8b'; did you mean 'llama-3.1-8b'? (known: llama-2-7b"),
+    ("a preset not named", GOOD.replace("name: tiny", "name: tiny\ngpu:"),
+     "gpu: expected a preset's name or a mapping of fields (got None)"),
     ("wrong type", GOOD.replace("rate: 50", "rate: fast"),
      "workload.arrival.rate: Input should be a valid number"),
     ("negative size", GOOD.replace("kv_memory_gib: 2", "kv_memory_gib: -2"),
