@@ -374,7 +374,7 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
                                   "virtual_memory", "shortest_first", "attention_kinds",
                                   "sliding_window", "prefill_allocation", "max_model_len",
                                   "gpu_choice", "weight_precision", "queue_timeout",
-                                  "e2e_timeout", "load_shedding"])
+                                  "e2e_timeout", "load_shedding", "long_prefill"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     # The 70B layouts sweeps' quick runs still take 2,000 requests a point; the orders
     # checked below show at a quarter of that.
@@ -443,6 +443,11 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
         b200, h200 = ttft.loc["b200-180g"], ttft.loc["h200-141g"].dropna()
         assert ((b200[fp4] < b200[fp8]) & (b200[fp8] < b200[bf16])).all()
         assert ((h200[fp8] < h200[fp4]) & (h200[fp4] < h200[bf16])).all()
+    if name == "long_prefill":  # a cap or a smaller budget: fewer stalled streams
+        within = outcome.table.pivot_table(index="param:workload.arrival.rate",
+                                           columns="system", values="slo_attainment")
+        assert (within["cap-512"] > within["budget-8192"]).all()
+        assert (within["budget-2048"] > within["budget-8192"]).all()
     if name == "block_size_sweep":
         data = figures["block_size_tradeoff"].kvsim_data["tradeoff"]
         assert data["internal_waste_pct"].is_monotonic_increasing
