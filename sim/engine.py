@@ -2206,7 +2206,7 @@ def _samples_run(scenario: Scenario, trace: Trace) -> None:
                                 "together (fan_out runs more, each a request of its own)")
         if (system.scheduler.parallel_sampling == "fork"
                 and isinstance(system.allocator, ContiguousConfig)
-                and system.scheduler.long_prefill_token_threshold is not None):
+                and system.scheduler.long_prefill_token_threshold):
             # Forks find their extents when the prompt's last chunk is read; capped chunks
             # leave budget to seat others meanwhile, who may take that room.
             request = int(np.argmax(trace.n > 1))

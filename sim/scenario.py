@@ -431,12 +431,12 @@ class SchedulerConfig(ConfigModel):
         "for the chunk each step computes (vLLM v1): more requests start, and a chunk that "
         "finds memory short preempts as a decode step does. Without chunked prefill a prompt "
         "is one chunk, and the two are the same")
-    long_prefill_token_threshold: PositiveInt | None = Field(
+    long_prefill_token_threshold: NonNegativeInt | None = Field(
         default=None, description="under chunked_prefill: the most prompt tokens one request "
         "reads in a step, as vLLM's --long-prefill-token-threshold: a long prompt is read in "
         "chunks of at most this many, leaving the rest of the step's budget to other "
-        "prompts, so that one long prompt does not hold up the prompts behind it; absent: "
-        "a request may take the whole budget")
+        "prompts, so that one long prompt does not hold up the prompts behind it; absent or "
+        "0 (vLLM's default): a request may take the whole budget")
     policy: Literal["fcfs", "priority", "shortest_predicted", "lpm", "dfs_weight",
                     "random", "lof"] = Field(
         default="fcfs", description="as vLLM's --scheduling-policy: first come, first served, "
@@ -519,7 +519,7 @@ class SchedulerConfig(ConfigModel):
                 raise ValueError(f"{aging} needs policy: shortest_predicted")
         if self.max_lpm_queue_size is not None and self.policy != "lpm":
             raise ValueError("max_lpm_queue_size needs policy: lpm")
-        if self.long_prefill_token_threshold is not None and not self.chunked_prefill:
+        if self.long_prefill_token_threshold and not self.chunked_prefill:
             raise ValueError("long_prefill_token_threshold needs chunked_prefill: true (it "
                              "cuts prompts into chunks)")
         return self
@@ -792,7 +792,7 @@ class SystemConfig(ConfigModel):
     def _chunks_hold_a_decode_step(self):  # type: ignore[no-untyped-def]
         threshold = self.scheduler.long_prefill_token_threshold
         step = 1 + (self.speculative.num_speculative_tokens if self.speculative else 0)
-        if threshold is not None and threshold < step:
+        if threshold and threshold < step:
             raise ValueError(f"scheduler.long_prefill_token_threshold: {threshold} is fewer "
                              f"than the {step} tokens a decode step reads for a request (its "
                              f"last token and {step - 1} drafts), which vLLM's cap would cut; "
@@ -1646,7 +1646,7 @@ class Scenario(ConfigModel):
                              f"alike but where the context limit cuts it (nearly first come, "
                              f"first served); a trace's columns.max_tokens gives each its own")
             threshold = scheduler.long_prefill_token_threshold
-            if threshold is not None and threshold >= scheduler.max_num_batched_tokens:
+            if threshold and threshold >= scheduler.max_num_batched_tokens:
                 notes.append(f"system {system.name!r}: scheduler.long_prefill_token_threshold "
                              f"{threshold:,} changes nothing: a step's whole budget "
                              f"(max_num_batched_tokens {scheduler.max_num_batched_tokens:,}) "

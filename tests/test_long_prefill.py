@@ -52,8 +52,8 @@ def test_a_capped_prompt_leaves_the_rest_of_the_budget_to_the_next():
     assert chunks[:3] == [[("A", 20, 0), ("B", 20, 0)], [("A", 20, 20), ("B", 10, 20)],
                           [("A", 10, 40)]]
     assert first == [3.0, 2.0]
-    # A cap the budget never reaches changes nothing.
-    assert step_by_step(64) == step_by_step(None)
+    # A cap the budget never reaches changes nothing, nor does 0, vLLM's "no cap".
+    assert step_by_step(64) == step_by_step(0) == step_by_step(None)
 
 
 BASE = {"name": "t", "model": "llama-3.1-8b", "gpu": "h100-80g",
@@ -81,8 +81,8 @@ def with_scheduler(**scheduler) -> dict:
       "speculative": {"method": "ngram", "num_speculative_tokens": 3,
                       "mean_acceptance_length": 2.0}},
      "long_prefill_token_threshold: 3 is fewer than the 4 tokens a decode step reads"),
-    ({"scheduler": {"chunked_prefill": True, "long_prefill_token_threshold": 0}},
-     "long_prefill_token_threshold: Input should be greater than 0"),
+    ({"scheduler": {"chunked_prefill": True, "long_prefill_token_threshold": -1}},
+     "long_prefill_token_threshold: Input should be greater than or equal to 0"),
 ])
 def test_a_cap_that_cannot_work_is_refused_in_one_line(system, message):
     data = {**BASE, "systems": [{"name": "s", "allocator": {"kind": "paged"}, **system}]}
