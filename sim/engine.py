@@ -2185,40 +2185,40 @@ def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) 
 
 def _samples_run(scenario: Scenario, trace: Trace) -> None:
     """Refuse a trace's requests of several samples that a system cannot run as it is
-    told to: more than fork runs together, or fanned out beside what is not modelled so."""
+    told to: forks of a state-space model's states, more than fork runs together, contiguous
+    forks beside capped prompt chunks, or fanned out beside what is not modelled so."""
     if not len(trace) or trace.n.max() == 1:
         return
     unmodelled = scenario.fanned_out_samples_unmodelled()
     model = scenario.model_spec()
+    several = int(np.argmax(trace.n > 1))  # the first request of several samples
     for system in scenario.systems:
-        where = f"systems[{system.name}].scheduler.parallel_sampling: "
-        if system.scheduler.parallel_sampling == "fork" and model.has_state_layers:
-            request = int(np.argmax(trace.n > 1))
-            raise WorkloadError(f"{where}fork: request {request} of {trace.source} has "
-                                f"{int(trace.n[request])} samples, and {model.name}'s "
-                                "state-space layers keep a state a sequence that forks would "
-                                "not share; use fan_out (each sample a request of its own, "
-                                "as vLLM runs them)")
-        if system.scheduler.parallel_sampling == "fork" and trace.n.max() > MAX_SAMPLES:
-            request = int(np.argmax(trace.n > MAX_SAMPLES))
-            raise WorkloadError(f"{where}fork: request {request} of {trace.source} has "
-                                f"{int(trace.n[request])} samples; at most {MAX_SAMPLES} run "
-                                "together (fan_out runs more, each a request of its own)")
-        if (system.scheduler.parallel_sampling == "fork"
-                and isinstance(system.allocator, ContiguousConfig)
-                and system.scheduler.long_prefill_token_threshold):
+        mode = system.scheduler.parallel_sampling
+        forks = mode == "fork"
+        refusal: tuple[int, str] | None = None  # (the request that shows it, why)
+        if forks and model.has_state_layers:
+            refusal = several, (f", and {model.name}'s state-space layers keep a state a "
+                                "sequence that forks would not share; use fan_out (each "
+                                "sample a request of its own, as vLLM runs them)")
+        elif forks and trace.n.max() > MAX_SAMPLES:
+            refusal = int(np.argmax(trace.n > MAX_SAMPLES)), (
+                f"; at most {MAX_SAMPLES} run together (fan_out runs more, each a request of "
+                "its own)")
+        elif (forks and isinstance(system.allocator, ContiguousConfig)
+              and system.scheduler.long_prefill_token_threshold):
             # Forks find their extents when the prompt's last chunk is read; capped chunks
             # leave budget to seat others meanwhile, who may take that room.
-            request = int(np.argmax(trace.n > 1))
-            raise WorkloadError(f"{where}fork: request {request} of {trace.source} has "
-                                f"{int(trace.n[request])} samples, whose contiguous extents "
-                                "beside prompts read in capped chunks (scheduler."
-                                "long_prefill_token_threshold) are not modelled; use fan_out "
-                                "(as vLLM, whose cap it is, runs samples) or paged memory")
-        if system.scheduler.parallel_sampling == "fan_out" and unmodelled:
-            request = int(np.argmax(trace.n > 1))
-            raise WorkloadError(f"{where}fan_out: request {request} of {trace.source} has "
-                                f"{int(trace.n[request])} samples: {unmodelled}")
+            refusal = several, (", whose contiguous extents beside prompts read in capped "
+                                "chunks (scheduler.long_prefill_token_threshold) are not "
+                                "modelled; use fan_out (as vLLM, whose cap it is, runs "
+                                "samples) or paged memory")
+        elif not forks and unmodelled:
+            refusal = several, f": {unmodelled}"
+        if refusal is not None:
+            request, why = refusal
+            raise WorkloadError(f"systems[{system.name}].scheduler.parallel_sampling: {mode}: "
+                                f"request {request} of {trace.source} has "
+                                f"{int(trace.n[request])} samples{why}")
 
 
 @contextmanager
