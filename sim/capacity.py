@@ -35,6 +35,7 @@ from sim.sweep import (
     expand,
     make_executor,
     params_as_text,
+    read_files,
     set_path,
     sweep_config,
     with_overrides,
@@ -358,6 +359,7 @@ def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "loca
         for note in notes:
             notify(note)
     _chosen_systems(scenario, systems)  # an unknown name is an error before any search
+    read_files(points, path.parent, str(path))  # a bad trace row too, as kvsim sweep's
     base_dir = str(path.parent.resolve())
     tick = progress(len(points)) if progress else None
     execute = make_executor(executor, jobs, address)

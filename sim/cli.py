@@ -236,7 +236,11 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     made = not out.exists()
     make_output_folder(out)
     if args.sweep:
-        return _capacity_sweep(path, args, out, scenario)
+        try:
+            return _capacity_sweep(path, args, out, scenario)
+        except BadInput:
+            _unmake_empty(out, made)
+            raise
 
     slo = scenario.slo.model_dump() if scenario.slo else {}
     # Each system (and seed) is searched in a process of its own, which prints its probes

@@ -608,6 +608,18 @@ def test_a_sweep_whose_every_point_fails_keeps_their_errors(tmp_path):
         path.write_text(yaml.safe_dump({**data, "slo": OBJECTIVES, "sweep": {"grid": grid}}))
         bad = kvsim_in_process("capacity", str(path), "--sweep", "--out", str(tmp_path / "x"))
         assert bad.returncode == 2 and bad.stderr == f"kvsim: error: {path}: {told}\n"
+    assert not (tmp_path / "x").exists()  # refused before any search: no folder left
+    # A workload that cannot run is refused before any search too, as kvsim sweep refuses
+    # it, rather than recorded as every point failing: a trace file with a bad row.
+    (tmp_path / "bad.csv").write_text("arrival_s,prompt_len,output_len\n0,10,5\n1,-3,5\n")
+    path.write_text(yaml.safe_dump({**data, "slo": OBJECTIVES, "stop": None,
+                                    "workload": {"kind": "trace", "path": "bad.csv"},
+                                    "sweep": {"grid": {"memory.kv_memory_gib": [1, 2]}}}))
+    for command in (["sweep"], ["capacity", "--sweep"]):
+        bad = kvsim_in_process(*command, str(path), "--out", str(tmp_path / "x"))
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+        assert "bad.csv" in bad.stderr and "prompt_len" in bad.stderr
+        assert not (tmp_path / "x").exists()
 
 
 def test_capacity_under_several_seeds_is_each_seeds_own_search(tmp_path, capfd):
