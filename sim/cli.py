@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from workloads.spec import ColumnMap
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+COMPARED_SETTINGS = 8  # the settings kvsim compare names that differ, at most, a run
 
 
 class BadInput(Exception):
@@ -487,7 +488,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from sim.results import load_summaries, sweep_run_label
+    from sim.results import (
+        load_scenario_copy,
+        load_summaries,
+        scenario_differences,
+        sweep_run_label,
+    )
 
     paths = [Path(p) for p in args.run_dirs]
     if len(paths) < 2:
@@ -506,6 +512,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise BadInput(f"the same run folder is given twice: {' '.join(args.run_dirs)}")
     print(format_comparison({label: load_summaries(path)
                              for label, path in zip(labels, paths, strict=True)}))
+    # What was run differently: each run's settings against the first's.
+    first = load_scenario_copy(paths[0])
+    for label, path in zip(labels[1:], paths[1:], strict=True):
+        other = load_scenario_copy(path)
+        if first is None or other is None:
+            continue
+        differences = scenario_differences(first, other)
+        shown = "; ".join(differences[:COMPARED_SETTINGS]) or "none (the same scenario)"
+        more = len(differences) - COMPARED_SETTINGS
+        print(f"settings of {label} that differ from {labels[0]}'s: {shown}"
+              + (f"; and {more} more" if more > 0 else ""))
     return EXIT_OK
 
 

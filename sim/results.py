@@ -436,6 +436,57 @@ def swept_value_text(value: Any) -> str:
     return str(value)
 
 
+# What names a run rather than sets it up: no setting that tells two runs apart.
+_NAMING_FIELDS = ("name", "description", "output_dir", "sweep")
+
+
+def scenario_differences(first: Any, other: Any) -> list[str]:
+    """The settings in which resolved scenario ``other`` differs from ``first``, each as a
+    sweep path with both values ("systems[paged].scheduler.max_num_seqs: 256 → 64"),
+    systems matched by name, in the order the scenario gives them."""
+    def setting(value: Any) -> str:
+        if isinstance(value, dict | list):
+            return json.dumps(value, separators=(", ", ": "))
+        return swept_value_text(value)
+
+    def by_name(systems: Any) -> dict[str, Any] | None:
+        named = isinstance(systems, list) and all(isinstance(s, dict) and "name" in s
+                                                  for s in systems)
+        return {str(s["name"]): s for s in systems} if named else None
+
+    differences: list[str] = []
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in dict.fromkeys([*a, *b]):
+                if not path and key in _NAMING_FIELDS:
+                    continue
+                walk(a.get(key), b.get(key), f"{path}.{key}" if path else str(key))
+            return
+        systems_a, systems_b = (by_name(a), by_name(b)) if path == "systems" else (None, None)
+        if systems_a is not None and systems_b is not None:
+            for name in dict.fromkeys([*systems_a, *systems_b]):
+                if name not in systems_b or name not in systems_a:
+                    whose = "first" if name in systems_a else "second"
+                    differences.append(f"systems[{name}]: only in the {whose}")
+                else:
+                    walk(systems_a[name], systems_b[name], f"systems[{name}]")
+            return
+        if a != b:
+            differences.append(f"{path}: {setting(a)} → {setting(b)}")
+
+    walk(first, other, "")
+    return differences
+
+
+def load_scenario_copy(out_dir: Path) -> Any:
+    """The resolved scenario a run folder keeps (scenario.yaml), or None where it has none
+    (a folder written before it did)."""
+    if not (out_dir / "scenario.yaml").is_file():
+        return None
+    return read_back(out_dir, "scenario.yaml", lambda p: yaml.safe_load(p.read_text()))
+
+
 def sweep_run_label(out_dir: Path) -> str | None:
     """The swept values of a sweep's run folder (``SWEEP/runs/KEY``), as
     "max_model_len=4096, seed 0"; None for a folder no sweep's table lists."""

@@ -577,6 +577,13 @@ def test_compare_puts_runs_side_by_side_with_the_change(seed_run, tmp_path):
     change = (after["contiguous-4096"]["mean_batch"] / before["contiguous-4096"]["mean_batch"]
               - 1) * 100
     assert row[:3] == ["8.0", "4.0", f"{change:+.1f}%"] and change < 0
+    # Under the table, what was run differently.
+    assert proc.stdout.splitlines()[-1] == (
+        "settings of smaller that differ from run's: memory.kv_memory_gib: 16 → 8")
+    # A folder without its scenario (written before runs kept one) is compared all the same.
+    (other / "scenario.yaml").unlink()
+    proc = kvsim("compare", str(seed_run), str(other))
+    assert proc.returncode == 0 and "settings of" not in proc.stdout
     # A folder that is no run is named in one line; so is a single folder.
     for args, expected in [((str(seed_run), str(tmp_path)),
                             f"{tmp_path}: not a kvsim run folder (no summary.json)"),
@@ -780,3 +787,23 @@ def test_a_run_past_the_machines_memory_says_so_in_one_line(tmp_path, setting, c
     assert proc.stderr.strip().endswith("give fewer requests (stop.num_requests), shorter "
                                         "ones, a smaller KV pool or a smaller sweep")
     assert "\n" not in proc.stderr.strip()
+
+
+def test_scenario_differences_are_paths_with_both_values():
+    from sim.results import scenario_differences
+
+    first = {"name": "a", "output_dir": "x", "seed": 0, "memory": {"kv_memory_gib": 2},
+             "workload": {"priorities": {0: 1}}, "slo": {"priorities": [0]},
+             "systems": [{"name": "paged", "scheduler": {"max_num_seqs": 256}},
+                         {"name": "contiguous", "allocator": {"kind": "contiguous"}}]}
+    other = {"name": "b", "output_dir": "y", "seed": 3, "memory": {"kv_memory_gib": None},
+             "workload": {"priorities": {0: 1, 1: 4}}, "slo": {"priorities": [0, 1]},
+             "systems": [{"name": "fast", "scheduler": {}},
+                         {"name": "paged", "scheduler": {"max_num_seqs": 64}}]}
+    # Names and folders tell runs apart without setting them up; a mapping is followed key
+    # by key, systems matched by name whatever their order, and a list is shown whole.
+    assert scenario_differences(first, other) == [
+        "seed: 0 → 3", "memory.kv_memory_gib: 2 → null", "workload.priorities.1: null → 4",
+        "slo.priorities: [0] → [0, 1]", "systems[paged].scheduler.max_num_seqs: 256 → 64",
+        "systems[contiguous]: only in the first", "systems[fast]: only in the second"]
+    assert scenario_differences(first, first) == []
