@@ -27,6 +27,7 @@ import pandas as pd
 import yaml
 
 from sim.memory import TAXONOMY, MemorySnapshot, final_kv_tokens
+from sim.scenario import MAX_REPLICAS
 from sim.slo import in_time, latencies, slo_summary
 
 if TYPE_CHECKING:
@@ -479,12 +480,10 @@ def scenario_differences(first: Any, other: Any) -> list[str]:
     return differences
 
 
-def load_scenario_copy(out_dir: Path) -> Any:
+def load_scenario_copy(out_dir: Path) -> dict[str, Any] | None:
     """The resolved scenario a run folder keeps (scenario.yaml), or None where it has none
     (a folder written before it did)."""
-    if not (out_dir / "scenario.yaml").is_file():
-        return None
-    return read_back(out_dir, "scenario.yaml", lambda p: yaml.safe_load(p.read_text()))
+    return read_scenario(out_dir) if (out_dir / "scenario.yaml").is_file() else None
 
 
 def sweep_run_label(out_dir: Path) -> str | None:
@@ -505,13 +504,26 @@ def sweep_run_label(out_dir: Path) -> str | None:
 
 def read_scenario(folder: Path) -> dict[str, Any]:
     """The resolved scenario a run or capacity folder keeps (``scenario.yaml``)."""
-    return read_back(folder, "scenario.yaml", lambda p: dict(yaml.safe_load(p.read_text())))
+    def mapping(path: Path) -> dict[str, Any]:
+        data = yaml.safe_load(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("expected a mapping of scenario fields")
+        return data
+
+    return read_back(folder, "scenario.yaml", mapping)
 
 
 def load_run(out_dir: Path) -> ScenarioResult:
     """Read a run folder back (the inverse of :func:`write_run`)."""
     summaries, trace_notes = read_back(out_dir, "summary.json", _read_summary)
     scenario = read_scenario(out_dir)
+    listed = scenario.get("systems")
+    named = [str(s.get("name")) for s in listed if isinstance(s, dict)] if isinstance(
+        listed, list) else []
+    if sorted(named) != sorted(summaries):
+        raise RunFolderError(f"{out_dir / 'scenario.yaml'}: its systems ({', '.join(named)}) "
+                             f"are not those of summary.json ({', '.join(summaries)}); rerun "
+                             "kvsim run to rebuild the folder")
     systems = {}
     for name, metrics in summaries.items():
         folder = _safe_name(name)
@@ -535,6 +547,14 @@ def _read_system_table(path: Path, table: str) -> pd.DataFrame:
 
 # The summary metrics held as text (a JSON list); every other one is a number or null.
 TEXT_METRICS = frozenset({"draft_schedule"})
+# Metrics every run gives a number (what the memory taxonomy splits, and the run's shape),
+# which the report reckons with: null there is damage, not "none" as for a hit rate.
+TAXONOMY_FRACTIONS = frozenset(f"{category}_frac" for category in TAXONOMY)
+# Counts of the run's shape: the least and the most each can be (replicas as many as a
+# scenario may ask for; else a float's whole numbers).
+COUNT_METRICS = {"replicas": (1, MAX_REPLICAS), "prefill_replicas": (0, MAX_REPLICAS),
+                 "gpus": (1, 2**53), "capacity_slots": (1, 2**53), "requests": (0, 2**53)}
+NEVER_NULL_METRICS = TAXONOMY_FRACTIONS | set(COUNT_METRICS)
 
 
 class ReadSummary(dict[str, Any]):
@@ -566,6 +586,16 @@ def _read_summary(path: Path) -> tuple[dict[str, dict[str, Any]], list[str]]:
             text = key in TEXT_METRICS
             kind_ok = isinstance(value, str) if text else (
                 isinstance(value, int | float) and not isinstance(value, bool))
+            if value is None and key in NEVER_NULL_METRICS:
+                raise ValueError(f"systems.{system}.{key}: expected a number, got null")
+            if key in TAXONOMY_FRACTIONS and kind_ok and not 0 <= value <= 1 + 1e-9:
+                raise ValueError(f"systems.{system}.{key}: expected a share from 0 to 1, "
+                                 f"got {value!r}")
+            if key in COUNT_METRICS and kind_ok:
+                least, most = COUNT_METRICS[key]
+                if not (isinstance(value, int) and least <= value <= most):
+                    raise ValueError(f"systems.{system}.{key}: expected a whole number from "
+                                     f"{least} to {most:,}, got {value!r}")
             if value is not None and not kind_ok:
                 raise ValueError(f"systems.{system}.{key}: expected "
                                  f"{'text' if text else 'a number'} or null, got {value!r}")

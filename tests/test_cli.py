@@ -550,8 +550,28 @@ def drop_columns(table: Path, *columns: str) -> None:
      "a table of another kvsim version, or edited: rerun kvsim run to rebuild it)"),
     (lambda run: drop_columns(run / "contiguous-4096" / "memory.parquet", "cached"),
      "{run}/contiguous-4096/memory.parquet: cannot be read back (no 'cached' column;"),
+    # A metric the report reckons with is never null, a share of the pool never past it,
+    # and a count whole and within what a run can have.
+    (lambda run: edit_summary(run, lambda systems: systems["paged-16"].update(
+        token_frac=None)),
+     "{run}/summary.json: cannot be read back (systems.paged-16.token_frac: expected a "
+     "number, got null)"),
+    (lambda run: edit_summary(run, lambda systems: systems["paged-16"].update(
+        reserved_frac=1e300)),
+     "{run}/summary.json: cannot be read back (systems.paged-16.reserved_frac: expected a "
+     "share from 0 to 1, got 1e+300)"),
+    (lambda run: edit_summary(run, lambda systems: systems["paged-16"].update(
+        replicas=2.0)),
+     "{run}/summary.json: cannot be read back (systems.paged-16.replicas: expected a whole "
+     "number from 1 to 1,048,576, got 2.0)"),
+    # The scenario kept beside the summary is the one that ran its systems.
+    (lambda run: (run / "scenario.yaml").write_text(
+        (run / "scenario.yaml").read_text().replace("name: paged-16", "name: paged")),
+     "{run}/scenario.yaml: its systems (contiguous-4096, paged) are not those of "
+     "summary.json (contiguous-4096, paged-16); rerun kvsim run to rebuild the folder"),
 ], ids=["missing-table", "bad-json", "no-systems", "bad-parquet", "bad-metric",
-        "bad-system", "missing-metric", "missing-columns", "missing-column"])
+        "bad-system", "missing-metric", "missing-columns", "missing-column", "null-share",
+        "share-past-the-pool", "count-not-whole", "systems-renamed"])
 def test_a_damaged_run_folder_is_named_in_one_line(seed_run, tmp_path, damage, expected):
     run = Path(shutil.copytree(seed_run, tmp_path / "run"))
     damage(run)
