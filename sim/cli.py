@@ -506,10 +506,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise BadInput(f"{path}: not a kvsim run folder (no summary.json)")
     # Each run by what its sweep set, or its folder's name, or by the path given where two
     # names are alike.
+    if len({p.resolve() for p in paths}) < len(paths):  # however each is spelt
+        raise BadInput(f"the same run folder is given twice: {' '.join(args.run_dirs)}")
     names = [sweep_run_label(p) or p.name or str(p) for p in paths]
     labels = names if len(set(names)) == len(names) else [str(p) for p in paths]
-    if len(set(labels)) < len(labels):
-        raise BadInput(f"the same run folder is given twice: {' '.join(args.run_dirs)}")
     print(format_comparison({label: load_summaries(path)
                              for label, path in zip(labels, paths, strict=True)}))
     # What was run differently: each run's settings against the first's.

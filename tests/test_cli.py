@@ -605,9 +605,12 @@ def test_compare_puts_runs_side_by_side_with_the_change(seed_run, tmp_path):
     proc = kvsim("compare", str(seed_run), str(other))
     assert proc.returncode == 0 and "settings of" not in proc.stdout
     # A folder that is no run is named in one line; so is a single folder.
+    again = f"{seed_run}/../{seed_run.name}"  # the same folder, spelt otherwise
     for args, expected in [((str(seed_run), str(tmp_path)),
                             f"{tmp_path}: not a kvsim run folder (no summary.json)"),
-                           ((str(seed_run),), "compare needs two run folders or more, got 1")]:
+                           ((str(seed_run),), "compare needs two run folders or more, got 1"),
+                           ((str(seed_run), again),
+                            f"the same run folder is given twice: {seed_run} {again}")]:
         proc = kvsim("compare", *args)
         assert proc.returncode == 2 and proc.stderr == f"kvsim: error: {expected}\n"
 
