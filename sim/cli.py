@@ -114,13 +114,12 @@ def _progress_factory(quiet: bool) -> Callable[[str, int], Callable[[int], None]
 def cmd_run(args: argparse.Namespace) -> int:
     from sim.api import load
     from sim.engine import memory_summary, run_scenario
-    from sim.results import make_output_folder, run_notes, write_run
+    from sim.results import run_notes, write_run
 
     path = Path(args.scenario)
     scenario, _ = load(path, args.seed, dict(args.overrides or []))
     out = Path(args.out or scenario.output_dir or Path("runs") / scenario.name)
-    made = not out.exists()
-    make_output_folder(out)
+    made = _make_output_folder(out)
     try:
         result = run_scenario(scenario, path.parent, progress=_progress_factory(args.quiet))
     except _bad_input_types() as exc:
@@ -148,9 +147,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _make_output_folder(out: Path) -> bool:
+    """Create the output folder before any work (so that a bad ``--out`` costs none); True
+    if this made it, for :func:`_unmake_empty` to take it back on a refusal."""
+    from sim.results import make_output_folder
+
+    made = not out.exists()
+    make_output_folder(out)
+    return made
+
+
 def _unmake_empty(out: Path, made: bool) -> None:
-    """Remove the output folder a refused command ``made`` (before any work, so that a bad
-    ``--out`` costs none), as long as nothing was written in it."""
+    """Remove the output folder a refused command ``made``, as long as nothing was written
+    in it."""
     if made and out.is_dir() and not any(out.iterdir()):
         out.rmdir()
 
@@ -218,7 +227,6 @@ def _sweep_means(table: pd.DataFrame, metrics: Sequence[str]) -> str:
 def cmd_capacity(args: argparse.Namespace) -> int:
     from sim.api import load
     from sim.capacity import capacity_by_seed
-    from sim.results import make_output_folder
     from sim.scenario import scenario_from_dict
 
     path = Path(args.scenario)
@@ -234,8 +242,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         scenario = scenario_from_dict({**scenario.model_dump(), "slo": slo}, "command line")
     runs = Path(scenario.output_dir or Path("runs") / scenario.name)
     out = Path(args.out or runs.with_name(f"{runs.name}-capacity"))
-    made = not out.exists()
-    make_output_folder(out)
+    made = _make_output_folder(out)
     if args.sweep:
         try:
             return _capacity_sweep(path, args, out, scenario)

@@ -2151,11 +2151,8 @@ def read_workload_files(scenario: Scenario, base_dir: Path) -> None:
     workload = scenario.workload
     if isinstance(workload, SyntheticWorkload):
         workload.length_notes(base_dir)
-        # Every drawn request has the workload's samples: one stands for them all.
-        forks = workload.sampling.forks
-        one = np.ones(1, np.int64)
-        _samples_run(scenario, Trace.from_columns(arrival_s=np.zeros(1), prompt_len=one,
-                                                  output_len=one, n=one * forks))
+        # Every drawn request has the workload's samples: the first stands for them all.
+        _samples_run(scenario, np.array([workload.sampling.forks]), "synthetic")
     else:
         scenario_trace(scenario, base_dir)
 
@@ -2171,7 +2168,7 @@ def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) 
         levels = ", ".join(str(level) for level in np.unique(trace.priority))
         raise WorkloadError(f"slo.priorities: no request has priority "
                             f"{', '.join(map(str, judged))}; the trace's levels: {levels}")
-    _samples_run(scenario, trace)
+    _samples_run(scenario, trace.n, trace.source)
     unpredicted = np.flatnonzero(trace.predicted_output < 1)
     for system in scenario.systems:
         if (len(unpredicted) and system.uses_predictor
@@ -2183,15 +2180,16 @@ def scenario_trace(scenario: Scenario, base_dir: Path, seed: int | None = None) 
     return trace
 
 
-def _samples_run(scenario: Scenario, trace: Trace) -> None:
-    """Refuse a trace's requests of several samples that a system cannot run as it is
-    told to: forks of a state-space model's states, more than fork runs together, contiguous
-    forks beside capped prompt chunks, or fanned out beside what is not modelled so."""
-    if not len(trace) or trace.n.max() == 1:
+def _samples_run(scenario: Scenario, samples: np.ndarray, source: str) -> None:
+    """Refuse requests of several samples (``samples``: each request's, of the trace
+    ``source`` names) that a system cannot run as it is told to: forks of a state-space
+    model's states, more than fork runs together, contiguous forks beside capped prompt
+    chunks, or fanned out beside what is not modelled so."""
+    if not len(samples) or samples.max() == 1:
         return
     unmodelled = scenario.fanned_out_samples_unmodelled()
     model = scenario.model_spec()
-    several = int(np.argmax(trace.n > 1))  # the first request of several samples
+    several = int(np.argmax(samples > 1))  # the first request of several samples
     for system in scenario.systems:
         mode = system.scheduler.parallel_sampling
         forks = mode == "fork"
@@ -2200,8 +2198,8 @@ def _samples_run(scenario: Scenario, trace: Trace) -> None:
             refusal = several, (f", and {model.name}'s state-space layers keep a state a "
                                 "sequence that forks would not share; use fan_out (each "
                                 "sample a request of its own, as vLLM runs them)")
-        elif forks and trace.n.max() > MAX_SAMPLES:
-            refusal = int(np.argmax(trace.n > MAX_SAMPLES)), (
+        elif forks and samples.max() > MAX_SAMPLES:
+            refusal = int(np.argmax(samples > MAX_SAMPLES)), (
                 f"; at most {MAX_SAMPLES} run together (fan_out runs more, each a request of "
                 "its own)")
         elif (forks and isinstance(system.allocator, ContiguousConfig)
@@ -2217,8 +2215,8 @@ def _samples_run(scenario: Scenario, trace: Trace) -> None:
         if refusal is not None:
             request, why = refusal
             raise WorkloadError(f"systems[{system.name}].scheduler.parallel_sampling: {mode}: "
-                                f"request {request} of {trace.source} has "
-                                f"{int(trace.n[request])} samples{why}")
+                                f"request {request} of {source} has "
+                                f"{int(samples[request])} samples{why}")
 
 
 @contextmanager
