@@ -205,8 +205,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 SWEEP_TABLE_METRICS = ("throughput_tok_s", "usd_per_million_tokens", "e2e_p90_s",
                        "slo_attainment", "slo_tightest_attainment", "shed", "abandoned",
                        "abandoned_seated", "abandoned_output_tokens", "waste_frac",
-                       "prefix_hit_rate", "swap_preemptions", "discarded_output_tokens",
-                       "reservation_overflows",
+                       "prefix_hit_rate", "reserve_holds", "swap_preemptions",
+                       "discarded_output_tokens", "reservation_overflows",
                        "rank_wait_frac", "pipeline_bubble_frac")
 
 

@@ -1820,6 +1820,10 @@ class _SystemRun:
         # The K by batch size an auto schedule chose (None for any other).
         schedule = self.decode_setup.auto_schedule
         extra["draft_schedule"] = json.dumps(schedule) if schedule is not None else None
+        # None (shown "—") but under SGLang's admission.
+        extra["reserve_holds"] = (
+            sum(s.reserve_holds for s in schedulers)
+            if self.system.scheduler.admission == "new_token_ratio" else None)
         # None (shown "—") but for a contiguous reservation sized by a predictor.
         extra["reservation_overflows"] = (
             sum(s.reservation_overflows for s in schedulers)
@@ -2184,7 +2188,8 @@ def _samples_run(scenario: Scenario, samples: np.ndarray, source: str) -> None:
     """Refuse requests of several samples (``samples``: each request's, of the trace
     ``source`` names) that a system cannot run as it is told to: forks of a state-space
     model's states, more than fork runs together, contiguous forks beside capped prompt
-    chunks, or fanned out beside what is not modelled so."""
+    chunks, forks under SGLang's admission, or fanned out beside what is not modelled
+    so."""
     if not len(samples) or samples.max() == 1:
         return
     unmodelled = scenario.fanned_out_samples_unmodelled()
@@ -2210,6 +2215,10 @@ def _samples_run(scenario: Scenario, samples: np.ndarray, source: str) -> None:
                                 "chunks (scheduler.long_prefill_token_threshold) are not "
                                 "modelled; use fan_out (as vLLM, whose cap it is, runs "
                                 "samples) or paged memory")
+        elif forks and system.scheduler.admission == "new_token_ratio":
+            refusal = several, (", whose forks SGLang's admission (scheduler.admission: "
+                                "new_token_ratio) does not seat; use fan_out (each sample a "
+                                "request of its own, as SGLang runs them)")
         elif not forks and unmodelled:
             refusal = several, f": {unmodelled}"
         if refusal is not None:

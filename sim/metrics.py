@@ -52,6 +52,7 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("replica_imbalance", "replica imbalance (max/mean requests)", "{:,.2f}"),
     ("rank_wait_frac", "rank time waiting on slower ranks", "%"),
     ("pipeline_bubble_frac", "pipeline stage time idle (bubbles)", "%"),
+    ("reserve_holds", "steps a seat waited on the decode reserve", "{:,.0f}"),
     ("preemptions", "preemptions", "{:,.0f}"),
     ("swap_preemptions", "preemptions by swap", "{:,.0f}"),
     ("reservation_overflows", "preemptions: outgrew a predicted reservation", "{:,.0f}"),
@@ -124,7 +125,7 @@ ONLY_WHEN_SET = {"shed", "abandoned", "abandoned_seated", "abandoned_output_toke
                  "goodput_req_s", "capacity_req_s", "capacity_req_s_per_gpu", "swap_preemptions",
                  "swapped_out_slots", "reservation_overflows", "usd_per_million_tokens",
                  "mean_draft_tokens", "rank_wait_frac", "pipeline_bubble_frac",
-                 "discarded_output_tokens"}
+                 "discarded_output_tokens", "reserve_holds"}
 # A total and its share per GPU, shown beside it where runs use different numbers of GPUs.
 PER_GPU = {"throughput_tok_s": "throughput_tok_s_per_gpu",
            "capacity_req_s": "capacity_req_s_per_gpu"}

@@ -248,11 +248,16 @@ def _unserved(summaries: dict[str, dict[str, Any]], key: str) -> str | None:
 
 def rejection_note(summaries: dict[str, dict[str, Any]]) -> str | None:
     """A warning when a system turned requests away because they could never fit its pool
-    (all of a request's samples at their reservation, in an empty pool)."""
+    (all of a request's samples at their reservation, in an empty pool; under SGLang's
+    admission, a prompt with the max_tokens it keeps room for)."""
     counts = _unserved(summaries, "rejected")
-    return None if counts is None else (
-        f"rejected as larger than the whole KV pool: {counts}; throughput and latency "
-        "count only the requests that were served")
+    if counts is None:
+        return None
+    reserving = any(s.get("reserve_holds") is not None for s in summaries.values())
+    return (f"rejected as larger than the whole KV pool: {counts}"
+            + (" (under scheduler.admission: new_token_ratio, a prompt with the max_tokens "
+               "it keeps room for, at most 4,096)" if reserving else "")
+            + "; throughput and latency count only the requests that were served")
 
 
 def shedding_note(summaries: dict[str, dict[str, Any]]) -> str | None:

@@ -419,6 +419,11 @@ AllocatorConfig = Annotated[ContiguousConfig | PagedConfig | VirtualConfig,
                             Field(discriminator="kind")]
 
 
+# SGLang's new-token ratio at its start, before --schedule-conservativeness scales it (its
+# SGLANG_INIT_NEW_TOKEN_RATIO); the scheduler's NewTokenRatio follows its course.
+NEW_TOKEN_RATIO_INIT = 0.7
+
+
 class SchedulerConfig(ConfigModel):
     """Iteration-level continuous batching, the same for every allocator."""
 
@@ -500,6 +505,20 @@ class SchedulerConfig(ConfigModel):
         "and finished on its own, finding the prompt's full blocks through the prefix cache "
         "(each reads it without one); either way a request's row in the results is all its "
         "samples (from the first seated and first token to the last finish)")
+    admission: Literal["memory", "new_token_ratio"] = Field(
+        default="memory", description="when a waiting request is seated: memory, as soon as "
+        "the memory its prompt (or first chunk) needs is free (vLLM: a running request that "
+        "later finds none is preempted); new_token_ratio, SGLang's: only if memory is also "
+        "left for the tokens the running requests may still generate, each reserving its "
+        "max_tokens left (at most 4,096) times a ratio, and the newcomer its whole prompt "
+        "and max_tokens; the ratio starts at 0.7 × schedule_conservativeness (at most 1), "
+        "falls to a seventh of that over 600 steps, jumps back after a preemption to what "
+        "the survivors have generated (plus 20 steps each) over their max_tokens, and "
+        "starts over when nothing runs")
+    schedule_conservativeness: float | None = Field(
+        default=None, ge=0, le=100, description="under admission new_token_ratio: SGLang's "
+        "--schedule-conservativeness, the factor on the ratio's start (1 by default; 0.3 "
+        "seats more and preempts more, 1.43 and over reserves every max_tokens at first)")
     max_queued_requests: PositiveInt | None = Field(
         default=None, description="a bounded waiting line, as SGLang's --max-queued-requests "
         "(Ray Serve's max_queued_requests, TGI's --max-concurrent-requests less the batch): a "
@@ -519,6 +538,8 @@ class SchedulerConfig(ConfigModel):
                 raise ValueError(f"{aging} needs policy: shortest_predicted")
         if self.max_lpm_queue_size is not None and self.policy != "lpm":
             raise ValueError("max_lpm_queue_size needs policy: lpm")
+        if self.schedule_conservativeness is not None and self.admission != "new_token_ratio":
+            raise ValueError("schedule_conservativeness needs admission: new_token_ratio")
         if self.long_prefill_token_threshold and not self.chunked_prefill:
             raise ValueError("long_prefill_token_threshold needs chunked_prefill: true (it "
                              "cuts prompts into chunks)")
@@ -1377,6 +1398,27 @@ class Scenario(ConfigModel):
         return self
 
     @model_validator(mode="after")
+    def _new_token_ratio_reserves_blocks(self):  # type: ignore[no-untyped-def]
+        model = _model_spec(self.model)
+        for system in self.systems:
+            if system.scheduler.admission != "new_token_ratio":
+                continue
+            allocator = system.allocator
+            why = None
+            if isinstance(allocator, ContiguousConfig):
+                why = ("contiguous memory, whose extents are reserved at admission already "
+                       "(use paged or virtual memory)")
+            elif isinstance(allocator, PagedConfig) and (model.has_state_layers or (
+                    model.sliding_window and allocator.hybrid_kv_cache)):
+                why = (f"the hybrid KV cache manager that {model.name}'s "
+                       f"{'state-space' if model.has_state_layers else 'sliding-window'} "
+                       "layers use")
+            if why is not None:
+                raise ValueError(f"system {system.name!r}: scheduler.admission: "
+                                 f"new_token_ratio (SGLang's) is not modelled with {why}")
+        return self
+
+    @model_validator(mode="after")
     def _fp4_kv_cache_readable(self):  # type: ignore[no-untyped-def]
         dtype = self.memory.kv_cache_dtype
         if dtype not in FP4_KV_CACHE_DTYPES:
@@ -1645,6 +1687,11 @@ class Scenario(ConfigModel):
                              f"request's max_tokens, which a synthetic workload gives all "
                              f"alike but where the context limit cuts it (nearly first come, "
                              f"first served); a trace's columns.max_tokens gives each its own")
+            conservativeness = scheduler.schedule_conservativeness
+            if conservativeness is not None and conservativeness * NEW_TOKEN_RATIO_INIT > 1:
+                notes.append(f"system {system.name!r}: scheduler.schedule_conservativeness "
+                             f"{conservativeness:g} starts the ratio at 1, as any from "
+                             f"{1 / NEW_TOKEN_RATIO_INIT:.3g} does (SGLang caps it there)")
             threshold = scheduler.long_prefill_token_threshold
             if threshold and threshold >= scheduler.max_num_batched_tokens:
                 notes.append(f"system {system.name!r}: scheduler.long_prefill_token_threshold "

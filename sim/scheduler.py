@@ -59,7 +59,7 @@ from sim.memory import (
 )
 from sim.memory.block_pool import BlockPool
 from sim.memory.content import BlockHasher
-from sim.scenario import SchedulerConfig, SpeculativeConfig
+from sim.scenario import NEW_TOKEN_RATIO_INIT, SchedulerConfig, SpeculativeConfig
 from workloads.spec import MAX_SAMPLES
 from workloads.trace import Trace, output_segment_id
 
@@ -77,6 +77,58 @@ NO_STEP = 1 << 62
 def wait_us(wait_s: float) -> int:
     """A wait between two tokens as the ITL counts it: in whole microseconds."""
     return int(wait_s * 1e6 + 0.5)
+
+
+# SGLang's admission by a new-token ratio, with its defaults (its environment variables
+# SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR, _NEW_TOKEN_RATIO_DECAY_STEPS, _RETRACT_DECODE_STEPS and
+# _CLIP_MAX_NEW_TOKENS_ESTIMATION; the start, NEW_TOKEN_RATIO_INIT, is the configuration's).
+NEW_TOKEN_RATIO_MIN_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20
+# The most of a request's max_tokens admission counts on (a long max_tokens would make it
+# reserve too much; the request may still generate past it).
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+class NewTokenRatio:
+    """SGLang's guess at the share of its max_tokens left that a running request will
+    still generate: admission keeps that much memory free for each one.
+
+    A lender's confidence in its borrowers: cautious at first (0.7 × the conservativeness,
+    at most 1), bolder with every step that passes without a default, down to a seventh of
+    that over 600 steps; after a preemption, set to what the facts show (the tokens the
+    survivors have generated, plus 20 steps' worth each, over their max_tokens); cautious
+    again once nobody runs. The ratio is a function of the steps since it was last set, so
+    that a run of decode steps advanced at once moves it exactly as stepping does.
+    """
+
+    def __init__(self, conservativeness: float) -> None:
+        self.init = min(NEW_TOKEN_RATIO_INIT * conservativeness, 1.0)
+        self.floor = min(self.init * NEW_TOKEN_RATIO_MIN_FACTOR, 1.0)
+        self.decay = (self.init - self.floor) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self._base = self.init
+        self._base_step = 0
+
+    def at(self, step: int) -> float:
+        """The ratio once ``step`` steps are done: what it was set to at its last setting,
+        less a decay for each step since, never below the floor (a guess set below it
+        holds until the next step, as SGLang's)."""
+        steps = step - self._base_step
+        if not steps:
+            return self._base
+        return max(self._base - steps * self.decay, self.floor)
+
+    def reset(self, step: int) -> None:
+        """Nobody runs after ``step`` steps: start cautious again."""
+        self._base, self._base_step = self.init, step
+
+    def after_preemption(self, step: int, generated: int, max_new: int,
+                         requests: int) -> None:
+        """A step (``step`` steps done) preempted for memory: set the ratio from the
+        ``requests`` still decoding, which have ``generated`` tokens of their ``max_new``
+        max_tokens."""
+        guess = (generated + RETRACT_DECODE_STEPS * requests) / (max_new + 1)
+        self._base, self._base_step = min(1.0, guess), step
 
 
 class Siblings:
@@ -871,6 +923,23 @@ class Scheduler:
         # Whether the line is ordered anew each round with a seat to fill (by the cache, at
         # random, or by max_tokens).
         self._ranked_line = self.waiting.reorders()
+        # SGLang's admission (admission: new_token_ratio): a newcomer is seated only where
+        # the pool keeps room for what those running may still generate (None: seated as
+        # soon as its own memory is free). Blocks are reserved: a paged pool's.
+        self._new_token_ratio: NewTokenRatio | None = None
+        self._reserving: PagedAllocator | None = None
+        if config.admission == "new_token_ratio":
+            if not isinstance(allocator, PagedAllocator):
+                raise ValueError("admission new_token_ratio reserves blocks: it needs paged "
+                                 "(or virtual) memory without the hybrid manager")
+            conservativeness = config.schedule_conservativeness
+            self._new_token_ratio = NewTokenRatio(
+                1.0 if conservativeness is None else conservativeness)
+            self._reserving = allocator
+        self._retracted = False  # this step preempted for memory
+        # Steps whose line's head found memory for itself but not for the room kept for
+        # decoding besides (what SGLang's caution costs).
+        self.reserve_holds = 0
         if (self._predicts or self.waiting.by_length) and predicted_output is None:
             raise ValueError("a predicted reservation, or a line by predicted length, needs "
                              "the predicted output lengths")
@@ -893,6 +962,10 @@ class Scheduler:
         if self._windowed is not None:
             return self._windowed.can_admit_ever(spec, request.n)
         fits = self.allocator.can_admit_ever(spec)
+        if fits and self._reserving is not None:
+            # Seated alone, it still keeps room for its own max_tokens.
+            fits = self._reserving.blocks_for(
+                spec.prompt_len + self._new_tokens_left(request)) <= self._reserving.num_blocks
         if fits and request.n > 1:
             if isinstance(self.allocator, ContiguousAllocator):
                 # Contiguous samples cannot share: all n reservations must fit at once (a
@@ -965,6 +1038,39 @@ class Scheduler:
             return True
         samples = [spec, *(request.spec(sample) for sample in range(1, request.n))]
         return self.allocator.can_place(samples, at_least=spec.prompt_len)
+
+    @staticmethod
+    def _new_tokens_left(request: Request) -> int:
+        """The tokens SGLang's admission counts on ``request`` still generating: its
+        max_tokens left, at most :data:`CLIP_MAX_NEW_TOKENS`."""
+        return min(request.max_len - request.prompt_len - request.gen_sync,
+                   CLIP_MAX_NEW_TOKENS)
+
+    def _decode_reserve(self) -> int:
+        """Token slots SGLang's admission keeps free for the requests decoding (in every
+        batch in flight): each one's max_tokens left (clipped) times the ratio."""
+        ratio = self._new_token_ratio
+        assert ratio is not None
+        left = 0
+        for sched in self._peers or [self]:
+            for request in sched.running.values():
+                if request.decoding:
+                    left += min(request.max_len - request.prompt_len - sched.generated(request),
+                                CLIP_MAX_NEW_TOKENS)
+        return math.ceil(ratio.at(self.steps) * left)
+
+    def _retraction_guess(self) -> None:
+        """This step preempted for memory: the ratio becomes what those still decoding
+        show."""
+        ratio = self._new_token_ratio
+        assert ratio is not None
+        generated = max_new = requests = 0
+        for request in self.running.values():
+            if request.decoding:
+                generated += self.generated(request)
+                max_new += request.max_len - request.prompt_len
+                requests += 1
+        ratio.after_preemption(self.steps, generated, max_new, requests)
 
     def _within_pool(self, request: Request, predicted_output: int) -> int:
         """A predicted output no larger than lets all the request's samples' reservations
@@ -1357,6 +1463,7 @@ class Scheduler:
         for ``request``; False if that was ``request`` itself."""
         victim = self._victim()
         self._preempt(victim, batch)
+        self._retracted = True
         return victim is not request
 
     def _preempt(self, request: Request, batch: Batch) -> None:
@@ -1571,6 +1678,9 @@ class Scheduler:
         if self.tells_seatings:
             batch.seatings = []
         budget = self.config.max_num_batched_tokens
+        ratio = self._new_token_ratio
+        if ratio is not None and not self.running:
+            ratio.reset(self.steps)
         if self.sliding_window:
             self._windows_due()
         for request in self._due(GROW):
@@ -1600,6 +1710,11 @@ class Scheduler:
         if ranked:
             self.waiting.rank()  # once a round, as SGLang: a seat taken does not re-rank it
         admitted = self._admit_counter
+        # Under SGLang's admission: the slots kept for those decoding (counted at the first
+        # try, and again after a preemption), and the max_tokens of those seated since.
+        decode_reserve = -1
+        reserved_at = 0
+        seated_reserve = 0
         while seating and self.waiting:
             seated = self._seated()
             if seated >= self.config.max_num_seqs or budget <= 0:
@@ -1639,11 +1754,24 @@ class Scheduler:
             elif self._samples_fit(request, spec):
                 first_chunk = min(budget, self._chunk_cap) if self._per_chunk and not (
                     request.swapped or request.transferred) else None
-                hits = self.allocator.admit(spec, first_chunk)
+                if self._reserving is None:
+                    hits = self.allocator.admit(spec, first_chunk)
+                else:
+                    if decode_reserve < 0 or reserved_at != batch.preempted:
+                        decode_reserve, reserved_at = self._decode_reserve(), batch.preempted
+                    own = self._new_tokens_left(request)
+                    hits = self._reserving.admit(
+                        spec, first_chunk, reserve_tokens=decode_reserve + seated_reserve + own)
+                    if hits is not None:
+                        seated_reserve += own
             if hits is None:
                 if self._make_room(request, batch):
                     continue  # memory freed for a better priority: try again
-                self.head_blocked = True
+                # Blocked until memory is freed; under SGLang's admission the room kept for
+                # decoding shrinks step by step, so the next step tries again.
+                self.head_blocked = self._reserving is None
+                if self._reserving is not None and self._reserving.refused_for_reserve:
+                    self.reserve_holds += 1
                 break
             self.waiting.pop()
             if batch.seatings is not None:
@@ -1700,8 +1828,16 @@ class Scheduler:
             # round): the next round ranks again (as stepping would), and may put another
             # head first.
             self.head_blocked = False
-        # Preemptions late in the step may have removed requests scheduled earlier.
-        batch.prefill = [p for p in batch.prefill if p[0].num_seqs]
+        if self._retracted:
+            self._retracted = False
+            if ratio is not None:
+                self._retraction_guess()
+        if batch.preempted:
+            # Preemptions late in the step may have removed requests scheduled earlier, and
+            # seated some of them again since, each with a chunk of its own: the last.
+            last = {id(p[0]): i for i, p in enumerate(batch.prefill)}
+            batch.prefill = [p for i, p in enumerate(batch.prefill)
+                             if p[0].num_seqs and last[id(p[0])] == i]
         computed = [(chunk, history) for _, chunk, history in batch.prefill]
         if batch.resumed_groups:  # (one preempted since has no samples left)
             computed += [(1, group.prefilled - 1) for group in batch.resumed_groups

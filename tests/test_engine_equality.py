@@ -12,7 +12,7 @@ hybrid manager of sliding-window layers too, with routers that hear from the rep
 only every so often, with lines ordered by the prefix cache or shuffled each round, and
 with parallel samples run as requests of their own, their client waiting for a seat or a
 first token of any of them, turned away with them all by a full line, or sending them all
-again."""
+again, and with SGLang's admission, whose room kept for decoding changes every step."""
 
 from __future__ import annotations
 
@@ -290,6 +290,16 @@ def random_scenario(seed: int) -> dict:
     if scheduler["chunked_prefill"] and not forked_extents and rng.random() < 0.4:
         drafts = system.get("speculative", {}).get("num_speculative_tokens", 0)
         scheduler["long_prefill_token_threshold"] = max(1 + drafts, rng.choice([1, 16, 100]))
+    # Drawn last, as the above: SGLang's admission, which keeps room for what those running
+    # may still generate (its ratio moves with every step, in runs of decode steps too),
+    # where blocks are reserved outside the hybrid manager and no forks are seated.
+    hybrid = isinstance(model, dict) and allocator["kind"] == "paged"
+    if (allocator["kind"] != "contiguous" and not hybrid
+            and not ("sampling" in workload and scheduler.get("parallel_sampling") != "fan_out")
+            and rng.random() < 0.3):
+        scheduler["admission"] = "new_token_ratio"
+        if rng.random() < 0.6:
+            scheduler["schedule_conservativeness"] = rng.choice([0.0, 0.3, 1.3, 3.0])
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",
@@ -479,3 +489,32 @@ def test_a_blocked_head_is_tried_again_when_decode_growth_evicts_its_hits(tmp_pa
     d, h = tables["jump"].iloc[2], tables["jump"].iloc[3]
     assert h["admitted_s"] > h["arrival_s"] and h["prefix_hit_tokens"] == 0
     assert h["admitted_s"] < d["finished_s"] / 2  # seated at the eviction, not once D is done
+
+
+def test_a_request_preempted_and_seated_again_in_one_step_reads_its_chunk_once():
+    # A prefill replica of capped chunks (per chunk) under priority preemption: request 13,
+    # scheduled a chunk, was preempted for a better priority later in the admissions, and
+    # seated again in the same step (its prompt's blocks still cached), with a chunk of its
+    # own. Its first chunk stayed in the step, which finished its prompt twice (found by a
+    # stress run of the random scenarios under SGLang's admission: KeyError at the second).
+    data = {
+        "name": "reseated", "model": "deepseek-v2-lite", "memory": {"kv_memory_gib": 0.05},
+        "workload": {"arrival": {"process": "gamma", "rate": 30, "cv": 3},
+                     "prompt_len": {"dist": "lognormal", "mean": 200, "sigma": 1, "max": 600},
+                     "output_len": {"dist": "uniform", "low": 1, "high": 5},
+                     "prefix_groups": {"groups": 2, "length": 40, "fraction": 0.7},
+                     "priorities": {"-1": 1, "0": 1, "5": 1}},
+        "systems": [{"name": "s", "allocator": {"kind": "paged"},
+                     "scheduler": {"chunked_prefill": True, "prefill_allocation": "per_chunk",
+                                   "long_prefill_token_threshold": 21, "policy": "priority",
+                                   "priority_preemption": True},
+                     "speculative": {"method": "draft_model", "num_speculative_tokens": 1,
+                                     "draft_model": "llama-3.2-1b", "acceptance_rate": 0.6}}],
+        "stop": {"num_requests": 50}, "seed": 2161,
+        "engine": {"replicas": 2, "disaggregation": {"prefill_replicas": 1,
+                                                     "kv_transfer_gbps": 5,
+                                                     "kv_transfer_latency_s": 0.002}}}
+    tables = requests_in_both_modes(data)
+    pd.testing.assert_frame_equal(tables["jump"], tables["step"])
+    assert tables["jump"]["finished_s"].notna().all()
+    assert tables["jump"]["preemptions"].sum() > 50

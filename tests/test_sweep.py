@@ -374,7 +374,8 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
                                   "virtual_memory", "shortest_first", "attention_kinds",
                                   "sliding_window", "prefill_allocation", "max_model_len",
                                   "gpu_choice", "weight_precision", "queue_timeout",
-                                  "e2e_timeout", "load_shedding", "long_prefill"])
+                                  "e2e_timeout", "load_shedding", "long_prefill",
+                                  "sglang_admission"])
 def test_shipped_sweeps_run_quick(tmp_path, name):
     # The 70B layouts sweeps' quick runs still take 2,000 requests a point; the orders
     # checked below show at a quarter of that.
@@ -448,6 +449,11 @@ def test_shipped_sweeps_run_quick(tmp_path, name):
                                            columns="system", values="slo_attainment")
         assert (within["cap-512"] > within["budget-8192"]).all()
         assert (within["budget-2048"] > within["budget-8192"]).all()
+    if name == "sglang_admission":  # the reserve: seats held back, fewer preemptions
+        table = outcome.table.groupby("system")[["preemptions", "reserve_holds"]].sum()
+        assert table.loc["vllm", "preemptions"] > 3 * table.loc["sglang-1.0", "preemptions"]
+        assert (table.drop("vllm")["reserve_holds"] > 0).all()
+        assert outcome.table.loc[outcome.table["system"] == "vllm", "reserve_holds"].isna().all()
     if name == "block_size_sweep":
         data = figures["block_size_tradeoff"].kvsim_data["tradeoff"]
         assert data["internal_waste_pct"].is_monotonic_increasing

@@ -107,6 +107,9 @@ class PagedAllocator(KVAllocator):
         self.num_cow_copies = 0
         self.num_hit_blocks = 0
         self.last_loaded_tokens = 0  # tokens the last admission loaded from the host tier
+        # The last admission refused had blocks for what it claims, but not for the tokens
+        # it was to keep room for besides (reserve_tokens).
+        self.refused_for_reserve = False
 
     # ------------------------------------------------------------------ queries
     @property
@@ -186,9 +189,11 @@ class PagedAllocator(KVAllocator):
         return found
 
     def admit(self, spec: SeqSpec, max_new_tokens: int | None = None,
-              extra_blocks: int = 0) -> int | None:
+              extra_blocks: int = 0, reserve_tokens: int = 0) -> int | None:
         """As :meth:`KVAllocator.admit`; with ``extra_blocks``, only if that many free blocks
-        are left besides (for what the caller writes next)."""
+        are left besides (for what the caller writes next); with ``reserve_tokens``, only
+        if the blocks for the whole prompt and that many tokens more are free (SGLang's
+        admission keeps room for decoding), whatever part of the prompt it claims now."""
         if spec.seq_id in self._seqs:
             raise AllocatorError(f"sequence {spec.seq_id} is already admitted")
         hasher = BlockHasher(spec.segments, self.block_size)
@@ -198,8 +203,13 @@ class PagedAllocator(KVAllocator):
         ready = (len(hits) + loaded) * self.block_size
         # Loaded blocks are among those needed.
         need = self.blocks_for(claim_end(spec, ready, max_new_tokens)) - len(hits)
+        room = need if not reserve_tokens else max(
+            need, self.blocks_for(spec.prompt_len + reserve_tokens) - len(hits))
         reserve = self.watermark_blocks if self._seqs else 0
-        if need + extra_blocks > self.pool.num_free - revived - reserve:
+        if room + extra_blocks > self.pool.num_free - revived - reserve:
+            # (Whether its own blocks were free, and only the room kept besides was not.)
+            self.refused_for_reserve = need + extra_blocks <= (
+                self.pool.num_free - revived - reserve)
             return None
         for block in hits:
             if block.ref_cnt == 0:
