@@ -31,8 +31,10 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m gpu_validate",
          name: str = "gpu_validate") -> int:
     """The command line; ``prog`` and ``name`` (the prefix of its messages) let ``kvsim
     calibrate`` present it as its own."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.replace("``", ""),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from sim.cli import CommandParser
+
+    parser = CommandParser(prog=prog, name=name, description=__doc__.replace("``", ""),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-2-7b", help="model preset (default "
                         "llama-2-7b)")
     parser.add_argument("--out", default="calibration", help="output folder")

@@ -7,10 +7,12 @@ are one line on stderr naming the file and field; ``--debug`` shows the tracebac
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import json
 import math
 import os
+import re
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -1059,30 +1061,89 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-class _Parser(argparse.ArgumentParser):
-    """kvsim's parsers: bad arguments exit with code 2 and one ``kvsim: error:`` line after
-    the usage. An option is taken only by its whole name: ``--gpu h100`` must not be read as
-    ``--gpu-memory-utilization h100`` and refused as a bad share."""
+# What argparse says of an option given too few or too many values.
+ARGUMENT_COUNT_ERRORS = ("expected one argument", "expected at most one argument",
+                         "expected at least one argument", "ignored explicit argument")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+
+class CommandParser(argparse.ArgumentParser):
+    """kvsim's parsers (and gpu_validate's, whose messages start with its ``name``): bad
+    arguments exit with code 2 and one ``kvsim: error:`` line, which
+    names the nearest option or command where a typo is near one and the command whose
+    ``--help`` lists them (the usage block argparse prints first is left out: its options
+    are a screenful for some commands). An option is taken only by its whole name: ``--gpu
+    h100`` must not be read as ``--gpu-memory-utilization h100`` and refused as a bad
+    share."""
+
+    def __init__(self, *args: Any, name: str = "kvsim", **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.name = name  # what its messages start with
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        # Arguments nobody took are told by the command they were given to (argparse has
+        # the top-level parser tell them, which knows none of that command's options).
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._command_parser(parsed).error(
+                f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _command_parser(self, parsed: argparse.Namespace) -> CommandParser:
+        """The parser of the (sub)command ``parsed`` ran: this one or one it chose."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                name = getattr(parsed, action.dest, None)
+                chosen = action.choices.get(name) if isinstance(name, str) else None
+                if isinstance(chosen, CommandParser):
+                    return chosen._command_parser(parsed)
+        return self
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_BAD_INPUT, f"kvsim: error: {message}\n")
+        # Where the arguments' shape is wrong (not a value: its message says what it
+        # expected), the command that lists the right ones.
+        commands = any(isinstance(a, argparse._SubParsersAction) for a in self._actions)
+        shape = message.startswith(("unrecognized arguments", "the following arguments are "
+                                    "required")) or any(
+            count in message for count in ARGUMENT_COUNT_ERRORS)
+        hint = (f" ({self.prog} --help lists the {'commands' if commands else 'options'})"
+                if shape else "")
+        self.exit(EXIT_BAD_INPUT, f"{self.name}: error: {self._with_guess(message)}{hint}\n")
+
+    def _with_guess(self, message: str) -> str:
+        """``message`` with "; did you mean X?" after the word refused where it is a typo of
+        a command or an option."""
+        choice = re.match(r"(argument [^:]+: invalid choice: '([^']*)')( \(choose from .*\))$",
+                          message)
+        if choice:
+            known = re.findall(r"'([^']*)'", choice.group(3))
+            near = difflib.get_close_matches(choice.group(2), known, n=1, cutoff=0.6)
+            guess = f"; did you mean {near[0]!r}?" if near else ""
+            return choice.group(1) + guess + choice.group(3)
+        if message.startswith("unrecognized arguments: "):
+            # (Matched without their dashes, which every option shares.)
+            options = {name.lstrip("-"): name for name in self._option_string_actions
+                       if name.startswith("--")}
+            for word in message.split()[2:]:
+                if word.startswith("--"):
+                    near = difflib.get_close_matches(word.split("=")[0].lstrip("-"),
+                                                     list(options), n=1, cutoff=0.6)
+                    if near:
+                        return f"{message}; did you mean {options[near[0]]}?"
+        return message
 
 
 def build_parser() -> argparse.ArgumentParser:
     from sim.presets import KV_CACHE_DTYPES
     from workloads.distributions import TraceFormat
 
-    parser = _Parser(prog="kvsim", description="KV-cache memory simulator for LLM serving: "
+    parser = CommandParser(prog="kvsim", description="KV-cache memory simulator for LLM serving: "
                      "contiguous reservation vs paged allocation.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("--version", action=_Version,
                         help="show the version and which core runs, and exit")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
     run = sub.add_parser("run", help="run a scenario and print the systems side by side")
     run.add_argument("scenario", help="scenario YAML file")
@@ -1204,8 +1265,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "model (kvsim calibrate --help)")
 
     trace = sub.add_parser("trace", help="inspect, list and export traces")
-    trace_sub = trace.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
-    common = _Parser(add_help=False)
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True,
+                                     parser_class=CommandParser)
+    common = CommandParser(add_help=False)
     common.add_argument("--format",
                         choices=get_args(TraceFormat),
                         help="trace file format (default: guessed; kvsim: a table kvsim trace "

@@ -412,7 +412,41 @@ def test_presets_say_how_many_tokens_each_gpu_holds_of_a_model():
     # An option is known by its whole name only: --gpu is not --gpu-memory-utilization.
     proc = kvsim("presets", "--model", "qwen3-8b", "--gpu", "h100-80g")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines()[-1] == "kvsim: error: unrecognized arguments: --gpu h100-80g"
+    assert proc.stderr == ("kvsim: error: unrecognized arguments: --gpu h100-80g (kvsim "
+                           "presets --help lists the options)\n")
+
+
+@pytest.mark.parametrize("args, expected", [
+    # A typo of a command or an option: the nearest named.
+    (("runn",), "argument command: invalid choice: 'runn'; did you mean 'run'? (choose from "
+                "'run', 'sweep', 'capacity', 'report', 'compare', 'validate', 'schema', "
+                "'presets', 'bench', 'calibrate', 'trace')"),
+    (("trace", "stat"), "argument trace_command: invalid choice: 'stat'; did you mean "
+                        "'stats'? (choose from 'stats', 'hit-curve', 'export', 'list')"),
+    (("capacity", "scenarios/seed_63_percent.yaml", "--max-itl", "0.1"),
+     "unrecognized arguments: --max-itl 0.1; did you mean --max-itl-s? (kvsim capacity "
+     "--help lists the options)"),
+    (("sweep", "scenarios/sweeps/rate_sweep.yaml", "--job=2"),
+     "unrecognized arguments: --job=2; did you mean --jobs? (kvsim sweep --help lists the "
+     "options)"),
+    # Nothing near: where the options are listed.
+    (("run", "scenarios/seed_63_percent.yaml", "--bogus"),
+     "unrecognized arguments: --bogus (kvsim run --help lists the options)"),
+    (("run",), "the following arguments are required: scenario (kvsim run --help lists the "
+               "options)"),
+    ((), "the following arguments are required: command (kvsim --help lists the commands)"),
+    (("run", "scenarios/seed_63_percent.yaml", "--set"),
+     "argument --set: expected one argument (kvsim run --help lists the options)"),
+    # A bad value says what it expected, and that is all.
+    (("capacity", "scenarios/seed_63_percent.yaml", "--max-itl-s", "abc"),
+     "argument --max-itl-s: expected a positive number, got 'abc'"),
+    (("calibrate", "--modle", "x"), "unrecognized arguments: --modle x; did you mean "
+                                    "--model? (kvsim calibrate --help lists the options)"),
+])
+def test_a_command_line_error_is_one_line_naming_what_was_meant(args, expected):
+    proc = kvsim(*args)
+    assert proc.returncode == 2 and not proc.stdout
+    assert proc.stderr == f"kvsim: error: {expected}\n"
 
 
 @pytest.mark.parametrize("args", [
