@@ -1039,10 +1039,12 @@ class Scheduler:
         samples = [spec, *(request.spec(sample) for sample in range(1, request.n))]
         return self.allocator.can_place(samples, at_least=spec.prompt_len)
 
-    @staticmethod
-    def _new_tokens_left(request: Request) -> int:
-        """The tokens SGLang's admission counts on ``request`` still generating: its
-        max_tokens left, at most :data:`CLIP_MAX_NEW_TOKENS`."""
+    def _new_tokens_left(self, request: Request) -> int:
+        """The tokens SGLang's admission counts on ``request`` still generating here: its
+        max_tokens left, at most :data:`CLIP_MAX_NEW_TOKENS`; none on a prefill replica,
+        which hands it on after its prompt."""
+        if self.keep_finished:
+            return 0
         return min(request.max_len - request.prompt_len - request.gen_sync,
                    CLIP_MAX_NEW_TOKENS)
 

@@ -115,6 +115,20 @@ def test_a_request_whose_prompt_and_max_tokens_outgrow_the_pool_is_rejected():
                                                      "reserve_holds": None}})
 
 
+def test_a_prefill_replica_keeps_no_room_for_decoding_it_hands_on():
+    # Disaggregated, the prompt's replica computes it and sends it on: nothing to reserve
+    # for what the decode replica will generate. 320 + 1,400 tokens outgrow 100 blocks of
+    # 16, the prompt alone does not.
+    trace = Trace.from_columns(arrival_s=np.zeros(1), prompt_len=np.array([320]),
+                               output_len=np.array([500]), max_tokens=np.array([1400]))
+    for prefill_replica in (False, True):
+        sched = Scheduler(PagedAllocator(100, 16), SchedulerConfig(admission="new_token_ratio"))
+        sched.keep_finished = prefill_replica  # (what the engine sets on a prefill replica)
+        request = Request(trace, 0, 0.0)
+        assert sched.add(request) is prefill_replica
+    assert sched.schedule(0.0).prefill == [(request, 320, 0)]
+
+
 @settings(max_examples=150, deadline=None)
 @given(held=st.integers(0, 40), prompt=st.integers(1, 400), reserve=st.integers(0, 600),
        watermark=st.sampled_from([0.0, 0.05]))
