@@ -512,7 +512,7 @@ class SchedulerConfig(ConfigModel):
         "left for the tokens the running requests may still generate, each reserving its "
         "max_tokens left (at most 4,096) times a ratio, and the newcomer its whole prompt "
         "and max_tokens; the ratio starts at 0.7 × schedule_conservativeness (at most 1), "
-        "falls to a seventh of that over 600 steps, jumps back after a preemption to what "
+        "falls to 0.14 of that over 600 steps, jumps back after a preemption to what "
         "the survivors have generated (plus 20 steps each) over their max_tokens, and "
         "starts over when nothing runs")
     schedule_conservativeness: float | None = Field(

@@ -95,7 +95,7 @@ class NewTokenRatio:
     still generate: admission keeps that much memory free for each one.
 
     A lender's confidence in its borrowers: cautious at first (0.7 × the conservativeness,
-    at most 1), bolder with every step that passes without a default, down to a seventh of
+    at most 1), bolder with every step that passes without a default, down to 0.14 of
     that over 600 steps; after a preemption, set to what the facts show (the tokens the
     survivors have generated, plus 20 steps' worth each, over their max_tokens); cautious
     again once nobody runs. The ratio is a function of the steps since it was last set, so
