@@ -224,7 +224,8 @@ def test_the_engine_steps_and_jumps_alike_and_counts_the_holds():
         tables = {}
         for mode in ("jump", "step"):
             data = with_system(scheduler=scheduler)
-            data["engine"] = {"mode": mode, "debug_invariants": mode == "step"}
+            # (The allocator's invariants checked under one of them: the check is slow.)
+            data["engine"] = {"mode": mode, "debug_invariants": mode == "step" and name == "1.0"}
             tables[mode] = run_scenario(scenario_from_dict(data)).systems["s"]
         assert tables["jump"].requests.equals(tables["step"].requests)
         assert tables["jump"].summary["reserve_holds"] == tables["step"].summary[
