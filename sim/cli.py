@@ -1068,12 +1068,11 @@ ARGUMENT_COUNT_ERRORS = ("expected one argument", "expected at most one argument
 
 class CommandParser(argparse.ArgumentParser):
     """kvsim's parsers (and gpu_validate's, whose messages start with its ``name``): bad
-    arguments exit with code 2 and one ``kvsim: error:`` line, which
-    names the nearest option or command where a typo is near one and the command whose
-    ``--help`` lists them (the usage block argparse prints first is left out: its options
-    are a screenful for some commands). An option is taken only by its whole name: ``--gpu
-    h100`` must not be read as ``--gpu-memory-utilization h100`` and refused as a bad
-    share."""
+    arguments exit with code 2 and one ``kvsim: error:`` line, which names the nearest
+    option or command where a typo is near one, and the command whose ``--help`` lists them
+    (the usage block argparse prints first is left out: for some commands it fills a
+    screen). An option is taken only by its whole name: ``--gpu h100`` must not be read as
+    ``--gpu-memory-utilization h100`` and refused as a bad share."""
 
     def __init__(self, *args: Any, name: str = "kvsim", **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
@@ -1138,8 +1137,8 @@ def build_parser() -> argparse.ArgumentParser:
     from sim.presets import KV_CACHE_DTYPES
     from workloads.distributions import TraceFormat
 
-    parser = CommandParser(prog="kvsim", description="KV-cache memory simulator for LLM serving: "
-                     "contiguous reservation vs paged allocation.")
+    parser = CommandParser(prog="kvsim", description="KV-cache memory simulator for LLM "
+                           "serving: contiguous reservation vs paged allocation.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("--version", action=_Version,
                         help="show the version and which core runs, and exit")

@@ -338,6 +338,7 @@ _AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
     ("allocator", "hybrid_kv_cache"): True,  # no effect on a model without a window
     ("allocator", "mamba_cache_mode"): "align",
     ("scheduler", "prefill_allocation"): "whole_prompt",
+    ("scheduler", "admission"): "memory",
 }
 _SCENARIO_AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
     ("parallel", "data_parallel_size"): 1,

@@ -191,8 +191,9 @@ def test_keys_ignore_optional_fields_left_unset():
 
 
 def test_keys_ignore_later_fields_at_the_value_that_does_as_before():
-    # Fields added with a default other than null (prompt memory claimed whole, the hybrid
-    # manager where a model has no window) must key the runs made before them as before.
+    # Fields added with a default other than null (prompt memory claimed whole, vLLM's
+    # admission, the hybrid manager where a model has no window) must key the runs made
+    # before them as before.
     import copy
 
     from sim.sweep import config_key
@@ -203,6 +204,7 @@ def test_keys_ignore_later_fields_at_the_value_that_does_as_before():
     older = copy.deepcopy(point.scenario)
     for system in older["systems"]:
         del system["scheduler"]["prefill_allocation"]
+        assert system["scheduler"].pop("admission") == "memory"  # (vLLM's, as before)
         system["allocator"].pop("hybrid_kv_cache", None)
         # (how a swap copies: no matter where nothing swaps)
         assert system["scheduler"].pop("swap_copy_overhead_s") == 5e-6
@@ -215,6 +217,9 @@ def test_keys_ignore_later_fields_at_the_value_that_does_as_before():
     per_chunk = copy.deepcopy(point.scenario)
     per_chunk["systems"][1]["scheduler"]["prefill_allocation"] = "per_chunk"
     assert config_key(per_chunk) != point.key
+    sglang = copy.deepcopy(point.scenario)
+    sglang["systems"][1]["scheduler"]["admission"] = "new_token_ratio"
+    assert config_key(sglang) != point.key
     # Of the scenario too: one engine of one rank, its experts where tensor parallelism puts
     # them, and a model's shape without dense first layers.
     assert point.scenario["parallel"]["data_parallel_size"] == 1
