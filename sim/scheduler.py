@@ -1039,6 +1039,13 @@ class Scheduler:
         samples = [spec, *(request.spec(sample) for sample in range(1, request.n))]
         return self.allocator.can_place(samples, at_least=spec.prompt_len)
 
+    @property
+    def new_token_ratio(self) -> float | None:
+        """SGLang's ratio as the next step's admissions read it (None under vLLM's
+        admission)."""
+        ratio = self._new_token_ratio
+        return None if ratio is None else ratio.at(self.steps)
+
     def _new_tokens_left(self, request: Request) -> int:
         """The tokens SGLang's admission counts on ``request`` still generating here: its
         max_tokens left, at most :data:`CLIP_MAX_NEW_TOKENS`; none on a prefill replica,

@@ -93,6 +93,33 @@ def test_sglang_seats_b_only_where_the_pool_keeps_room_for_what_a_may_still_gene
     assert two_requests(400, **by_ratio) == ([(0.0, 400.0, 0), (400.0, 800.0, 0)], 400)
 
 
+def test_a_preemption_sets_the_ratio_to_what_the_requests_left_decoding_show():
+    # A and B of the test above, with a ratio of 0: B is seated at the second step and
+    # preempted when the pool runs dry. A, left decoding, has generated g of its 800
+    # max_tokens: the ratio becomes (g + 20) / 801, and stays (a ratio starting at 0 has
+    # no decay) until nothing runs.
+    trace = Trace.from_columns(arrival_s=np.zeros(2), prompt_len=np.array([320, 320]),
+                               output_len=np.array([800, 800]), max_tokens=np.array([800, 800]))
+    sched = Scheduler(PagedAllocator(100, 16), SchedulerConfig(
+        admission="new_token_ratio", schedule_conservativeness=0.0), debug=True)
+    a, b = (Request(trace, i, 0.0) for i in range(2))
+    assert sched.add(a) and sched.add(b)
+    assert sched.new_token_ratio == 0.0
+    clock, guesses = 0.0, []
+    while sched.running or sched.waiting:
+        batch = sched.schedule(clock)
+        if batch.preempted:
+            guesses.append((sched.new_token_ratio, sched.generated(a)))
+        clock += 1.0
+        sched.finish_step(batch, clock)
+        if clock == 799.0:
+            assert sched.new_token_ratio == guesses[0][0]
+    assert b.preemptions == 1 and len(guesses) == 1
+    ratio, generated = guesses[0]
+    assert 400 < generated < 800 and ratio == pytest.approx((generated + 20) / 801)
+    assert Scheduler(PagedAllocator(100, 16), SchedulerConfig()).new_token_ratio is None
+
+
 def test_a_request_whose_prompt_and_max_tokens_outgrow_the_pool_is_rejected():
     # 320 + 1,400 tokens need 108 blocks of a pool of 100: SGLang could never seat it,
     # although its answer of 500 would fit (52 blocks), as vLLM serves it.
