@@ -80,6 +80,7 @@ from sim.scenario import (
     SpeculativeConfig,
     SystemConfig,
     VirtualConfig,
+    uses_hybrid_kv_cache,
 )
 from sim.scheduler import Batch, QuietDecode, Request, Scheduler, Siblings, WaitingLine
 from sim.timing import (
@@ -155,15 +156,6 @@ def extent_state_slots(model: ModelSpec, system: SystemConfig,
     """Slots a contiguous extent of ``system`` holds for its sequence's states: every state
     layer's, as many times as :func:`states_per_sequence` says."""
     return states_per_sequence(system) * model.state_slots_per_sequence(tensor_parallel_size)
-
-
-def uses_hybrid_kv_cache(model: ModelSpec, system: SystemConfig) -> bool:
-    """Whether the system keeps a sliding-window or state-space model's layers in groups of
-    block tables (vLLM v1's hybrid KV cache manager) rather than every layer's every
-    token."""
-    cfg = system.allocator
-    return isinstance(cfg, PagedConfig) and bool(
-        (model.sliding_window and cfg.hybrid_kv_cache) or model.has_state_layers)
 
 
 def kv_bytes_per_slot(scenario: Scenario, system: SystemConfig) -> float:

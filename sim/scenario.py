@@ -1061,6 +1061,15 @@ class EngineConfig(ConfigModel):
         return self
 
 
+def uses_hybrid_kv_cache(model: ModelSpec, system: SystemConfig) -> bool:
+    """Whether the system keeps a sliding-window or state-space model's layers in groups of
+    block tables (vLLM v1's hybrid KV cache manager) rather than every layer's every
+    token."""
+    cfg = system.allocator
+    return isinstance(cfg, PagedConfig) and bool(
+        (model.sliding_window and cfg.hybrid_kv_cache) or model.has_state_layers)
+
+
 def parallel_problem(value: ParallelConfig, model: ModelSpec,
                      gpu: str | GpuConfig | None) -> str | None:
     """What is wrong with spreading ``model`` over GPUs as ``value`` says (None: nothing; a
@@ -1403,13 +1412,11 @@ class Scenario(ConfigModel):
         for system in self.systems:
             if system.scheduler.admission != "new_token_ratio":
                 continue
-            allocator = system.allocator
             why = None
-            if isinstance(allocator, ContiguousConfig):
+            if isinstance(system.allocator, ContiguousConfig):
                 why = ("contiguous memory, whose extents are reserved at admission already "
                        "(use paged or virtual memory)")
-            elif isinstance(allocator, PagedConfig) and (model.has_state_layers or (
-                    model.sliding_window and allocator.hybrid_kv_cache)):
+            elif uses_hybrid_kv_cache(model, system):
                 why = (f"the hybrid KV cache manager that {model.name}'s "
                        f"{'state-space' if model.has_state_layers else 'sliding-window'} "
                        "layers use")

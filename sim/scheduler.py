@@ -1052,7 +1052,7 @@ class Scheduler:
         which hands it on after its prompt."""
         if self.keep_finished:
             return 0
-        return min(request.max_len - request.prompt_len - request.gen_sync,
+        return min(request.max_len - request.prompt_len - self.generated(request),
                    CLIP_MAX_NEW_TOKENS)
 
     def _decode_reserve(self) -> int:
@@ -1060,12 +1060,8 @@ class Scheduler:
         batch in flight): each one's max_tokens left (clipped) times the ratio."""
         ratio = self._new_token_ratio
         assert ratio is not None
-        left = 0
-        for sched in self._peers or [self]:
-            for request in sched.running.values():
-                if request.decoding:
-                    left += min(request.max_len - request.prompt_len - sched.generated(request),
-                                CLIP_MAX_NEW_TOKENS)
+        left = sum(sched._new_tokens_left(request) for sched in self._peers or [self]
+                   for request in sched.running.values() if request.decoding)
         return math.ceil(ratio.at(self.steps) * left)
 
     def _retraction_guess(self) -> None:
