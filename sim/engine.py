@@ -559,6 +559,8 @@ class _Replica:
         # sent, request index, request) heap, released at the first step boundary after.
         self.held: list[tuple[float, int, Request]] = []
         self.scheduler.keep_finished = role == "prefill"
+        if role == "decode":  # (its prompts were read elsewhere: nothing to read first)
+            self.scheduler.prefill_first = False
         # A line that turns new arrivals away when full (scheduler.max_queued_requests).
         self.bounded = (role != "decode"
                         and sim.system.scheduler.max_queued_requests is not None)

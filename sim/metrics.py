@@ -52,7 +52,7 @@ SUMMARY_ROWS: list[tuple[str, str, str]] = [
     ("replica_imbalance", "replica imbalance (max/mean requests)", "{:,.2f}"),
     ("rank_wait_frac", "rank time waiting on slower ranks", "%"),
     ("pipeline_bubble_frac", "pipeline stage time idle (bubbles)", "%"),
-    ("reserve_holds", "steps a seat waited on the decode reserve", "{:,.0f}"),
+    ("reserve_holds", "times the decode reserve held the line", "{:,.0f}"),
     ("preemptions", "preemptions", "{:,.0f}"),
     ("swap_preemptions", "preemptions by swap", "{:,.0f}"),
     ("reservation_overflows", "preemptions: outgrew a predicted reservation", "{:,.0f}"),

@@ -512,13 +512,23 @@ class SchedulerConfig(ConfigModel):
         "left for the tokens the running requests may still generate, each reserving its "
         "max_tokens left (at most 4,096) times a ratio, and the newcomer its whole prompt "
         "and max_tokens; the ratio starts at 0.7 × schedule_conservativeness (at most 1), "
-        "falls to 0.14 of that over 600 steps, jumps back after a preemption to what "
+        "falls to 0.14 of that over 600 steps that read no prompt, jumps back after a "
+        "preemption to what "
         "the survivors have generated (plus 20 steps each) over their max_tokens, and "
         "starts over when nothing runs")
     schedule_conservativeness: float | None = Field(
         default=None, ge=0, le=100, description="under admission new_token_ratio: SGLang's "
         "--schedule-conservativeness, the factor on the ratio's start (1 by default; 0.3 "
         "seats more and preempts more, 1.43 and over reserves every max_tokens at first)")
+    batching: Literal["mixed", "prefill_first"] = Field(
+        default="mixed", description="what a step computes: mixed (vLLM's, and SGLang's "
+        "--enable-mixed-chunk), the running requests' next tokens and, within the rest of "
+        "the budget, prompts (or their chunks); prefill_first (SGLang's default), prompts "
+        "alone whenever there are any to read (a prompt's next chunk, or a request the step "
+        "seats), with the whole budget, while the running requests wait for the next step "
+        "without one to decode: first tokens sooner, longer gaps between the next. Under "
+        "disaggregation, a decode replica seats the requests handed over into its decode "
+        "steps")
     max_queued_requests: PositiveInt | None = Field(
         default=None, description="a bounded waiting line, as SGLang's --max-queued-requests "
         "(Ray Serve's max_queued_requests, TGI's --max-concurrent-requests less the batch): a "

@@ -95,11 +95,12 @@ class NewTokenRatio:
     still generate: admission keeps that much memory free for each one.
 
     A lender's confidence in its borrowers: cautious at first (0.7 × the conservativeness,
-    at most 1), bolder with every step that passes without a default, down to 0.14 of
-    that over 600 steps; after a preemption, set to what the facts show (the tokens the
-    survivors have generated, plus 20 steps' worth each, over their max_tokens); cautious
-    again once nobody runs. The ratio is a function of the steps since it was last set, so
-    that a run of decode steps advanced at once moves it exactly as stepping does.
+    at most 1), bolder with every decode step (one that reads no prompt) that passes
+    without a default, down to 0.14 of that over 600 of them; after a preemption, set to
+    what the facts show (the tokens the survivors have generated, plus 20 steps' worth
+    each, over their max_tokens); cautious again once nobody runs. The ratio is a function
+    of the decode steps since it was last set, so that a run of them advanced at once moves
+    it exactly as stepping does.
     """
 
     def __init__(self, conservativeness: float) -> None:
@@ -240,7 +241,8 @@ class Request:
         self.max_itl_s = -1.0
         self.streak_step = 0  # decoding: the step that gives it its first token of the run
         # Generated tokens its client has received: a fork group started over regenerates
-        # them unseen (``regenerating``), and its client's next token is the one after.
+        # them unseen (``regenerating``), and its client's next token is the one after. (A
+        # request whose first token a prefill batch gave is marked so until its next.)
         self.client_tokens = 0
         self.regenerating = False
         self.discarded_output = 0  # tokens of each sample generated before it started over
@@ -725,6 +727,9 @@ class Batch:
     # Fork groups swapped back in (each in ``prefill`` once): every sample reads its own
     # last token, a token of work each, where the entry counts one.
     resumed_groups: list[Request] | None = None
+    # SGLang's prefill batch (batching: prefill_first): it reads prompts only, and those
+    # decoding wait for the next step that decodes.
+    prefill_only: bool = False
 
     @property
     def empty(self) -> bool:
@@ -809,6 +814,10 @@ class Scheduler:
         # A prefill replica keeps a finished request's KV until it has been sent on: the
         # engine calls release() then.
         self.keep_finished = False
+        # SGLang's steps (batching: prefill_first): a prefill batch whenever there are
+        # prompts to read, decoding only between (the engine's decode replicas seat the
+        # requests handed over into the decode batch instead).
+        self.prefill_first = config.batching == "prefill_first"
         self.swap_used = 0  # slots of swap space parked requests hold
         self.swap_preemptions = 0
         self.swapped_out_slots = 0
@@ -834,7 +843,11 @@ class Scheduler:
         self._peers: list[Scheduler] | None = None
         self._noticed_s = -math.inf  # the last time notice_time was told
         self.running: dict[int, Request] = {}  # admit_seq -> request, in admission order
-        self.steps = 0  # steps completed
+        self.steps = 0  # steps completed (SGLang's prefill batches aside: steps that decode)
+        self._decoded = True  # the last step decoded (not one of SGLang's prefill batches)
+        # Steps that read no prompt: SGLang's decode batches, the only ones on which it lowers
+        # its new-token ratio (a batch that reads prompts, mixed or not, leaves it).
+        self.decode_only_steps = 0
         # A request decoding in two steps in a row waits between its tokens from the end of
         # the first to the end of the second. Those waits of the steps since the batch last
         # had a decoding request, as a stack of (step, wait), steps ascending and waits
@@ -856,7 +869,9 @@ class Scheduler:
         self.step_waits_us: list[int] | None = (
             [] if (e2e_timeout_s, itl_timeout_s) != (None, None) else None)
         self.decode_requests = 0
-        self.regenerating = 0  # of them, fork groups started over, their tokens unseen
+        # Of them, fork groups started over, their tokens unseen (and those a prefill batch
+        # gave a first token, until their next: a token alone).
+        self.regenerating = 0
         self.num_preemptions = 0
         # Prefix-cache lookups of first admissions: a preempted request looking its own
         # blocks up again is counted apart (vLLM v1's ``preempted_queries``), else every
@@ -937,8 +952,9 @@ class Scheduler:
                 1.0 if conservativeness is None else conservativeness)
             self._reserving = allocator
         self._retracted = False  # this step preempted for memory
-        # Steps whose line's head found memory for itself but not for the room kept for
-        # decoding besides (what SGLang's caution costs).
+        # Times the line's head found memory for itself but not for the room kept for
+        # decoding besides (what SGLang's caution costs): each time, no one is seated until
+        # memory is freed.
         self.reserve_holds = 0
         if (self._predicts or self.waiting.by_length) and predicted_output is None:
             raise ValueError("a predicted reservation, or a line by predicted length, needs "
@@ -1044,7 +1060,7 @@ class Scheduler:
         """SGLang's ratio as the next step's admissions read it (None under vLLM's
         admission)."""
         ratio = self._new_token_ratio
-        return None if ratio is None else ratio.at(self.steps)
+        return None if ratio is None else ratio.at(self.decode_only_steps)
 
     def _new_tokens_left(self, request: Request) -> int:
         """The tokens SGLang's admission counts on ``request`` still generating here: its
@@ -1062,7 +1078,7 @@ class Scheduler:
         assert ratio is not None
         left = sum(sched._new_tokens_left(request) for sched in self._peers or [self]
                    for request in sched.running.values() if request.decoding)
-        return math.ceil(ratio.at(self.steps) * left)
+        return math.ceil(ratio.at(self.decode_only_steps) * left)
 
     def _retraction_guess(self) -> None:
         """This step preempted for memory: the ratio becomes what those still decoding
@@ -1075,7 +1091,7 @@ class Scheduler:
                 generated += self.generated(request)
                 max_new += request.max_len - request.prompt_len
                 requests += 1
-        ratio.after_preemption(self.steps, generated, max_new, requests)
+        ratio.after_preemption(self.decode_only_steps, generated, max_new, requests)
 
     def _within_pool(self, request: Request, predicted_output: int) -> int:
         """A predicted output no larger than lets all the request's samples' reservations
@@ -1133,11 +1149,15 @@ class Scheduler:
         return request.gen_sync
 
     # ------------------------------------------------------------------ lazy decode
-    def _advance(self, batch_size: int, end_s: float) -> bool:
-        """A step of ``batch_size`` requests is done at ``end_s``: the token clock moves on
-        by its rate, and the next step verifies the drafts proposed for a batch of that size
-        (dynamic speculative decoding); True if that changed K."""
+    def _advance(self, batch_size: int, end_s: float, read_prompts: bool = False) -> bool:
+        """A step of ``batch_size`` requests (that ``read_prompts`` or not) is done at
+        ``end_s``: the token clock moves on by its rate, and the next step verifies the
+        drafts proposed for a batch of that size (dynamic speculative decoding); True if
+        that changed K."""
         self.steps += 1
+        if not read_prompts:
+            self.decode_only_steps += 1
+        self._decoded = True
         self._prev_end_s = self._last_end_s
         wait_s = end_s - self._last_end_s
         if self.step_waits_us is not None:
@@ -1260,8 +1280,10 @@ class Scheduler:
         request.c_sync += count
         return True
 
-    def _start_decoding(self, request: Request) -> None:
-        """After its prefill step: decode lazily from now on."""
+    def _start_decoding(self, request: Request, after_prefill_batch: bool = False) -> None:
+        """After its prefill step: decode lazily from now on. After a prefill batch (which
+        ended after the last decode step), its next token's wait runs from its first, not
+        from the end of that decode step as the others' do: it gets that token alone."""
         request.decoding = True
         request.streak_step = self.steps + 1
         self.decode_requests += 1
@@ -1282,6 +1304,13 @@ class Scheduler:
             request.streak_step = NO_STEP
             caught_up = request.c_sync + request.client_tokens + 1 - request.gen_sync
             self._events[CAUGHT_UP].setdefault(caught_up, []).append(
+                (request.admit_seq, request.version, request))
+        elif after_prefill_batch:
+            # As a fork group catching up, unseen by the next step's count of tokens.
+            request.regenerating = True
+            self.regenerating += 1
+            request.streak_step = NO_STEP
+            self._events[CAUGHT_UP].setdefault(request.c_sync + 1, []).append(
                 (request.admit_seq, request.version, request))
         if self.sliding_window:
             past = self._past_window_offset(request)
@@ -1685,13 +1714,47 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         ratio = self._new_token_ratio
         if ratio is not None and not self.running:
-            ratio.reset(self.steps)
+            ratio.reset(self.decode_only_steps)
         if self.sliding_window:
             self._windows_due()
-        for request in self._due(GROW):
-            if request.decoding:  # not preempted meanwhile
-                self._grow_now(request, batch)
-        budget -= self.decode_seqs * self.step_tokens  # (vLLM counts drafts as new tokens)
+        if not self.prefill_first:
+            self._grow_decoders(batch)
+            budget -= self.decode_seqs * self.step_tokens  # (vLLM counts drafts as new tokens)
+        self._read_prompts(batch, budget, now_s)
+        if self.prefill_first:
+            # SGLang runs a prefill batch whenever it has prompts to read; the running
+            # requests decode only in a step without one.
+            if not batch.prefill:
+                if self._grow_decoders(batch) and self._reserving is None:
+                    # Claims after the seating may have freed memory for the line's head
+                    # (sliding windows giving blocks back) or evicted its prefix hits: the
+                    # next step tries it again.
+                    self.head_blocked = False
+                if not self.decode_seqs and self.waiting:
+                    # Those decoding all went back to the line (outgrown extents): seat now
+                    # (the engine would find the step empty, the next one seats).
+                    self._read_prompts(batch, budget, now_s)
+            batch.prefill_only = bool(batch.prefill)
+        if self._retracted:
+            self._retracted = False
+            if ratio is not None:
+                self._retraction_guess()
+        computed = [(chunk, history) for _, chunk, history in batch.prefill]
+        if batch.resumed_groups:  # (one preempted since has no samples left)
+            computed += [(1, group.prefilled - 1) for group in batch.resumed_groups
+                         for _ in range(group.num_seqs - 1)]
+        batch.prefill_tokens = sum(chunk for chunk, _ in computed)
+        batch.prefill_pairs = sum(chunk * (history + chunk) for chunk, history in computed)
+        window = self.sliding_window
+        if window:  # a sliding layer's new tokens each meet at most a window of keys
+            batch.skipped_pairs = sum(chunk * max(0, history + chunk - window)
+                                      for chunk, history in computed)
+        self.fill_decode(batch)
+        return batch
+
+    def _read_prompts(self, batch: Batch, budget: int, now_s: float) -> None:
+        """Put into ``batch`` the prompts this step reads, within ``budget`` tokens: the next
+        chunks of those being read, then the requests it seats (claiming their memory)."""
         # Prompts still being read (chunked prefill), in admission order.
         if self.prefilling:
             for request in [r for r in self.running.values() if r.in_prefill]:
@@ -1708,9 +1771,13 @@ class Scheduler:
         # New admissions, in the line's order with head-of-line blocking. vLLM v1 (per chunk)
         # seats no one in a step that preempted while others run: memory is short, and a
         # newcomer would only be preempted in turn (with nobody left, its empty step would
-        # take no time: seat at once).
-        self.head_blocked = False
-        seating = not (self._per_chunk and batch.preempted and self.running)
+        # take no time: seat at once). SGLang, its batch once marked full (a newcomer found no
+        # seat or room), tries again only when memory is freed or a prompt's chunk is read:
+        # its ratio's decay alone seats no one.
+        batch_full = (self._reserving is not None and self.head_blocked and not batch.prefill
+                      and bool(self.running))
+        self.head_blocked = batch_full
+        seating = not ((self._per_chunk and batch.preempted and self.running) or batch_full)
         ranked = seating and self._ranked_line and self._seated() < self.config.max_num_seqs
         if ranked:
             self.waiting.rank()  # once a round, as SGLang: a seat taken does not re-rank it
@@ -1727,10 +1794,11 @@ class Scheduler:
                     continue  # a seat freed for a better priority
                 # Blocked for as long as pure decode lasts, unless this step's prefills used
                 # the budget (the next step has a fresh one), with which a better priority
-                # than the worst running one's may take its seat.
-                self.head_blocked = (seated >= self.config.max_num_seqs
-                                     or self.decode_seqs * self.step_tokens
-                                     >= self.config.max_num_batched_tokens) and not (
+                # than the worst running one's may take its seat. (Decode tokens take no
+                # budget of SGLang's prefill batches.)
+                self.head_blocked = (seated >= self.config.max_num_seqs or (
+                    not self.prefill_first and self.decode_seqs * self.step_tokens
+                    >= self.config.max_num_batched_tokens)) and not (
                     budget <= 0 and self._may_make_room(self.waiting.head()))
                 break
             request = self.waiting.head()
@@ -1772,9 +1840,8 @@ class Scheduler:
             if hits is None:
                 if self._make_room(request, batch):
                     continue  # memory freed for a better priority: try again
-                # Blocked until memory is freed; under SGLang's admission the room kept for
-                # decoding shrinks step by step, so the next step tries again.
-                self.head_blocked = self._reserving is None
+                # Blocked until memory is freed.
+                self.head_blocked = True
                 if self._reserving is not None and self._reserving.refused_for_reserve:
                     self.reserve_holds += 1
                 break
@@ -1833,28 +1900,21 @@ class Scheduler:
             # round): the next round ranks again (as stepping would), and may put another
             # head first.
             self.head_blocked = False
-        if self._retracted:
-            self._retracted = False
-            if ratio is not None:
-                self._retraction_guess()
         if batch.preempted:
             # Preemptions late in the step may have removed requests scheduled earlier, and
             # seated some of them again since, each with a chunk of its own: the last.
             last = {id(p[0]): i for i, p in enumerate(batch.prefill)}
             batch.prefill = [p for i, p in enumerate(batch.prefill)
                              if p[0].num_seqs and last[id(p[0])] == i]
-        computed = [(chunk, history) for _, chunk, history in batch.prefill]
-        if batch.resumed_groups:  # (one preempted since has no samples left)
-            computed += [(1, group.prefilled - 1) for group in batch.resumed_groups
-                         for _ in range(group.num_seqs - 1)]
-        batch.prefill_tokens = sum(chunk for chunk, _ in computed)
-        batch.prefill_pairs = sum(chunk * (history + chunk) for chunk, history in computed)
-        window = self.sliding_window
-        if window:  # a sliding layer's new tokens each meet at most a window of keys
-            batch.skipped_pairs = sum(chunk * max(0, history + chunk - window)
-                                      for chunk, history in computed)
-        self.fill_decode(batch)
-        return batch
+
+    def _grow_decoders(self, batch: Batch) -> bool:
+        """Claim the memory of this step's decode tokens where a request's claim crosses
+        into a block it lacks, preempting while memory is short; whether any did."""
+        due = self._due(GROW)
+        for request in due:
+            if request.decoding:  # not preempted meanwhile
+                self._grow_now(request, batch)
+        return bool(due)
 
     def _aligned_chunk(self, end: int, start: int, chunk: int) -> int:
         """``chunk`` prefill tokens from ``start`` of ``end``, cut as vLLM's mamba cache mode
@@ -1876,6 +1936,9 @@ class Scheduler:
 
     def fill_decode(self, batch: Batch) -> None:
         """Decode shape of the step about to run: sequences and context tokens read."""
+        if batch.prefill_only:
+            batch.draft_tokens = self.drafts  # (the timing of the K in force)
+            return
         batch.decode_seqs = self.decode_seqs
         batch.draft_tokens = self.drafts
         batch.context_tokens = (self._tok_sync_sum + self._pending()
@@ -1925,14 +1988,24 @@ class Scheduler:
         """Complete the step that ends at ``end_s``; return the requests that finished."""
         if self._pool is not None:
             self._pool.clock_s = end_s
-        self._advance(batch.decode_seqs + len(batch.prefill) if batch else self.decode_seqs,
-                      end_s)
+        prefill_only = batch is not None and batch.prefill_only
+        if prefill_only:
+            self._decoded = False
+        else:
+            self._advance(batch.decode_seqs + len(batch.prefill) if batch else self.decode_seqs,
+                          end_s, batch is not None and bool(batch.prefill))
+        # (After a prefill batch nobody decoded: the token clock stands, and with it the
+        # steps counted, which are decode steps, and the wait for the next token, which runs
+        # from the last decode step's end.)
         finished = []
         # Clients who gave up by the step's end, before their first token or last: a token
         # given just as the client gives up comes too late, as a seat does.
         if self._seated_deadlines and self._seated_deadlines[0][0] <= end_s:
             self._abort_overdue(end_s)
-        self._deliver_step()
+        if not prefill_only:
+            self._deliver_step()
+        elif self.decode_requests and end_s - self._last_end_s > self._itl_timeout_s:
+            self._abort_stalled(self._last_end_s)  # they waited out the prefill batch
         for request, chunk, history in batch.prefill if batch else ():
             request.computed = True
             if history + chunk > request.computed_tokens:
@@ -1953,7 +2026,7 @@ class Scheduler:
                 if request.siblings is not None and not request.siblings.decoding:
                     self._watch_siblings(request.siblings, request)  # (its token, alone)
             else:
-                self._start_decoding(request)
+                self._start_decoding(request, after_prefill_batch=prefill_only)
         finished += self._finish_due(end_s)
         return finished
 
@@ -1996,7 +2069,7 @@ class Scheduler:
         if self.decode_requests:
             wait_s = self._last_end_s - self._prev_end_s
             if wait_s > self._itl_timeout_s:
-                aborted = self._abort_stalled()
+                aborted = self._abort_stalled(self._prev_end_s)
             else:
                 self._delivered(wait_s, self.decode_requests - self.regenerating)
         if self._events[CAUGHT_UP]:
@@ -2032,11 +2105,11 @@ class Scheduler:
         key = wait_us(wait_s)
         self.token_waits_us[key] = self.token_waits_us.get(key, 0) + tokens
 
-    def _abort_stalled(self) -> int:
-        """Abort every decoding request: the step that just ended outlasted
-        ``itl_timeout_s``, so each one's client, whose last token came at the end of the step
-        before, gave up that long after it. How many were."""
-        gave_up_s = self._prev_end_s + self._itl_timeout_s
+    def _abort_stalled(self, last_token_s: float) -> int:
+        """Abort every decoding request: the wait since their last token, which came at
+        ``last_token_s`` (the end of the decode step before), outlasted ``itl_timeout_s``, so
+        each one's client gave up that long after it. How many were."""
+        gave_up_s = last_token_s + self._itl_timeout_s
         # (A fork group regenerating gave its client no token: its own deadline holds.)
         stalled = [request for request in self.running.values()
                    if request.decoding and not request.regenerating]
@@ -2067,7 +2140,9 @@ class Scheduler:
         (its client gave up on the request). How many seated requests that aborted."""
         if request.decoding:
             self._sync(request, include_current=False)  # cache what it computed
-            self._stop_decoding(request, received_now=False)
+            # The last step's token came too late for its client; after a prefill batch,
+            # which gave none, the last decode step's had come before.
+            self._stop_decoding(request, received_now=not self._decoded)
         elif request.in_prefill:
             self.prefilling -= 1
         self.release(request)

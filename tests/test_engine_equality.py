@@ -12,7 +12,8 @@ hybrid manager of sliding-window layers too, with routers that hear from the rep
 only every so often, with lines ordered by the prefix cache or shuffled each round, and
 with parallel samples run as requests of their own, their client waiting for a seat or a
 first token of any of them, turned away with them all by a full line, or sending them all
-again, and with SGLang's admission, whose room kept for decoding changes every step."""
+again, with SGLang's admission, whose room kept for decoding changes every step, and with
+SGLang's steps, prompts alone whenever there are any to read, decoding between."""
 
 from __future__ import annotations
 
@@ -300,6 +301,10 @@ def random_scenario(seed: int) -> dict:
         scheduler["admission"] = "new_token_ratio"
         if rng.random() < 0.6:
             scheduler["schedule_conservativeness"] = rng.choice([0.0, 0.3, 1.3, 3.0])
+    # Drawn last, as the above: SGLang's steps, prompts alone whenever there are any to read
+    # (the token clock stands meanwhile), decoding between.
+    if rng.random() < 0.3:
+        scheduler["batching"] = "prefill_first"
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",
