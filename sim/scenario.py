@@ -477,8 +477,10 @@ class SchedulerConfig(ConfigModel):
         "moves up the line as it waits, however long the line)")
     preemption_victim: Literal["last_admitted", "fewest_generated"] = Field(
         default="last_admitted", description="under every policy but priority: which running "
-        "request is preempted when memory runs short (priority always preempts the worst "
-        "priority, latest arrival)")
+        "request is preempted when memory runs short: the last seated (vLLM's), or the one "
+        "that has generated the fewest tokens, the longest prompt among equals, then the "
+        "last seated (SGLang's retraction order); priority always preempts the worst "
+        "priority, latest arrival")
     preemption_mode: Literal["recompute", "swap", "swap_groups"] = Field(
         default="recompute", description="as vLLM v0's: drop a victim's KV and recompute it "
         "when it is seated again (vLLM v1's only mode); swap: copy it to host memory and back "

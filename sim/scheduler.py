@@ -1474,8 +1474,10 @@ class Scheduler:
             return max(self.running.values(),
                        key=lambda r: (r.priority, r.arrival_s, r.index))
         if self.config.preemption_victim == "fewest_generated":
-            # Fewest generated tokens; the most recently admitted among equals.
-            return min(reversed(self.running.values()), key=self.generated)
+            # Fewest generated tokens, then the longest prompt (SGLang's retraction order),
+            # then the most recently admitted.
+            return min(reversed(self.running.values()),
+                       key=lambda r: (self.generated(r), -r.prompt_len))
         return next(reversed(self.running.values()))
 
     def _make_room(self, request: Request, batch: Batch) -> bool:

@@ -116,6 +116,33 @@ def test_the_new_token_ratio_decays_on_steps_that_read_no_prompt_only(batching):
         [start - decay * sum(not r for r in reads[:i]) for i in range(9)])
 
 
+@pytest.mark.parametrize(("victim", "preempted"), [("last_admitted", [0, 1]),
+                                                   ("fewest_generated", [1, 0])])
+def test_sglang_retracts_the_fewest_generated_then_the_longest_prompt(victim, preempted):
+    # A (a prompt of 48 tokens) and B (16), seated in one step, each to generate 40 tokens
+    # in a pool of 8 blocks of 16: at their ends they would need 6 + 4 blocks, so the pool
+    # runs dry on the way, when both have generated as many tokens. vLLM preempts the last
+    # seated (B); SGLang, among equals, the longest prompt (A).
+    trace = Trace.from_columns(arrival_s=np.zeros(2), prompt_len=np.array([48, 16]),
+                               output_len=np.array([40, 40]))
+    sched = Scheduler(PagedAllocator(8, 16), SchedulerConfig(preemption_victim=victim),
+                      debug=True)
+    requests = [Request(trace, i, 0.0) for i in range(2)]
+    for request in requests:
+        assert sched.add(request)
+    clock = 0.0
+    generated_then = []
+    while sched.running or sched.waiting:
+        before = [sched.generated(r) for r in requests]
+        batch = sched.schedule(clock)
+        if batch.preempted:
+            generated_then.append(before)
+        clock += 1.0
+        sched.finish_step(batch, clock)
+    assert [r.preemptions for r in requests] == preempted
+    assert len(generated_then) == 1 and generated_then[0][0] == generated_then[0][1] > 0
+
+
 def scenario(batching: str, **engine) -> dict:
     return {
         "name": "batching",
