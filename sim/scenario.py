@@ -481,6 +481,11 @@ class SchedulerConfig(ConfigModel):
         "that has generated the fewest tokens, the longest prompt among equals, then the "
         "last seated (SGLang's retraction order); priority always preempts the worst "
         "priority, latest arrival")
+    preempted_rejoin: Literal["front", "back"] = Field(
+        default="front", description="where a preempted request rejoins the waiting line: "
+        "at its front, to be seated again first (vLLM's), or at its back, behind every "
+        "request waiting (SGLang's retraction appends to its queue); a line ordered by a "
+        "key (priority, predicted length) puts it in its place either way")
     preemption_mode: Literal["recompute", "swap", "swap_groups"] = Field(
         default="recompute", description="as vLLM v0's: drop a victim's KV and recompute it "
         "when it is seated again (vLLM v1's only mode); swap: copy it to host memory and back "

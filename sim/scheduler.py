@@ -318,9 +318,10 @@ class WaitingLine:
     shortest predicted job first, longest cached prefix first, grouped by cached prefix, or
     at random; and, with a ``timeout_s`` or ``ttft_timeout_s``, the clients who give up.
 
-    First come, first served is a deque; a preempted request goes back to its front. Longest
-    prefix match (``lpm``, SGLang's ``--schedule-policy lpm``) keeps the same deque, which
-    the scheduler of a pool with a prefix cache sorts (:meth:`rank`) before it seats anyone,
+    First come, first served is a deque; a preempted request goes back to its front (or,
+    as SGLang's retraction, its back: ``preempted_to_back``). Longest prefix match
+    (``lpm``, SGLang's ``--schedule-policy lpm``) keeps the same deque, which the
+    scheduler of a pool with a prefix cache sorts (:meth:`rank`) before it seats anyone,
     as SGLang's scheduler sorts its list each round: the most prompt tokens cached first,
     in the order before among equals, so that as a request of a shared prefix warms the
     cache the others of its group move up. Ranking asks about every request waiting, so a
@@ -365,13 +366,16 @@ class WaitingLine:
                  ttft_timeout_s: float | None = None,
                  e2e_timeout_s: float | None = None,
                  itl_timeout_s: float | None = None,
-                 max_lpm_queue_size: int | None = None, seed: str = "") -> None:
+                 max_lpm_queue_size: int | None = None, seed: str = "",
+                 preempted_to_back: bool = False) -> None:
         self.by_priority = order == "priority"
         self.by_length = order == "shortest_predicted"
         self.by_prefix = order == "lpm"
         self.by_cache_tree = order == "dfs_weight"
         self.by_output = order == "lof"
         self._heaped = self.by_priority or self.by_length
+        # A preempted request rejoins at the back, as SGLang's retraction (else the front).
+        self.preempted_to_back = preempted_to_back
         # Under lpm, the prompt tokens a waiting request finds cached now (set by the
         # scheduler of a pool that caches prefixes; without, the line is first come, first
         # served), and the longest line ranked so.
@@ -602,12 +606,16 @@ class WaitingLine:
                                               request.ticket, request))
 
     def readmit(self, request: Request) -> None:
-        """A preempted request returns to the front (or its place, by its key)."""
+        """A preempted request returns to the front, or the back (or its place, by its
+        key)."""
         if self._heaped:
             self.arrive(request)
         else:
             self._join(request)
-            self._line.appendleft(request)
+            if self.preempted_to_back:
+                self._line.append(request)
+            else:
+                self._line.appendleft(request)
 
     def _next_deadline(self) -> tuple[float, int, int, Request] | None:
         """The earliest deadline of a request still in the line."""
@@ -826,7 +834,7 @@ class Scheduler:
         self.waiting = waiting if waiting is not None else WaitingLine(
             config.policy, config.max_wait_s, config.aging_tokens_per_s or 0.0,
             queue_timeout_s, ttft_timeout_s, e2e_timeout_s, itl_timeout_s,
-            config.max_lpm_queue_size, line_seed)
+            config.max_lpm_queue_size, line_seed, config.preempted_rejoin == "back")
         # A streaming client gives up on a decoding request only when a step outlasts this.
         self._itl_timeout_s = itl_timeout_s if itl_timeout_s is not None else math.inf
         # Seated requests whose clients gave up (before their first token, or their last):

@@ -13,7 +13,8 @@ only every so often, with lines ordered by the prefix cache or shuffled each rou
 with parallel samples run as requests of their own, their client waiting for a seat or a
 first token of any of them, turned away with them all by a full line, or sending them all
 again, with SGLang's admission, whose room kept for decoding changes every step, and with
-SGLang's steps, prompts alone whenever there are any to read, decoding between."""
+SGLang's steps, prompts alone whenever there are any to read, decoding between, and its
+retracted requests rejoining the back of the line."""
 
 from __future__ import annotations
 
@@ -305,6 +306,9 @@ def random_scenario(seed: int) -> dict:
     # (the token clock stands meanwhile), decoding between.
     if rng.random() < 0.3:
         scheduler["batching"] = "prefill_first"
+    # Drawn last, as the above: preempted requests rejoining the back of the line (SGLang's).
+    if rng.random() < 0.3:
+        scheduler["preempted_rejoin"] = "back"
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",

@@ -1,5 +1,6 @@
 """SGLang's steps (scheduler.batching: prefill_first): prompts alone whenever there are any
-to read, the running requests decoding only in the steps between.
+to read, the running requests decoding only in the steps between; and its retraction (the
+victim, and where it rejoins the line).
 
 Hand-worked steps of a scheduler against vLLM's mixed steps (who gets a token when, the
 waits between tokens, the new-token ratio decaying on decode steps only), and the engine:
@@ -141,6 +142,33 @@ def test_sglang_retracts_the_fewest_generated_then_the_longest_prompt(victim, pr
         sched.finish_step(batch, clock)
     assert [r.preemptions for r in requests] == preempted
     assert len(generated_then) == 1 and generated_then[0][0] == generated_then[0][1] > 0
+
+
+@pytest.mark.parametrize(("rejoin", "first_back"), [("front", "b"), ("back", "c")])
+def test_a_retracted_request_rejoins_the_line_at_its_back_under_sglang(rejoin, first_back):
+    # A and B of the test above, vLLM's victim (B, the last seated), and C (80 tokens, 5
+    # blocks) arriving at the second step, when 2 blocks are free: it waits. B, preempted,
+    # rejoins the line at its front (vLLM's) and is seated again before C once A is done,
+    # or at its back (SGLang appends the requests it retracts to its queue), behind C.
+    trace = Trace.from_columns(arrival_s=np.array([0.0, 0.0, 1.0]),
+                               prompt_len=np.array([48, 16, 80]),
+                               output_len=np.array([40, 40, 10]))
+    sched = Scheduler(PagedAllocator(8, 16), SchedulerConfig(preempted_rejoin=rejoin),
+                      debug=True)
+    a, b, c = (Request(trace, i, trace.arrival_s[i]) for i in range(3))
+    assert sched.add(a) and sched.add(b)
+    clock, seated_from_line = 0.0, []
+    while sched.running or sched.waiting or clock <= 1.0:
+        if clock == 1.0:
+            assert sched.add(c)
+        waiting = set(map(id, sched.waiting.requests()))
+        batch = sched.schedule(clock)
+        seated_from_line += [name for name, r in (("b", b), ("c", c))
+                         if id(r) in waiting and r.num_seqs and clock >= 1.0]
+        clock += 1.0
+        sched.finish_step(batch, clock)
+    assert b.preemptions == 1 and c.preemptions == 0
+    assert seated_from_line[0] == first_back and sorted(seated_from_line) == ["b", "c"]
 
 
 def scenario(batching: str, **engine) -> dict:
