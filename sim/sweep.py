@@ -339,6 +339,8 @@ _AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
     ("allocator", "mamba_cache_mode"): "align",
     ("scheduler", "prefill_allocation"): "whole_prompt",
     ("scheduler", "admission"): "memory",
+    ("scheduler", "batching"): "mixed",
+    ("scheduler", "preempted_rejoin"): "front",
 }
 _SCENARIO_AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
     ("parallel", "data_parallel_size"): 1,

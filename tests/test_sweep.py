@@ -192,8 +192,9 @@ def test_keys_ignore_optional_fields_left_unset():
 
 def test_keys_ignore_later_fields_at_the_value_that_does_as_before():
     # Fields added with a default other than null (prompt memory claimed whole, vLLM's
-    # admission, the hybrid manager where a model has no window) must key the runs made
-    # before them as before.
+    # admission, its mixed steps and preempted requests back at the front of the line, the
+    # hybrid manager where a model has no window) must key the runs made before them as
+    # before.
     import copy
 
     from sim.sweep import config_key
@@ -205,6 +206,8 @@ def test_keys_ignore_later_fields_at_the_value_that_does_as_before():
     for system in older["systems"]:
         del system["scheduler"]["prefill_allocation"]
         assert system["scheduler"].pop("admission") == "memory"  # (vLLM's, as before)
+        assert system["scheduler"].pop("batching") == "mixed"
+        assert system["scheduler"].pop("preempted_rejoin") == "front"
         system["allocator"].pop("hybrid_kv_cache", None)
         # (how a swap copies: no matter where nothing swaps)
         assert system["scheduler"].pop("swap_copy_overhead_s") == 5e-6
@@ -220,6 +223,10 @@ def test_keys_ignore_later_fields_at_the_value_that_does_as_before():
     sglang = copy.deepcopy(point.scenario)
     sglang["systems"][1]["scheduler"]["admission"] = "new_token_ratio"
     assert config_key(sglang) != point.key
+    for field, sglangs in (("batching", "prefill_first"), ("preempted_rejoin", "back")):
+        sglang = copy.deepcopy(point.scenario)
+        sglang["systems"][1]["scheduler"][field] = sglangs
+        assert config_key(sglang) != point.key
     # Of the scenario too: one engine of one rank, its experts where tensor parallelism puts
     # them, and a model's shape without dense first layers.
     assert point.scenario["parallel"]["data_parallel_size"] == 1
