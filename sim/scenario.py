@@ -1716,6 +1716,15 @@ class Scenario(ConfigModel):
                 notes.append(f"system {system.name!r}: scheduler.schedule_conservativeness "
                              f"{conservativeness:g} starts the ratio at 1, as any from "
                              f"{1 / NEW_TOKEN_RATIO_INIT:.3g} does (SGLang caps it there)")
+            if scheduler.preempted_rejoin == "back" and scheduler.policy in (
+                    "priority", "shortest_predicted"):
+                notes.append(f"system {system.name!r}: scheduler.preempted_rejoin back changes "
+                             f"nothing under policy {scheduler.policy}: the line puts a "
+                             "preempted request in its place by its key")
+            if scheduler.batching == "prefill_first" and self.engine.disaggregation is not None:
+                notes.append(f"system {system.name!r}: scheduler.batching prefill_first "
+                             "changes nothing under disaggregation: prefill replicas never "
+                             "decode, and decode replicas read no prompts")
             threshold = scheduler.long_prefill_token_threshold
             if threshold and threshold >= scheduler.max_num_batched_tokens:
                 notes.append(f"system {system.name!r}: scheduler.long_prefill_token_threshold "

@@ -171,6 +171,14 @@ def test_a_retracted_request_rejoins_the_line_at_its_back_under_sglang(rejoin, f
     assert seated_from_line[0] == first_back and sorted(seated_from_line) == ["b", "c"]
 
 
+def test_a_line_by_priority_puts_a_preempted_request_in_its_place_either_way():
+    data = scenario("mixed")
+    data["systems"][0]["scheduler"].update(preempted_rejoin="back", policy="priority")
+    notes = scenario_from_dict(data).setting_notes()
+    assert any("preempted_rejoin back changes nothing under policy priority" in note
+               for note in notes)
+
+
 def scenario(batching: str, **engine) -> dict:
     return {
         "name": "batching",
@@ -213,6 +221,12 @@ def test_decode_replicas_read_no_prompts_so_disaggregation_runs_as_before():
     runs = [run_scenario(scenario_from_dict(scenario(batching, **split))).systems["s"]
             for batching in ("mixed", "prefill_first")]
     assert runs[0].summary == runs[1].summary
+    # And the scenario says so.
+    notes = scenario_from_dict(scenario("prefill_first", **split)).setting_notes()
+    assert any("batching prefill_first changes nothing under disaggregation" in note
+               for note in notes)
+    assert not any("batching" in note for note in scenario_from_dict(
+        scenario("prefill_first")).setting_notes())
 
 
 def test_the_sglang_batching_scenario_says_what_the_readme_says():
