@@ -3,7 +3,8 @@ to read, the running requests decoding only in the steps between; and its retrac
 victim, and where it rejoins the line).
 
 Hand-worked steps of a scheduler against vLLM's mixed steps (who gets a token when, the
-waits between tokens, the new-token ratio decaying on decode steps only), and the engine:
+waits between tokens, a client giving up while prompts are read, the new-token ratio
+decaying on steps that read no prompt only), and the engine:
 the shapes of the steps it records, first tokens sooner and longer gaps after, decode
 replicas under disaggregation, which read no prompts, and the shipped scenario's figures
 that the README quotes.
@@ -81,6 +82,32 @@ def test_a_long_prompt_read_in_chunks_stalls_the_decoding_for_every_chunk():
     assert a.max_itl_s == 5.0
     _, (a, _), mixed = step_by_step("mixed", arrivals, prompts, outputs, **chunks)
     assert mixed[2:7] == [(1, 15)] * 4 + [(0, 4)] and a.max_itl_s == 1.0
+
+
+def test_a_client_gives_up_while_the_prompts_of_others_are_read():
+    # A's client waits at most 2.5 s for a next token. A's second token comes at 2 s; B's
+    # prompt then takes four prefill steps (2 to 6 s): A's client gives up at 4.5 s, and
+    # A is aborted at the end of the step it gave up in, with the two tokens it received.
+    trace = Trace.from_columns(arrival_s=np.array([0.0, 2.0]), prompt_len=np.array([16, 64]),
+                               output_len=np.array([20, 2]))
+    sched = Scheduler(PagedAllocator(100, 16), SchedulerConfig(
+        batching="prefill_first", chunked_prefill=True, max_num_batched_tokens=16),
+        debug=True, itl_timeout_s=2.5)
+    a, b = Request(trace, 0, 0.0), Request(trace, 1, 2.0)
+    assert sched.add(a)
+    clock = 0.0
+    while sched.running or sched.waiting or clock <= 2.0:
+        if clock == 2.0:
+            assert sched.add(b)
+        batch = sched.schedule(clock)
+        clock += 1.0
+        sched.finish_step(batch, clock)
+        if sched.gave_up:
+            assert clock == 5.0 and sched.gave_up == [a]
+            sched.gave_up = []
+    assert a.abandoned_s == 4.5 and a.finished_s < 0 and b.finished_s == 7.0
+    # Its tokens after the first, as its client received them: the one at 2 s alone.
+    assert [(first, stop) for _, first, stop in a.token_runs] == [(0, 1)]
 
 
 @pytest.mark.parametrize("batching", ["prefill_first", "mixed"])
