@@ -520,9 +520,9 @@ class SchedulerConfig(ConfigModel):
         "max_tokens left (at most 4,096) times a ratio, and the newcomer its whole prompt "
         "and max_tokens; the ratio starts at 0.7 × schedule_conservativeness (at most 1), "
         "falls to 0.14 of that over 600 steps that read no prompt, jumps back after a "
-        "preemption to what "
-        "the survivors have generated (plus 20 steps each) over their max_tokens, and "
-        "starts over when nothing runs")
+        "preemption to what the survivors have generated (plus 20 steps each) over their "
+        "max_tokens, and starts over when nothing runs; a newcomer refused so holds the "
+        "line until memory is freed")
     schedule_conservativeness: float | None = Field(
         default=None, ge=0, le=100, description="under admission new_token_ratio: SGLang's "
         "--schedule-conservativeness, the factor on the ratio's start (1 by default; 0.3 "
