@@ -159,16 +159,36 @@ def _drafts_vary(steps: pd.DataFrame) -> bool:
     return steps.loc[steps["decode_seqs"] > 0, "draft_tokens"].nunique() > 1
 
 
+def _prefill_first(result: ScenarioResult) -> set[str]:
+    """The systems that run SGLang's prefill batches (scheduler.batching: prefill_first)."""
+    return {system["name"] for system in result.scenario.get("systems", [])
+            if (system.get("scheduler") or {}).get("batching") == "prefill_first"}
+
+
+def _decode_batch_held(steps: pd.DataFrame) -> pd.DataFrame:
+    """``steps`` with each prefill batch (a step that reads prompts and decodes nothing)
+    holding the decode batch of the step before it: its requests wait to decode on."""
+    prefill_batch = (steps["decode_seqs"] == 0) & (steps["prefill_tokens"] > 0)
+    held = steps["decode_seqs"].where(~prefill_batch).ffill().fillna(0)
+    return steps.assign(decode_seqs=held)
+
+
 def batch_and_queue(result: ScenarioResult) -> Figure:
     """Decode batch size and waiting-queue length over time, one line per system; and, where
-    a system's drafts go by batch size, the drafts its decode steps verified."""
+    a system's drafts go by batch size, the drafts its decode steps verified. A system of
+    SGLang's prefill batches shows the batch of its decode steps, held through the prefill
+    batches between them (which decode nothing)."""
     dynamic = {name for name, run in result.systems.items() if _drafts_vary(run.steps)}
+    prefill_first = _prefill_first(result)
     fig, axes = new_figure(3 if dynamic else 2, 1, height=2.6, sharex=True)
     replica, note = _shown_replica(result, decoding=True)
     data = {}
     for i, (name, run) in enumerate(result.systems.items()):
         columns = ["decode_seqs", "waiting", *(["draft_tokens"] if name in dynamic else [])]
-        steps = time_binned(_rows_of(run.steps, replica), columns)
+        rows = _rows_of(run.steps, replica)
+        if name in prefill_first:
+            rows = _decode_batch_held(rows)
+        steps = time_binned(rows, columns)
         data[name] = steps
         axes[0].step(steps["time_s"], steps["decode_seqs"], where="post",
                      color=system_color(i), label=name, linewidth=1)

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
+from reports.run_figures import batch_and_queue
+from reports.style import close
 from sim.api import run
 from sim.engine import run_scenario
 from sim.memory import PagedAllocator
@@ -239,6 +241,25 @@ def test_the_engine_runs_prompt_steps_apart_first_tokens_sooner_gaps_longer():
     # come sooner; the streams wait out every prompt step: longer gaps.
     assert first["ttft_p50_s"] < vllm["ttft_p50_s"]
     assert first["max_itl_p99_s"] > vllm["max_itl_p99_s"]
+
+
+def test_the_batch_figure_holds_the_decode_batch_through_prefill_batches():
+    # The steps record what each step computed: a prefill batch decodes nothing. The figure
+    # shows the batch of the decode steps, each prefill batch holding the one before it.
+    data = scenario("prefill_first")
+    data["stop"] = {"num_requests": 40}
+    result = run_scenario(scenario_from_dict(data))
+    steps = result.systems["s"].steps
+    prefill_batch = ((steps["decode_seqs"] == 0) & (steps["prefill_tokens"] > 0)).to_numpy()
+    raw = steps["decode_seqs"].to_numpy()
+    assert prefill_batch.sum() > 10 and (raw > 0).sum() > 10
+    fig = batch_and_queue(result)
+    shown = fig.axes[0].get_lines()[0].get_ydata()
+    assert len(shown) == len(raw) and np.array_equal(shown[~prefill_batch], raw[~prefill_batch])
+    for i in np.flatnonzero(prefill_batch):
+        assert shown[i] == (shown[i - 1] if i else 0)
+    assert shown[prefill_batch].max() > 0  # (streams waited through them)
+    close(fig)
 
 
 def test_decode_replicas_read_no_prompts_so_disaggregation_runs_as_before():
