@@ -1305,20 +1305,19 @@ class Scheduler:
         self._push_events(request, start=True)
         if request.siblings is not None:
             request.siblings.decoding += 1
+        # The clock reading at which its client's next token comes alone (0: with the
+        # step's, counted by the step's wait).
+        caught_up = 0
         if request.gen_sync <= request.client_tokens:
             # Started over: its client has these tokens, and waits for the one after.
-            request.regenerating = True
-            self.regenerating += 1
-            request.streak_step = NO_STEP
             caught_up = request.c_sync + request.client_tokens + 1 - request.gen_sync
-            self._events[CAUGHT_UP].setdefault(caught_up, []).append(
-                (request.admit_seq, request.version, request))
         elif after_prefill_batch:
-            # As a fork group catching up, unseen by the next step's count of tokens.
+            caught_up = request.c_sync + 1  # (the next decode step's)
+        if caught_up:
             request.regenerating = True
             self.regenerating += 1
             request.streak_step = NO_STEP
-            self._events[CAUGHT_UP].setdefault(request.c_sync + 1, []).append(
+            self._events[CAUGHT_UP].setdefault(caught_up, []).append(
                 (request.admit_seq, request.version, request))
         if self.sliding_window:
             past = self._past_window_offset(request)
