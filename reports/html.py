@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 from reports.run_figures import RUN_FIGURES
 from reports.style import close
 from sim import CORE
+from sim.provenance import build_id
 from sim.results import ScenarioResult, load_run, run_notes
 
 CSS = """
@@ -48,14 +49,23 @@ def save_figure(fig: Figure, folder: Path, name: str) -> bytes:
 
 
 def _versions() -> dict[str, str]:
+    """The versions that drew the report (the run may be older: see :func:`made_by_text`)."""
     versions = {"python": platform.python_version()}
     for package in ("kvsim", "numpy", "pandas", "simpy", "matplotlib", "pydantic"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = "not installed"
+    versions["kvsim"] += f" (build {build_id()})"
     versions["kvsim core"] = CORE.describe()  # identical results either way; speed differs
     return versions
+
+
+def made_by_text(made_by: dict[str, str] | None) -> str:
+    """The kvsim a run folder says computed it, in words."""
+    if made_by is None:
+        return "a kvsim from before run folders named their build"
+    return f"kvsim {made_by['kvsim']} (build {made_by['build']})"
 
 
 def _summary_table(result: ScenarioResult) -> str:
@@ -83,8 +93,9 @@ def _memory_line(scenario: dict) -> str:
 
 
 def render_html(title: str, sections: list[tuple[str, str]], scenario: dict,
-                notes: list[str], lead: str = "") -> str:
-    """The report page from (heading, HTML body) sections, ``lead`` a line above them."""
+                notes: list[str], lead: str = "", made_by: str = "") -> str:
+    """The report page from (heading, HTML body) sections, ``lead`` a line above them;
+    ``made_by`` names the kvsim that computed the results, where the page shows some."""
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
              f"</title><style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
     if scenario.get("description"):
@@ -98,8 +109,9 @@ def render_html(title: str, sections: list[tuple[str, str]], scenario: dict,
     if scenario:  # (a folder from before it was kept has none to show)
         parts.append("<h2>Resolved scenario</h2><pre>"
                      + html.escape(yaml.safe_dump(scenario, sort_keys=False)) + "</pre>")
+    rows = {"results made by": made_by, **_versions()} if made_by else _versions()
     versions = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
-                       for k, v in _versions().items())
+                       for k, v in rows.items())
     parts.append(f"<h2>Versions</h2><table>{versions}</table></body></html>")
     return "".join(parts)
 
@@ -122,7 +134,8 @@ def write_report(run_dir: Path) -> Path:
         sections.append((name.replace("_", " ").capitalize(), img_tag(png, name)))
     notes = run_notes({n: r.summary for n, r in result.systems.items()})
     page = render_html(f"kvsim report: {result.scenario['name']}", sections, result.scenario,
-                       [*result.trace_notes, *notes], lead=_memory_line(result.scenario))
+                       [*result.trace_notes, *notes], lead=_memory_line(result.scenario),
+                       made_by=made_by_text(result.made_by))
     out = run_dir / "report.html"
     out.write_text(page)
     return out

@@ -601,6 +601,15 @@ def _results_html(table: pd.DataFrame) -> str:
         index=False, border=0)
 
 
+def _builds(table: pd.DataFrame) -> list[str]:
+    """The kvsim builds that made a sweep's runs, in words (a table of a kvsim from before
+    the build column has none)."""
+    if "build" not in table:
+        return []
+    return sorted("a kvsim from before run folders named their build" if pd.isna(build)
+                  else f"kvsim build {build}" for build in table["build"].drop_duplicates())
+
+
 def write_sweep_report(sweep_dir: Path, x: str | None = None, y: str | None = None) -> Path:
     """Figures into ``sweep_dir/figures`` and ``sweep_dir/report.html``."""
     every_run, info = load_sweep(sweep_dir, ok_only=False)  # the failed ones too
@@ -611,9 +620,14 @@ def write_sweep_report(sweep_dir: Path, x: str | None = None, y: str | None = No
     sections.append(("Results", f"<div class='wide'>{_results_html(every_run)}</div>"))
     scenario = yaml.safe_load(Path(info["scenario"]).read_text()) if Path(
         info["scenario"]).is_file() else {"name": sweep_dir.name}
+    builds = _builds(every_run)
+    notes = [f"{info['points']} runs" + (" (--quick)" if info.get("quick") else "")]
+    if len(builds) > 1:
+        notes.append(f"these runs were made by {len(builds)} kvsim builds (the build column "
+                     "of results.parquet names each run's; kvsim sweep --rerun-older runs "
+                     "those of another build than the one running it again)")
     page = render_html(f"kvsim sweep: {scenario.get('name', sweep_dir.name)}", sections,
-                       scenario, [f"{info['points']} runs"
-                                  + (" (--quick)" if info.get("quick") else "")])
+                       scenario, notes, made_by=", ".join(builds))
     out = sweep_dir / "report.html"
     out.write_text(page)
     return out

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TextIO, get_args
 from sim import CORE, __version__
 from sim.bench import DEFAULT_SIZES, request_counts
 from sim.metrics import format_comparison, format_summary
+from sim.provenance import build_id
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -188,10 +189,18 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     outcome = run_sweep(Path(args.scenario), out_dir=Path(args.out) if args.out else None,
                         jobs=args.jobs, executor=args.executor, address=args.address,
                         quick=args.quick, progress=progress,
-                        overrides=dict(args.overrides or []), notify=_note)
+                        overrides=dict(args.overrides or []), notify=_note,
+                        rerun_older=args.rerun_older)
     table = outcome.table
     print(f"sweep: {outcome.ran} points ran, {outcome.skipped} already done, "
           f"{outcome.failed} failed; {len(table)} rows in {outcome.out_dir / 'results.parquet'}")
+    if outcome.older:
+        what = (f"{outcome.older} points made by another kvsim build ran again" if
+                args.rerun_older else
+                f"{outcome.older} of the points already done were made by another kvsim "
+                f"build than this one ({build_id()}), and are kept (results.parquet's build "
+                "column names each run's): --rerun-older runs them again")
+        _note(what)
     if not table.empty and "throughput_tok_s" in table:
         print(_sweep_means(table, SWEEP_TABLE_METRICS))
     if table is not None and (table.get("status") == "failed").any():
@@ -499,7 +508,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from sim.results import (
         load_scenario_copy,
-        load_summaries,
+        read_summary_file,
         scenario_differences,
         sweep_run_label,
     )
@@ -519,8 +528,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise BadInput(f"the same run folder is given twice: {' '.join(args.run_dirs)}")
     names = [sweep_run_label(p) or p.name or str(p) for p in paths]
     labels = names if len(set(names)) == len(names) else [str(p) for p in paths]
-    print(format_comparison({label: load_summaries(path)
-                             for label, path in zip(labels, paths, strict=True)}))
+    summaries = [read_summary_file(path) for path in paths]
+    print(format_comparison({label: summary.systems
+                             for label, summary in zip(labels, summaries, strict=True)}))
+    builds = {None if s.made_by is None else s.made_by["build"] for s in summaries}
+    if len(builds) > 1:  # the same settings need not give the same numbers then
+        made = ", ".join(f"{label}: {'unrecorded' if s.made_by is None else s.made_by['build']}"
+                         for label, s in zip(labels, summaries, strict=True))
+        _note(f"these runs were made by different kvsim builds ({made})")
     # What was run differently: each run's settings against the first's.
     first = load_scenario_copy(paths[0])
     for label, path in zip(labels[1:], paths[1:], strict=True):
@@ -1057,7 +1072,7 @@ class _Version(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
-        print(f"kvsim {__version__}, {CORE.describe()}")
+        print(f"kvsim {__version__} (build {build_id()}), {CORE.describe()}")
         parser.exit()
 
 
@@ -1166,6 +1181,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a quarter of the requests, ≤3 values per numeric axis, one seed")
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
     sweep.add_argument("--no-report", action="store_true", help="skip the figures and report")
+    sweep.add_argument("--rerun-older", action="store_true",
+                       help="run again the finished points another kvsim build made (kept "
+                            "by default, and counted in a note)")
     _add_overrides(sweep)
     sweep.set_defaults(func=cmd_sweep)
 

@@ -3,7 +3,8 @@
 Layout of a run folder::
 
     RUN/scenario.yaml            the resolved scenario (every default filled in)
-    RUN/summary.json             {system name: summary metrics}
+    RUN/summary.json             {system name: summary metrics}, the trace's notes, and
+                                 the kvsim that made them (``sim.provenance``)
     RUN/SYSTEM/requests.parquet  one row per request
     RUN/SYSTEM/memory.parquet    the memory taxonomy over time (slots)
     RUN/SYSTEM/steps.parquet     one row per scheduling point (a jump covers several steps)
@@ -26,6 +27,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from sim import provenance
 from sim.memory import TAXONOMY, MemorySnapshot, final_kv_tokens
 from sim.scenario import MAX_REPLICAS
 from sim.slo import in_time, latencies, slo_summary
@@ -71,6 +73,8 @@ class ScenarioResult:
     scenario: dict[str, Any]
     systems: dict[str, RunResult]
     trace_notes: list[str] = field(default_factory=list)
+    # The kvsim that computed it (None: a folder written before kvsim kept it).
+    made_by: dict[str, str] | None = field(default_factory=provenance.made_by)
 
     def summary_frame(self) -> pd.DataFrame:
         """One column per system, one row per summary metric."""
@@ -419,14 +423,24 @@ def write_run(result: ScenarioResult, out_dir: Path) -> Path:
         write_table(run.memory, folder / "memory.parquet")
         write_table(run.steps, folder / "steps.parquet")
     write_json({"systems": {n: r.summary for n, r in result.systems.items()},
-                "trace_notes": result.trace_notes}, out_dir / "summary.json")
+                "trace_notes": result.trace_notes, "made_by": result.made_by},
+               out_dir / "summary.json")
     return out_dir
 
 
-def load_summaries(out_dir: Path) -> dict[str, dict[str, Any]]:
-    """A run folder's summary metrics per system (its summary.json), nothing else."""
-    summaries: dict[str, dict[str, Any]] = read_back(out_dir, "summary.json", _read_summary)[0]
-    return summaries
+@dataclass(frozen=True)
+class SummaryFile:
+    """A run folder's summary.json, read back and checked."""
+
+    systems: dict[str, dict[str, Any]]  # summary metrics per system
+    trace_notes: list[str]
+    made_by: dict[str, str] | None  # None: written by a kvsim from before it was kept
+
+
+def read_summary_file(out_dir: Path) -> SummaryFile:
+    """A run folder's summary.json (a one-line :class:`RunFolderError` where it is wrong)."""
+    summary: SummaryFile = read_back(out_dir, "summary.json", _read_summary)
+    return summary
 
 
 def swept_value_text(value: Any) -> str:
@@ -520,7 +534,8 @@ def read_scenario(folder: Path) -> dict[str, Any]:
 
 def load_run(out_dir: Path) -> ScenarioResult:
     """Read a run folder back (the inverse of :func:`write_run`)."""
-    summaries, trace_notes = read_back(out_dir, "summary.json", _read_summary)
+    summary = read_summary_file(out_dir)
+    summaries = summary.systems
     scenario = read_scenario(out_dir)
     listed = scenario.get("systems")
     named = [str(s.get("name")) for s in listed if isinstance(s, dict)] if isinstance(
@@ -536,7 +551,8 @@ def load_run(out_dir: Path) -> ScenarioResult:
                                    partial(_read_system_table, table=table))
                   for table in TABLE_COLUMNS}
         systems[name] = RunResult(system=name, summary=metrics, **tables)
-    return ScenarioResult(scenario=scenario, systems=systems, trace_notes=trace_notes)
+    return ScenarioResult(scenario=scenario, systems=systems, trace_notes=summary.trace_notes,
+                          made_by=summary.made_by)
 
 
 def _read_system_table(path: Path, table: str) -> pd.DataFrame:
@@ -578,9 +594,9 @@ class ReadSummary(dict[str, Any]):
                              "to rebuild it")
 
 
-def _read_summary(path: Path) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Per-system summaries and trace notes from a run's summary.json, every metric checked
-    to be a number or null (an edited or damaged file is refused where it is wrong)."""
+def _read_summary(path: Path) -> SummaryFile:
+    """A run's summary.json, every metric checked to be a number or null (an edited or
+    damaged file is refused where it is wrong)."""
     data = json.loads(path.read_text())
     systems = data["systems"] if isinstance(data, dict) else None
     if not isinstance(systems, dict) or not all(
@@ -607,8 +623,12 @@ def _read_summary(path: Path) -> tuple[dict[str, dict[str, Any]], list[str]]:
     notes = data.get("trace_notes", [])
     if not isinstance(notes, list) or not all(isinstance(note, str) for note in notes):
         raise ValueError("trace_notes: expected a list of texts")
-    return ({system: ReadSummary(metrics, path, system) for system, metrics in systems.items()},
-            notes)
+    made = data.get("made_by")
+    if made is not None and not (isinstance(made, dict) and set(made) == {"kvsim", "build"}
+                                 and all(isinstance(v, str) for v in made.values())):
+        raise ValueError(f'made_by: expected {{"kvsim": version, "build": id}}, got {made!r}')
+    return SummaryFile({system: ReadSummary(metrics, path, system)
+                        for system, metrics in systems.items()}, notes, made)
 
 
 def _safe_name(name: str) -> str:

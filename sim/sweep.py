@@ -45,10 +45,11 @@ import pandas as pd
 from pydantic import Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from sim.metrics import ONLY_WHEN_SET
+from sim.provenance import build_id, input_digests
 from sim.results import (
     RunFolderError,
-    load_summaries,
     make_output_folder,
+    read_summary_file,
     write_json,
     write_table,
 )
@@ -353,12 +354,14 @@ _SCENARIO_AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
 _PREFILL_PARALLEL_AS_BEFORE_FIELDS = {("prefill_parallel", "pipeline_parallel_size"): 1}
 
 
-def config_key(resolved: dict[str, Any]) -> str:
-    """Stable hash of a resolved scenario (names and output folder excluded).
+def config_key(resolved: dict[str, Any], input_digests: dict[str, str] | None = None) -> str:
+    """Stable hash of a resolved scenario (names and output folder excluded) and of what the
+    files it reads hold (``input_digests``, by field: an edited trace is another point).
 
     Unset optional fields (null), and later fields at the value that does what kvsim did
     before them, are left out, so a kvsim that adds one more feature keys every scenario
-    not using it as before, and a resumed sweep keeps its runs.
+    not using it as before, and a resumed sweep keeps its runs (saying so where another
+    kvsim build made them).
     """
     material = _without_as_before({k: v for k, v in resolved.items()
                                    if k not in ("name", "description", "output_dir", "sweep")},
@@ -370,6 +373,8 @@ def config_key(resolved: dict[str, Any]) -> str:
     if isinstance(material.get("systems"), list):
         material["systems"] = [_without_idle_swap(_without_as_before(system, _AS_BEFORE_FIELDS))
                                for system in material["systems"]]
+    if input_digests:
+        material["input_files"] = input_digests
     text = json.dumps(_without_nulls(material), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -479,7 +484,8 @@ def expand(raw: dict[str, Any], source: str, *, quick: bool = False,
             except ScenarioError as exc:
                 raise SweepError(f"{exc}{_where(params)}") from None
             resolved = scenario.model_dump(mode="json")
-            points.append(SweepPoint(index, seed, params, resolved, config_key(resolved)))
+            points.append(SweepPoint(index, seed, params, resolved,
+                                     config_key(resolved, input_digests(resolved, base_dir))))
     first_with: dict[str, SweepPoint] = {}
     for point in points:
         twin = first_with.setdefault(point.key, point)
@@ -570,35 +576,39 @@ def run_point(scenario: dict[str, Any], base_dir: str, run_dir: str) -> dict[str
         result = run_scenario(scenario_from_dict(scenario), Path(base_dir))
         write_run(result, Path(run_dir))
         return {"status": "ok", "summaries": {n: r.summary for n, r in result.systems.items()},
-                "wall_s": time.perf_counter() - start}
+                "build": build_id(), "wall_s": time.perf_counter() - start}
     except Exception as exc:  # recorded with the point; the sweep goes on
         error = f"{type(exc).__name__}: {exc}"
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         write_json({"error": error, "traceback": traceback.format_exc()},
                    Path(run_dir) / "error.json")
-        return {"status": "failed", "error": error, "wall_s": time.perf_counter() - start}
+        return {"status": "failed", "error": error, "build": build_id(),
+                "wall_s": time.perf_counter() - start}
 
 
 @dataclass
 class SweepOutcome:
-    """What a sweep did: the table, and how many points ran, were skipped or failed."""
+    """What a sweep did: the table, and how many points ran, were skipped or failed;
+    ``older``: how many of the skipped another kvsim build made (or an unknown one)."""
 
     table: pd.DataFrame
     ran: int
     skipped: int
     failed: int
     out_dir: Path
+    older: int = 0
 
 
 def _load_done(run_dir: Path) -> dict[str, Any] | None:
-    summary = run_dir / "summary.json"
-    if not summary.is_file():
+    """A finished point's outcome as its run folder holds it; None where it must run."""
+    if not (run_dir / "summary.json").is_file():
         return None
     try:
-        summaries = load_summaries(run_dir)
+        summary = read_summary_file(run_dir)
     except RunFolderError:
         return None  # a torn write from a killed run, or a damaged file: rerun the point
-    return {"status": "ok", "summaries": summaries}
+    return {"status": "ok", "summaries": summary.systems,
+            "build": summary.made_by["build"] if summary.made_by else None}
 
 
 def results_table(points: list[SweepPoint], outcomes: dict[str, dict[str, Any]]) -> pd.DataFrame:
@@ -609,6 +619,7 @@ def results_table(points: list[SweepPoint], outcomes: dict[str, dict[str, Any]])
         if outcome is None:
             continue
         base = {"point": point.point, "seed": point.seed, "key": point.key,
+                "build": outcome.get("build"),
                 **{f"param:{p}": v for p, v in point.params.items()}}
         if outcome["status"] == "ok":
             for system, summary in outcome["summaries"].items():
@@ -621,7 +632,8 @@ def results_table(points: list[SweepPoint], outcomes: dict[str, dict[str, Any]])
     table = pd.DataFrame(rows)
     if not table.empty:
         # Column order must not depend on where a summary came from (memory or JSON).
-        ids = ["point", "seed", "key", *sorted(c for c in table if c.startswith("param:")),
+        ids = ["point", "seed", "key", "build",
+               *sorted(c for c in table if c.startswith("param:")),
                "system", "status", "error"]
         table = table[ids + sorted(c for c in table.columns if c not in ids)]
         order = {s["name"]: i for i, s in enumerate(points[0].scenario["systems"])}
@@ -760,9 +772,12 @@ def run_sweep(
     progress: Callable[[int, int], Callable[[int], None]] | None = None,
     overrides: dict[str, Any] | None = None,
     notify: Callable[[str], None] | None = None,
+    rerun_older: bool = False,
 ) -> SweepOutcome:
     """Expand, skip finished points, run the rest, and write ``results.parquet``;
-    ``notify`` is told the layouts ``sweep.layouts`` refuses, before any run."""
+    ``notify`` is told the layouts ``sweep.layouts`` refuses, before any run. A finished
+    point that another kvsim build made is kept (the table's ``build`` column says which),
+    or run again under ``rerun_older``."""
     notes: list[str] = []
     scenario, points = load_sweep_points(path, quick=quick, overrides=overrides, notes=notes)
     read_files(points, path.parent, str(path))
@@ -780,9 +795,12 @@ def run_sweep(
                out_dir / "sweep.json")
     outcomes: dict[str, dict[str, Any]] = {}
     todo = []
+    older = 0
     for point in points:
         done = _load_done(runs / point.key)
-        if done is not None:
+        is_older = done is not None and done["build"] != build_id()
+        older += is_older
+        if done is not None and not (is_older and rerun_older):
             outcomes[point.key] = done
         else:
             todo.append((point, str(path.parent.resolve()), str(runs / point.key)))
@@ -798,4 +816,5 @@ def run_sweep(
             tick(1)
     table = results_table(points, outcomes)
     write_table(table, out_dir / "results.parquet")
-    return SweepOutcome(table, ran=len(todo), skipped=skipped, failed=failed, out_dir=out_dir)
+    return SweepOutcome(table, ran=len(todo), skipped=skipped, failed=failed, out_dir=out_dir,
+                        older=older)

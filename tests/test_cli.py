@@ -16,6 +16,7 @@ import pytest
 from conftest import PUBLIC_TRACE_ROWS, kvsim_in_process
 
 from sim import CORE
+from sim.provenance import build_id
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = """
@@ -668,13 +669,14 @@ def test_compare_names_a_sweeps_runs_by_what_the_sweep_set(tmp_path):
 def test_version_and_calibrate_speak_as_kvsim(tmp_path):
     proc = kvsim("--version")
     assert proc.returncode == 0
-    assert proc.stdout.strip() == f"kvsim {metadata.version('kvsim')}, {CORE.describe()}"
+    assert proc.stdout.strip() == (f"kvsim {metadata.version('kvsim')} (build {build_id()}), "
+                                   f"{CORE.describe()}")
     # One line however narrow the terminal and long the reason (argparse's own wrapped it).
     narrow = subprocess.run([sys.executable, "-m", "sim.cli", "--version"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300, check=False,
                             env={**os.environ, "COLUMNS": "30", "KVSIM_PURE_PYTHON": "1"})
-    assert narrow.stdout == (f"kvsim {metadata.version('kvsim')}, pure-Python core "
-                             "(KVSIM_PURE_PYTHON=1)\n")
+    assert narrow.stdout == (f"kvsim {metadata.version('kvsim')} (build {build_id()}), "
+                             "pure-Python core (KVSIM_PURE_PYTHON=1)\n")
     proc = kvsim("calibrate", "--help")
     assert proc.returncode == 0
     assert proc.stdout.startswith("usage: kvsim calibrate") and "``" not in proc.stdout
