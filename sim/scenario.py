@@ -486,6 +486,12 @@ class SchedulerConfig(ConfigModel):
         "at its front, to be seated again first (vLLM's), or at its back, behind every "
         "request waiting (SGLang's retraction appends to its queue); a line ordered by a "
         "key (priority, predicted length) puts it in its place either way")
+    preempted_cache: Literal["computed", "prompt"] = Field(
+        default="computed", description="what a request preempted while decoding leaves in "
+        "the prefix cache: every full block it computed, its answer's too (vLLM's blocks "
+        "are cached as they fill), or its prompt's alone (SGLang's retraction frees the "
+        "tokens it generated without putting them in its tree: seated again, it computes "
+        "them again)")
     preemption_mode: Literal["recompute", "swap", "swap_groups"] = Field(
         default="recompute", description="as vLLM v0's: drop a victim's KV and recompute it "
         "when it is seated again (vLLM v1's only mode); swap: copy it to host memory and back "
@@ -557,6 +563,9 @@ class SchedulerConfig(ConfigModel):
             raise ValueError("max_lpm_queue_size needs policy: lpm")
         if self.schedule_conservativeness is not None and self.admission != "new_token_ratio":
             raise ValueError("schedule_conservativeness needs admission: new_token_ratio")
+        if self.preempted_cache == "prompt" and self.preemption_mode != "recompute":
+            raise ValueError("preempted_cache prompt needs preemption_mode: recompute (SGLang "
+                             "retracts and computes again; a swapped request's KV comes back)")
         if self.long_prefill_token_threshold and not self.chunked_prefill:
             raise ValueError("long_prefill_token_threshold needs chunked_prefill: true (it "
                              "cuts prompts into chunks)")
@@ -1440,6 +1449,27 @@ class Scenario(ConfigModel):
             if why is not None:
                 raise ValueError(f"system {system.name!r}: scheduler.admission: "
                                  f"new_token_ratio (SGLang's) is not modelled with {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_only_cache_forgets_blocks(self):  # type: ignore[no-untyped-def]
+        model = _model_spec(self.model)
+        for system in self.systems:
+            if system.scheduler.preempted_cache != "prompt":
+                continue
+            allocator = system.allocator
+            why = None
+            if not isinstance(allocator, PagedConfig):
+                why = f"{allocator.kind} memory, which keeps no prefix cache of blocks"
+            elif not allocator.prefix_caching:
+                why = "allocator.prefix_caching: false (nothing is cached to forget)"
+            elif uses_hybrid_kv_cache(model, system):
+                why = (f"the hybrid KV cache manager that {model.name}'s "
+                       f"{'state-space' if model.has_state_layers else 'sliding-window'} "
+                       "layers use")
+            if why is not None:
+                raise ValueError(f"system {system.name!r}: scheduler.preempted_cache: prompt "
+                                 f"(SGLang's) is not modelled with {why}")
         return self
 
     @model_validator(mode="after")

@@ -960,6 +960,14 @@ class Scheduler:
                 1.0 if conservativeness is None else conservativeness)
             self._reserving = allocator
         self._retracted = False  # this step preempted for memory
+        # SGLang's retraction frees a victim's generated KV uncached, its prompt staying in
+        # the tree (preempted_cache: prompt); None: a victim leaves every full block cached.
+        self._prompt_only_cache: PagedAllocator | None = None
+        if config.preempted_cache == "prompt":
+            if not isinstance(allocator, PagedAllocator):
+                raise ValueError("preempted_cache prompt forgets blocks: it needs paged "
+                                 "memory without the hybrid manager")
+            self._prompt_only_cache = allocator
         # Times the line's head found memory for itself but not for the room kept for
         # decoding besides (what SGLang's caution costs): each time, no one is seated until
         # memory is freed.
@@ -1528,8 +1536,12 @@ class Scheduler:
         if decoding and self.swap_slots and (
                 request.n > 1 or self.config.preemption_mode == "swap"):
             self._swap_out(request, batch)
+        prompt_only = self._prompt_only_cache
         for seq_id in request.seq_ids():
-            self.allocator.free(seq_id)
+            if prompt_only is not None and decoding:
+                prompt_only.free(seq_id, request.prompt_len)
+            else:
+                self.allocator.free(seq_id)
         request.num_seqs = 0
         request.prefilled = request.prefill_target = 0
         request.preemptions += 1

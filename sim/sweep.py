@@ -342,6 +342,7 @@ _AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
     ("scheduler", "admission"): "memory",
     ("scheduler", "batching"): "mixed",
     ("scheduler", "preempted_rejoin"): "front",
+    ("scheduler", "preempted_cache"): "computed",
 }
 _SCENARIO_AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
     ("parallel", "data_parallel_size"): 1,

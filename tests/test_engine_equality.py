@@ -309,6 +309,12 @@ def random_scenario(seed: int) -> dict:
     # Drawn last, as the above: preempted requests rejoining the back of the line (SGLang's).
     if rng.random() < 0.3:
         scheduler["preempted_rejoin"] = "back"
+    # Drawn last, as the above: a request preempted while decoding leaves only its prompt's
+    # blocks cached (SGLang's retraction), where a paged pool caches blocks and recomputes.
+    if (allocator["kind"] == "paged" and not hybrid and allocator.get("prefix_caching", True)
+            and scheduler.get("preemption_mode", "recompute") == "recompute"
+            and rng.random() < 0.3):
+        scheduler["preempted_cache"] = "prompt"
     return {
         **({"parallel": parallel} if parallel else {}),
         "name": f"random-{seed}",

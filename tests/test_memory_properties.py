@@ -282,6 +282,25 @@ class PagedMachine(_AllocatorMachine):
         self.next_id += 1
         self._admit(spec, first_chunk)
 
+    @precondition(lambda self: self.specs and isinstance(self.allocator, PagedAllocator))
+    @rule(data=st.data())
+    def free_keeping_prompt(self, data):
+        """SGLang's retraction: the prompt's whole blocks stay cached, the rest is forgotten
+        as it frees (a block a fork still holds stays, its hash with it)."""
+        seq_id = data.draw(st.sampled_from(sorted(self.specs)))
+        spec = self.specs[seq_id]
+        pool = self.allocator.pool
+        blocks = [pool.blocks[i] for i in self.allocator.block_table(seq_id)]
+        hashes = [block.block_hash for block in blocks]
+        self.allocator.free(seq_id, spec.prompt_len)
+        self.freed.append(spec)
+        del self.specs[seq_id], self.tokens[seq_id]
+        kept = spec.prompt_len // self.block_size
+        for block, block_hash in list(zip(blocks, hashes, strict=True))[kept:]:
+            if not block.ref_cnt:
+                assert block.block_hash is None and block not in pool.evictable
+                assert block_hash is None or pool.cached.get(block_hash) is not block
+
     @rule(prefix_idx=st.integers(0, len(PREFIXES) - 1), prompt=st.integers(1, 60))
     def lookup(self, prefix_idx, prompt):
         spec = self.new_spec(prefix_idx, prompt, 0, 0)

@@ -21,7 +21,7 @@ from sim.engine import run_scenario
 from sim.memory import PagedAllocator
 from sim.memory.base import SeqSpec
 from sim.results import rejection_note
-from sim.scenario import ScenarioError, SchedulerConfig, scenario_from_dict
+from sim.scenario import ScenarioError, SchedulerConfig, read_scenario_file, scenario_from_dict
 from sim.scheduler import NewTokenRatio, Request, Scheduler
 from workloads.synthetic import WorkloadError
 from workloads.trace import Trace
@@ -313,3 +313,28 @@ def test_the_capacities_the_readme_quotes_order_the_systems_as_it_says():
     # The stalls the reserve spares: vLLM's preempted streams wait seconds.
     gaps = {name: system.summary["max_itl_p99_s"] for name, system in long.systems.items()}
     assert gaps["vllm"] > 1.0 > 0.6 > max(gaps["sglang-1.0"], gaps["sglang-1.3"])
+
+
+def test_what_a_retracted_request_leaves_cached_changes_no_figure_the_readme_quotes():
+    # Answers that run long at 1.5 requests/s, where SGLang at 0.3 retracts 20 times: its
+    # victims' blocks are evicted before they are seated again whether the answer so far
+    # was cached (vLLM's way) or freed (SGLang's), so every figure is the same.
+    data = read_scenario_file(ROOT / "scenarios" / "sweeps" / "sglang_admission.yaml")
+    del data["sweep"]
+    data["workload"].update(output_len={"dist": "uniform", "low": 500, "high": 1000},
+                            max_tokens=1000)
+    data["workload"]["arrival"]["rate"] = 1.5
+    (sglang,) = [system for system in data["systems"] if system["name"] == "sglang-0.3"]
+    assert sglang["scheduler"]["preempted_cache"] == "prompt"
+    computed = {**sglang, "name": "computed",
+                "scheduler": {**sglang["scheduler"], "preempted_cache": "computed"}}
+    data["systems"] = [sglang, computed]
+    summaries = {name: system.summary for name, system in run(data).systems.items()}
+    assert summaries["sglang-0.3"]["preemptions"] == 20
+    assert summaries["sglang-0.3"]["preempted_hit_rate"] < 0.031
+    # The same figures; only the pool's bookkeeping differs (a block freed uncached is
+    # free, not cached, and taken without an eviction).
+    differ = {key for key, value in summaries["sglang-0.3"].items()
+              if summaries["computed"][key] != value}
+    assert differ == {"free_frac", "cached_frac", "evictions"}
+    assert summaries["sglang-0.3"]["evictions"] < summaries["computed"]["evictions"]

@@ -21,7 +21,7 @@ from reports.style import close
 from sim.api import run
 from sim.engine import run_scenario
 from sim.memory import PagedAllocator
-from sim.scenario import SchedulerConfig, scenario_from_dict
+from sim.scenario import ScenarioError, SchedulerConfig, scenario_from_dict
 from sim.scheduler import NewTokenRatio, Request, Scheduler
 from workloads.trace import Trace
 
@@ -173,6 +173,33 @@ def test_sglang_retracts_the_fewest_generated_then_the_longest_prompt(victim, pr
     assert len(generated_then) == 1 and generated_then[0][0] == generated_then[0][1] > 0
 
 
+@pytest.mark.parametrize(("kept", "found_again"), [("computed", 32), ("prompt", 16)])
+def test_a_retracted_request_leaves_only_its_prompt_cached_under_sglang(kept, found_again):
+    # A and B of the test above, vLLM's victim (B: a prompt of one block). Preempted after
+    # 33 tokens, B has filled 3 blocks: vLLM leaves them cached (the deepest evicted first,
+    # as A takes one to grow), SGLang its prompt's only (what its tree holds), the tokens
+    # it generated freed uncached. Seated again once A is done, B finds 2 blocks of its
+    # text, or 1, and computes the rest of its 48 tokens' KV again.
+    trace = Trace.from_columns(arrival_s=np.zeros(2), prompt_len=np.array([48, 16]),
+                               output_len=np.array([40, 40]))
+    sched = Scheduler(PagedAllocator(8, 16), SchedulerConfig(preempted_cache=kept),
+                      debug=True)
+    a, b = (Request(trace, i, 0.0) for i in range(2))
+    assert sched.add(a) and sched.add(b)
+    clock = 0.0
+    while sched.running or sched.waiting:
+        batch = sched.schedule(clock)
+        if batch.preempted:
+            assert sched.generated(b) == 33 and b.preemptions == 1
+            pool = sched.allocator.pool
+            assert pool.num_cached_free == (2 if kept == "computed" else 1)
+        clock += 1.0
+        sched.finish_step(batch, clock)
+    assert (b.preemptions, a.preemptions) == (1, 0)
+    assert sched.preempted_hit_tokens == found_again
+    assert b.recomputed_tokens == 16 + 33 - 1 - found_again  # (its last token: no KV yet)
+
+
 @pytest.mark.parametrize(("rejoin", "first_back"), [("front", "b"), ("back", "c")])
 def test_a_retracted_request_rejoins_the_line_at_its_back_under_sglang(rejoin, first_back):
     # A and B of the test above, vLLM's victim (B, the last seated), and C (80 tokens, 5
@@ -206,6 +233,34 @@ def test_a_line_by_priority_puts_a_preempted_request_in_its_place_either_way():
     notes = scenario_from_dict(data).setting_notes()
     assert any("preempted_rejoin back changes nothing under policy priority" in note
                for note in notes)
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"allocator": {"kind": "contiguous"}}, "contiguous memory, which keeps no prefix cache "
+     "of blocks"),
+    ({"allocator": {"kind": "virtual"}}, "virtual memory, which keeps no prefix cache of "
+     "blocks"),
+    ({"allocator": {"kind": "paged", "prefix_caching": False}}, "allocator.prefix_caching: "
+     "false (nothing is cached to forget)"),
+    ({"model": "gemma-3-27b"}, "the hybrid KV cache manager that gemma-3-27b's "
+     "sliding-window layers use"),
+])
+def test_only_a_paged_prefix_cache_forgets_what_a_retracted_request_generated(change,
+                                                                            expected):
+    data = scenario("mixed")
+    system = data["systems"][0]
+    system["scheduler"]["preempted_cache"] = "prompt"
+    system["allocator"] = change.get("allocator", system["allocator"])
+    data["model"] = change.get("model", data["model"])
+    with pytest.raises(ScenarioError) as refused:
+        scenario_from_dict(data, "s.yaml")
+    assert str(refused.value) == ("s.yaml: system 's': scheduler.preempted_cache: prompt "
+                                  f"(SGLang's) is not modelled with {expected}")
+    system["allocator"] = {"kind": "paged"}
+    system["scheduler"]["preemption_mode"] = "swap"
+    with pytest.raises(ScenarioError, match="preempted_cache prompt needs preemption_mode: "
+                       "recompute"):
+        scenario_from_dict(data, "s.yaml")
 
 
 def scenario(batching: str, **engine) -> dict:

@@ -310,6 +310,22 @@ class BlockPool:
             self._unhashed.append(block)
         return True
 
+    def forget(self, block: KVBlock) -> None:
+        """A free block's content is dropped rather than kept for a later hit (SGLang's
+        retraction frees what a request generated without caching it): it leaves the cache
+        map and the evictable set for the unhashed stack, written nowhere."""
+        assert block.ref_cnt == 0, "only a free block is forgotten"
+        block_hash = block.block_hash
+        if block_hash is None:
+            return  # (already unhashed)
+        self.evictable.discard(block)
+        if self.cached.get(block_hash) is block:
+            del self.cached[block_hash]
+            if self.events is not None:
+                self.events.append((self.clock_s, block_hash, False))
+        block.block_hash = None
+        self._unhashed.append(block)
+
     def register(self, block: KVBlock, block_hash: int) -> None:
         """Record a just-filled block's hash; it joins the cache map unless a copy is there."""
         block.block_hash = block_hash
