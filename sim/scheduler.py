@@ -1539,7 +1539,7 @@ class Scheduler:
         prompt_only = self._prompt_only_cache
         for seq_id in request.seq_ids():
             if prompt_only is not None and decoding:
-                prompt_only.free(seq_id, request.prompt_len)
+                prompt_only.free_caching_prefix(seq_id, request.prompt_len)
             else:
                 self.allocator.free(seq_id)
         request.num_seqs = 0

@@ -292,7 +292,7 @@ class PagedMachine(_AllocatorMachine):
         pool = self.allocator.pool
         blocks = [pool.blocks[i] for i in self.allocator.block_table(seq_id)]
         hashes = [block.block_hash for block in blocks]
-        self.allocator.free(seq_id, spec.prompt_len)
+        self.allocator.free_caching_prefix(seq_id, spec.prompt_len)
         self.freed.append(spec)
         del self.specs[seq_id], self.tokens[seq_id]
         kept = spec.prompt_len // self.block_size

@@ -333,10 +333,7 @@ class PagedAllocator(KVAllocator):
         seq.internal = cap - seq.final_len if cap > seq.final_len else 0
         self._internal_exclusive += seq.internal
 
-    def free(self, seq_id: int, cached_tokens: int | None = None) -> None:
-        """Release everything the sequence holds; with ``cached_tokens``, the blocks it
-        frees past its first ``cached_tokens`` tokens' whole blocks are forgotten, not
-        cached (SGLang's retraction keeps what its tree holds: the prompt)."""
+    def free(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise AllocatorError(f"unknown sequence {seq_id}")
@@ -344,13 +341,18 @@ class PagedAllocator(KVAllocator):
             self._shared_tail.discard(seq_id)
         else:
             self._internal_exclusive -= seq.internal
-        kept = len(seq.blocks) if cached_tokens is None else cached_tokens // self.block_size
-        pool = self.pool
-        for index in range(len(seq.blocks) - 1, -1, -1):  # deepest first: evicted first
-            block = seq.blocks[index]
-            self._token_slots -= drop_reference(pool, block, self._duplicates)
-            if index >= kept and block.ref_cnt == 0:
-                pool.forget(block)
+        for block in reversed(seq.blocks):  # deepest first: the tail is evicted first
+            self._token_slots -= drop_reference(self.pool, block, self._duplicates)
+
+    def free_caching_prefix(self, seq_id: int, cached_tokens: int) -> None:
+        """:meth:`free`, the blocks past the first ``cached_tokens`` tokens' whole blocks
+        forgotten rather than cached as they become free (SGLang's retraction: its tree
+        holds a request's prompt, not the tokens it generated)."""
+        tail = self._seq(seq_id).blocks[cached_tokens // self.block_size:]
+        self.free(seq_id)
+        for block in reversed(tail):
+            if block.ref_cnt == 0:
+                self.pool.forget(block)
 
     def fork(self, parent_id: int, child: SeqSpec) -> bool:
         parent = self._seq(parent_id)
