@@ -1433,43 +1433,37 @@ class Scenario(ConfigModel):
         return self
 
     @model_validator(mode="after")
-    def _new_token_ratio_reserves_blocks(self):  # type: ignore[no-untyped-def]
+    def _sglang_scheduling_where_modelled(self):  # type: ignore[no-untyped-def]
+        """SGLang's admission reserves blocks and its retraction forgets cached ones: each
+        needs a paged pool outside the hybrid manager (the retraction, a prefix cache)."""
         model = _model_spec(self.model)
+        hybrid_manager = (f"the hybrid KV cache manager that {model.name}'s "
+                          f"{'state-space' if model.has_state_layers else 'sliding-window'} "
+                          "layers use")
         for system in self.systems:
-            if system.scheduler.admission != "new_token_ratio":
-                continue
-            why = None
-            if isinstance(system.allocator, ContiguousConfig):
-                why = ("contiguous memory, whose extents are reserved at admission already "
-                       "(use paged or virtual memory)")
-            elif uses_hybrid_kv_cache(model, system):
-                why = (f"the hybrid KV cache manager that {model.name}'s "
-                       f"{'state-space' if model.has_state_layers else 'sliding-window'} "
-                       "layers use")
-            if why is not None:
-                raise ValueError(f"system {system.name!r}: scheduler.admission: "
-                                 f"new_token_ratio (SGLang's) is not modelled with {why}")
-        return self
-
-    @model_validator(mode="after")
-    def _prompt_only_cache_forgets_blocks(self):  # type: ignore[no-untyped-def]
-        model = _model_spec(self.model)
-        for system in self.systems:
-            if system.scheduler.preempted_cache != "prompt":
-                continue
             allocator = system.allocator
-            why = None
-            if not isinstance(allocator, PagedConfig):
-                why = f"{allocator.kind} memory, which keeps no prefix cache of blocks"
-            elif not allocator.prefix_caching:
-                why = "allocator.prefix_caching: false (nothing is cached to forget)"
-            elif uses_hybrid_kv_cache(model, system):
-                why = (f"the hybrid KV cache manager that {model.name}'s "
-                       f"{'state-space' if model.has_state_layers else 'sliding-window'} "
-                       "layers use")
-            if why is not None:
-                raise ValueError(f"system {system.name!r}: scheduler.preempted_cache: prompt "
-                                 f"(SGLang's) is not modelled with {why}")
+            hybrid = uses_hybrid_kv_cache(model, system)
+            refused: list[tuple[str, str]] = []
+            if system.scheduler.admission == "new_token_ratio":
+                if isinstance(allocator, ContiguousConfig):
+                    refused.append(("admission: new_token_ratio", "contiguous memory, whose "
+                                    "extents are reserved at admission already (use paged or "
+                                    "virtual memory)"))
+                elif hybrid:
+                    refused.append(("admission: new_token_ratio", hybrid_manager))
+            if system.scheduler.preempted_cache == "prompt":
+                if not isinstance(allocator, PagedConfig):
+                    refused.append(("preempted_cache: prompt", f"{allocator.kind} memory, "
+                                    "which keeps no prefix cache of blocks"))
+                elif not allocator.prefix_caching:
+                    refused.append(("preempted_cache: prompt", "allocator.prefix_caching: "
+                                    "false (nothing is cached to forget)"))
+                elif hybrid:
+                    refused.append(("preempted_cache: prompt", hybrid_manager))
+            if refused:
+                setting, why = refused[0]
+                raise ValueError(f"system {system.name!r}: scheduler.{setting} (SGLang's) is "
+                                 f"not modelled with {why}")
         return self
 
     @model_validator(mode="after")
