@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from reports.html import img_tag, render_html, save_figure
+from reports.html import img_tag, made_by_text, render_html, save_figure
 from reports.slo_figure import attainment_figure
 from reports.style import system_color
 from sim.slo import describe_slo
@@ -76,7 +76,8 @@ def _having(keys: tuple[str, ...], data: Any) -> Any:
     return data
 
 
-Page = tuple[str, str, list[tuple[str, str]], list[str]]  # title, lead, sections, notes
+# title, lead, sections, notes, and the kvsim builds that computed the results, in words
+Page = tuple[str, str, list[tuple[str, str]], list[str], str]
 
 
 def write_capacity_report(path: Path) -> Path:
@@ -85,18 +86,18 @@ def write_capacity_report(path: Path) -> Path:
     from sim.results import read_scenario
 
     if (path / SWEEP_TABLE).is_file():
-        title, lead, sections, notes = _sweep_page(path)
+        title, lead, sections, notes, made_by = _sweep_page(path)
     else:
-        title, lead, sections, notes = _search_page(path)
+        title, lead, sections, notes, made_by = _search_page(path)
     scenario = read_scenario(path) if (path / SCENARIO_FILE).is_file() else {}
     out = path / "report.html"
-    out.write_text(render_html(title, sections, scenario, notes, lead))
+    out.write_text(render_html(title, sections, scenario, notes, lead, made_by=made_by))
     return out
 
 
 def _sweep_page(path: Path) -> Page:
     """``kvsim capacity --sweep``'s figures (drawn into ``path/figures``) and table."""
-    from reports.sweep_report import capacity_figures
+    from reports.sweep_report import builds_in_words, capacity_figures
     from sim.metrics import labelled_sweep_means
     from sim.results import read_back
 
@@ -114,15 +115,16 @@ def _sweep_page(path: Path) -> Page:
     failed = table[table["status"] != "ok"]
     return (f"kvsim capacity --sweep: {path.name}",
             "The highest load each system serves within the SLO at each point of the sweep.",
-            sections, [f"failed: {error}" for error in failed["error"].unique()])
+            sections, [f"failed: {error}" for error in failed["error"].unique()],
+            ", ".join(builds_in_words(table)))
 
 
 def _search_page(path: Path) -> Page:
     """One ``kvsim capacity`` search's figure (drawn into ``path``) and capacities."""
     from sim.results import read_back
 
-    found = read_back(path, CAPACITY_FILE, lambda file: _having(
-        ("scenario", "slo", "systems"), json.loads(file.read_text())))
+    found = read_back(path, CAPACITY_FILE, lambda file: _made_by_checked(_having(
+        ("scenario", "slo", "systems"), json.loads(file.read_text()))))
     probes = read_back(path, PROBES_FILE, lambda file: _having(
         ("system", "seed", "offered_req_s"), pd.read_csv(file)))
     png = save_figure(capacity_figure(probes, found), path, "capacity")
@@ -137,7 +139,16 @@ def _search_page(path: Path) -> Page:
                 ("Capacities", pd.DataFrame(rows).to_html(index=False, border=0))]
     return (f"kvsim capacity: {found['scenario']}",
             f"The highest load each system serves with {describe_slo(found['slo'])}, "
-            f"{found.get('knob', 'the load')} searched.", sections, [])
+            f"{found.get('knob', 'the load')} searched.", sections, [],
+            made_by_text(found.get("made_by")))
+
+
+def _made_by_checked(found: dict[str, Any]) -> dict[str, Any]:
+    """A search's answer whose record of the kvsim that made it is sound (or absent)."""
+    from sim.results import checked_made_by
+
+    checked_made_by(found.get("made_by"))
+    return found
 
 
 def _req_s(value: float | None) -> str:

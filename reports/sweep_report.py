@@ -601,7 +601,7 @@ def _results_html(table: pd.DataFrame) -> str:
         index=False, border=0)
 
 
-def _builds(table: pd.DataFrame) -> list[str]:
+def builds_in_words(table: pd.DataFrame) -> list[str]:
     """The kvsim builds that made a sweep's runs, in words (a table of a kvsim from before
     the build column has none)."""
     if "build" not in table:
@@ -620,7 +620,7 @@ def write_sweep_report(sweep_dir: Path, x: str | None = None, y: str | None = No
     sections.append(("Results", f"<div class='wide'>{_results_html(every_run)}</div>"))
     scenario = yaml.safe_load(Path(info["scenario"]).read_text()) if Path(
         info["scenario"]).is_file() else {"name": sweep_dir.name}
-    builds = _builds(every_run)
+    builds = builds_in_words(every_run)
     notes = [f"{info['points']} runs" + (" (--quick)" if info.get("quick") else "")]
     if len(builds) > 1:
         notes.append(f"these runs were made by {len(builds)} kvsim builds (the build column "

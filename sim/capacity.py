@@ -28,6 +28,7 @@ from typing import Any
 import pandas as pd
 
 from sim.engine import build_timing, run_system, scenario_trace
+from sim.provenance import build_id
 from sim.scenario import Scenario, SloConfig, SystemConfig, scenario_from_dict
 from sim.slo import judged_attainment
 from sim.sweep import (
@@ -318,9 +319,9 @@ def point_capacity(scenario_data: dict[str, Any], base_dir: str, rel_tol: float,
         knob, capacities = find_capacity(scenario, Path(base_dir), rel_tol=rel_tol,
                                          max_probes=max_probes, systems=systems)
     except Exception as exc:  # recorded with the point; the others go on
-        return [{"system": s.name, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
-                for s in _chosen_systems(scenario, systems)]
-    return capacity_rows(scenario, knob, capacities)
+        return [{"system": s.name, "status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                 "build": build_id()} for s in _chosen_systems(scenario, systems)]
+    return [{**row, "build": build_id()} for row in capacity_rows(scenario, knob, capacities)]
 
 
 def capacity_rows(scenario: Scenario, knob: LoadKnob, capacities: list[Capacity]

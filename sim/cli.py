@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TextIO, get_args
 from sim import CORE, __version__
 from sim.bench import DEFAULT_SIZES, request_counts
 from sim.metrics import format_comparison, format_summary
-from sim.provenance import build_id
+from sim.provenance import build_id, made_by
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -480,7 +480,8 @@ def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path,
         systems = {c.system: found(c) for c in capacities}
         head = {"seed": capacities[0].seed}  # (--seeds N alone: that seed's)
     write_json({"scenario": scenario.name, **head, "slo": scenario.slo.model_dump(),
-                "knob": knob.path, "systems": systems}, out / CAPACITY_FILE)
+                "knob": knob.path, "systems": systems, "made_by": made_by()},
+               out / CAPACITY_FILE)
     write_yaml(scenario.model_dump(mode="json"), out / SCENARIO_FILE)
     if report:
         write_capacity_report(out)  # the figure, drawn from the files just written

@@ -623,12 +623,18 @@ def _read_summary(path: Path) -> SummaryFile:
     notes = data.get("trace_notes", [])
     if not isinstance(notes, list) or not all(isinstance(note, str) for note in notes):
         raise ValueError("trace_notes: expected a list of texts")
-    made = data.get("made_by")
+    return SummaryFile({system: ReadSummary(metrics, path, system)
+                        for system, metrics in systems.items()}, notes,
+                       checked_made_by(data.get("made_by")))
+
+
+def checked_made_by(made: Any) -> dict[str, str] | None:
+    """A file's record of the kvsim that made it (None: a file from before kvsim kept it),
+    or a ValueError saying what it should be."""
     if made is not None and not (isinstance(made, dict) and set(made) == {"kvsim", "build"}
                                  and all(isinstance(v, str) for v in made.values())):
         raise ValueError(f'made_by: expected {{"kvsim": version, "build": id}}, got {made!r}')
-    return SummaryFile({system: ReadSummary(metrics, path, system)
-                        for system, metrics in systems.items()}, notes, made)
+    return made
 
 
 def _safe_name(name: str) -> str:

@@ -16,6 +16,7 @@ from reports.sweep_report import capacity_on_grid
 from sim.capacity import CapacityError, find_capacity, search
 from sim.engine import run_scenario
 from sim.metrics import format_summary
+from sim.provenance import build_id, made_by
 from sim.scenario import ScenarioError, SloConfig, scenario_from_dict
 from sim.slo import SLO_KEYS, describe_slo, in_time, judged_attainment, slo_summary
 
@@ -359,6 +360,9 @@ def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(t
     page = (out / "report.html").read_text()
     assert "<td>paged</td>" in page and f"{paged['capacity_req_s']:,.4g}" in page
     assert "<h2>Resolved scenario</h2>" in page
+    # Which kvsim found it: in the answer, and on the page.
+    assert result["made_by"] == made_by()
+    assert f"<td>results made by</td><td>kvsim {result['made_by']['kvsim']} (build " in page
     (out / "probes.csv").write_text("a,b\n1,2\n")  # damaged: said in a line
     damaged = kvsim_in_process("report", str(out))
     assert damaged.returncode == 2 and damaged.stderr == (
@@ -551,6 +555,9 @@ def test_capacity_sweep_command_tables_figures_and_failures(tmp_path):
     assert figure.is_file()
     page = (tmp_path / "out" / "report.html").read_text()
     assert "capacity under SLO (req/s)" in page and "failed: SizingError: memory" in page
+    # Which kvsim searched each point (the failed one too): one build, named on the page.
+    assert (table["build"] == build_id()).all()
+    assert f"<td>results made by</td><td>kvsim build {build_id()}</td>" in page
     # kvsim report draws them again from the table.
     drawn = figure.read_bytes()
     figure.unlink()
