@@ -1443,7 +1443,7 @@ class Scenario(ConfigModel):
         for system in self.systems:
             allocator = system.allocator
             hybrid = uses_hybrid_kv_cache(model, system)
-            refused: list[tuple[str, str]] = []
+            refused = []  # (the setting, why it is not modelled here)
             if system.scheduler.admission == "new_token_ratio":
                 if isinstance(allocator, ContiguousConfig):
                     refused.append(("admission: new_token_ratio", "contiguous memory, whose "
