@@ -15,6 +15,7 @@ new sweep point rather than keeping the runs of the file as it was.
 from __future__ import annotations
 
 import hashlib
+import importlib
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,9 @@ _CALIBRATION_FIELDS = ("calibration", "draft_calibration")
 def build_id() -> str:
     """Hash of the source of this kvsim (12 hex digits): equal for the same code wherever it
     is installed; any edit of the simulator's code changes it."""
-    import workloads
-
     digest = hashlib.sha256()
-    for package_file in (__file__, workloads.__file__):
-        root = Path(package_file).resolve().parent
+    for package in _SOURCE_PACKAGES:
+        root = Path(str(importlib.import_module(package).__file__)).resolve().parent
         for source in sorted(root.rglob("*.py")):
             if "__pycache__" in source.parts:
                 continue

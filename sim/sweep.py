@@ -355,9 +355,10 @@ _SCENARIO_AS_BEFORE_FIELDS: dict[tuple[str, str], Any] = {
 _PREFILL_PARALLEL_AS_BEFORE_FIELDS = {("prefill_parallel", "pipeline_parallel_size"): 1}
 
 
-def config_key(resolved: dict[str, Any], input_digests: dict[str, str] | None = None) -> str:
+def config_key(resolved: dict[str, Any], file_digests: dict[str, str] | None = None) -> str:
     """Stable hash of a resolved scenario (names and output folder excluded) and of what the
-    files it reads hold (``input_digests``, by field: an edited trace is another point).
+    files it reads hold (``file_digests``, by field, as :func:`~sim.provenance.input_digests`
+    gives them: an edited trace is another point).
 
     Unset optional fields (null), and later fields at the value that does what kvsim did
     before them, are left out, so a kvsim that adds one more feature keys every scenario
@@ -374,8 +375,8 @@ def config_key(resolved: dict[str, Any], input_digests: dict[str, str] | None = 
     if isinstance(material.get("systems"), list):
         material["systems"] = [_without_idle_swap(_without_as_before(system, _AS_BEFORE_FIELDS))
                                for system in material["systems"]]
-    if input_digests:
-        material["input_files"] = input_digests
+    if file_digests:
+        material["input_files"] = file_digests
     text = json.dumps(_without_nulls(material), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
