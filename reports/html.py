@@ -61,10 +61,14 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+# What a folder written before kvsim recorded its build says of the kvsim that made it.
+UNRECORDED_BUILD = "a kvsim from before run folders named their build"
+
+
 def made_by_text(made_by: dict[str, str] | None) -> str:
     """The kvsim a run folder says computed it, in words."""
     if made_by is None:
-        return "a kvsim from before run folders named their build"
+        return UNRECORDED_BUILD
     return f"kvsim {made_by['kvsim']} (build {made_by['build']})"
 
 

@@ -19,7 +19,7 @@ import yaml
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from reports.html import img_tag, render_html, save_figure
+from reports.html import UNRECORDED_BUILD, img_tag, render_html, save_figure
 from reports.slo_figure import attainment_figure
 from reports.style import legend, new_figure, system_color
 from sim.metrics import PER_GPU, gpu_counts_differ, metric_row, priority_levels
@@ -606,7 +606,7 @@ def builds_in_words(table: pd.DataFrame) -> list[str]:
     the build column has none)."""
     if "build" not in table:
         return []
-    return sorted("a kvsim from before run folders named their build" if pd.isna(build)
+    return sorted(UNRECORDED_BUILD if pd.isna(build)
                   else f"kvsim build {build}" for build in table["build"].drop_duplicates())
 
 

@@ -319,9 +319,11 @@ def point_capacity(scenario_data: dict[str, Any], base_dir: str, rel_tol: float,
         knob, capacities = find_capacity(scenario, Path(base_dir), rel_tol=rel_tol,
                                          max_probes=max_probes, systems=systems)
     except Exception as exc:  # recorded with the point; the others go on
-        return [{"system": s.name, "status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                 "build": build_id()} for s in _chosen_systems(scenario, systems)]
-    return [{**row, "build": build_id()} for row in capacity_rows(scenario, knob, capacities)]
+        rows = [{"system": s.name, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+                for s in _chosen_systems(scenario, systems)]
+    else:
+        rows = capacity_rows(scenario, knob, capacities)
+    return [{**row, "build": build_id()} for row in rows]  # (the worker's kvsim)
 
 
 def capacity_rows(scenario: Scenario, knob: LoadKnob, capacities: list[Capacity]
