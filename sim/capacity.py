@@ -12,6 +12,9 @@ The knob is the workload's arrival ``rate`` (synthetic or Poisson-replayed trace
 replay ``speed`` of a trace's own timestamps; closed-loop arrivals set their load by users
 and cannot be searched.
 
+Over a sweep (:func:`capacity_sweep`), each point's searches are kept in a file of their own
+as they end, so a killed sweep of searches resumes as a sweep of runs does.
+
 One seed's requests are one sample of the workload: a burst late in the stream can sink a
 load that an earlier stretch held. :func:`capacity_by_seed` searches the same scenario
 under several seeds, so the spread of the answers shows how far one number can be trusted.
@@ -19,6 +22,8 @@ under several seeds, so the spread of the answers shows how far one number can b
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +34,7 @@ import pandas as pd
 
 from sim.engine import build_timing, run_system, scenario_trace
 from sim.provenance import build_id
+from sim.results import make_output_folder, write_json
 from sim.scenario import Scenario, SloConfig, SystemConfig, scenario_from_dict
 from sim.slo import judged_attainment
 from sim.sweep import (
@@ -44,6 +50,7 @@ from sim.sweep import (
 from workloads import Trace, WorkloadError
 from workloads.distributions import ClosedLoopArrivals, TraceArrivals
 
+POINTS_FOLDER = "points"  # kvsim capacity --sweep: a file per point searched, for resuming
 SEARCH_RANGE = 2**10  # the search gives up beyond this factor above or below the start
 # A run whose requests arrive within less than this share of its makespan never settled.
 UNSETTLED_SPAN_FRAC = 0.5
@@ -345,40 +352,124 @@ def capacity_rows(scenario: Scenario, knob: LoadKnob, capacities: list[Capacity]
     return rows
 
 
+@dataclass
+class CapacitySweepOutcome:
+    """What a capacity sweep did: the table, and how many points were searched, found
+    already searched in the output folder, or failed; ``older``: how many of those found
+    another kvsim build searched (or an unknown one)."""
+
+    table: pd.DataFrame
+    searched: int
+    skipped: int
+    failed: int
+    older: int = 0
+
+
+def point_file(folder: Path, point: SweepPoint, rel_tol: float, max_probes: int) -> Path:
+    """Where a capacity sweep in ``folder`` keeps ``point``'s rows: named by the point's key
+    and the search's settings, since another tolerance is another search."""
+    text = json.dumps({"point": point.key, "rel_tol": rel_tol, "max_probes": max_probes},
+                      sort_keys=True)
+    return folder / POINTS_FOLDER / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+
+
+def _searched_rows(path: Path) -> dict[str, dict[str, Any]]:
+    """The rows, by system, of the searches a point's file holds; none where there is no
+    file, or a torn or damaged one (those points are searched again)."""
+    try:
+        rows = json.loads(path.read_text())["rows"]
+        found = {row["system"]: row for row in rows}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not all(isinstance(name, str) and row.get("status") == "ok"
+               and isinstance(row.get("build"), str) for name, row in found.items()):
+        return {}
+    return found
+
+
+def _as_stored(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` as their point's file gives them back, so that a resumed sweep's table is
+    the one a sweep from scratch writes, byte for byte."""
+    return json.loads(json.dumps(rows, allow_nan=True, sort_keys=True))  # type: ignore[no-any-return]
+
+
 def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "local",
                    address: str | None = None, rel_tol: float = 0.02, max_probes: int = 24,
                    quick: bool = False,
-                   progress: Callable[[int], Callable[[int], None]] | None = None,
+                   progress: Callable[[int, int], Callable[[int], None]] | None = None,
                    overrides: dict[str, Any] | None = None,
                    systems: list[str] | None = None,
-                   notify: Callable[[str], None] | None = None) -> pd.DataFrame:
+                   notify: Callable[[str], None] | None = None,
+                   out_dir: Path | None = None,
+                   rerun_older: bool = False) -> CapacitySweepOutcome:
     """Each sweep point's capacity, searched in parallel (local processes or Ray, as
     :func:`sim.sweep.make_executor`): one row per point, seed and system (``systems`` only,
     if given), with the point's parameters as ``param:PATH`` columns; ``notify`` is told
-    the layouts ``sweep.layouts`` refuses, before any search."""
+    the layouts ``sweep.layouts`` refuses, before any search.
+
+    With ``out_dir``, each point's searches are kept in a file of its own there as they
+    finish, and a point whose file holds them is not searched again: a killed sweep resumes
+    where it stopped. A point another kvsim build searched is kept (its rows' ``build``
+    says which), or searched again under ``rerun_older``; a failed one is searched again.
+    ``progress`` is given the number of points to search and of points skipped."""
     notes: list[str] = []
     scenario, points = capacity_points(path, quick=quick, overrides=overrides, notes=notes)
     if notify is not None:
         for note in notes:
             notify(note)
-    _chosen_systems(scenario, systems)  # an unknown name is an error before any search
+    wanted = [s.name for s in _chosen_systems(scenario, systems)]  # an unknown name first
     read_files(points, path.parent, str(path))  # a bad trace row too, as kvsim sweep's
     base_dir = str(path.parent.resolve())
-    tick = progress(len(points)) if progress else None
+    if out_dir is not None:
+        make_output_folder(out_dir / POINTS_FOLDER)
+    found: dict[str, dict[str, dict[str, Any]]] = {}  # point key → system → row
+    todo: list[tuple[SweepPoint, list[str]]] = []
+    older = 0
+    for point in points:
+        kept = {name: row for name, row in _searched_rows(
+            point_file(out_dir, point, rel_tol, max_probes)).items()
+            if name in wanted} if out_dir is not None else {}
+        is_older = any(row["build"] != build_id() for row in kept.values())
+        older += is_older
+        if is_older and rerun_older:
+            kept = {}
+        found[point.key] = kept
+        missing = [name for name in wanted if name not in kept]
+        if missing:
+            todo.append((point, missing))
+    skipped = len(points) - len(todo)
+    tick = progress(len(todo), skipped) if progress and todo else None
     execute = make_executor(executor, jobs, address)
-    results = {}
+    by_key = {point.key: point for point, _ in todo}
+    failed = 0
     for key, rows_of_point in execute(point_capacity, [
-            (p.key, (p.scenario, base_dir, rel_tol, max_probes, systems)) for p in points]):
-        results[key] = rows_of_point
+            (point.key, (point.scenario, base_dir, rel_tol, max_probes, missing))
+            for point, missing in todo]):
+        rows = _as_stored(rows_of_point)
+        found[key].update((row["system"], row) for row in rows)
+        if any(row["status"] != "ok" for row in rows):
+            failed += 1
+        elif out_dir is not None:  # with the point's other systems, searched before
+            where = point_file(out_dir, by_key[key], rel_tol, max_probes)
+            kept = _searched_rows(where)
+            kept.update((row["system"], row) for row in rows)
+            write_json({"params": by_key[key].params, "seed": by_key[key].seed,
+                        "rel_tol": rel_tol, "max_probes": max_probes,
+                        "rows": list(kept.values())}, where)
         if tick:
             tick(1)
     rows = []
     for point in points:  # in the sweep's order, whatever order they finished in
         base = {"point": point.point, "seed": point.seed,
                 **{f"param:{p}": v for p, v in point.params.items()}}
-        rows += [{**base, **row} for row in results[point.key]]
-    table = params_as_text(pd.DataFrame(rows))
+        rows += [{**base, **found[point.key][name]} for name in wanted]
+    table = pd.DataFrame(rows)
+    # Columns in an order that does not depend on where a row came from (a search, a file).
+    ids = ["point", "seed", *(c for c in table if c.startswith("param:")), "system",
+           "status", "error", "build"]
+    table = params_as_text(table[ids + sorted(c for c in table if c not in ids)])
     for column in ("capacity_req_s", "capacity_req_s_per_gpu", "misses_at_req_s"):
         # (Absent where every point failed: their rows hold only the error.)
         table[column] = table[column].astype(float) if column in table else math.nan
-    return table
+    return CapacitySweepOutcome(table, searched=len(todo), skipped=skipped, failed=failed,
+                                older=older)

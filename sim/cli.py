@@ -40,6 +40,10 @@ class BadInput(Exception):
     """Raised for user errors: one line, exit code 2."""
 
 
+class Interrupted(Exception):
+    """Raised for Ctrl-C in a command that keeps its finished work: says where, exit 1."""
+
+
 class _ReaderMayLeave:
     """Standard output that outlives its reader.
 
@@ -186,11 +190,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             print(f"resuming: {skipped} finished points skipped")
         return _progress_bar(total, "sweep", "run", quiet=args.quiet)
 
-    outcome = run_sweep(Path(args.scenario), out_dir=Path(args.out) if args.out else None,
-                        jobs=args.jobs, executor=args.executor, address=args.address,
-                        quick=args.quick, progress=progress,
-                        overrides=dict(args.overrides or []), notify=_note,
-                        rerun_older=args.rerun_older)
+    try:
+        outcome = run_sweep(Path(args.scenario), out_dir=Path(args.out) if args.out else None,
+                            jobs=args.jobs, executor=args.executor, address=args.address,
+                            quick=args.quick, progress=progress,
+                            overrides=dict(args.overrides or []), notify=_note,
+                            rerun_older=args.rerun_older)
+    except KeyboardInterrupt:
+        raise Interrupted("the points that finished are kept, each in its run folder: the "
+                          "same command goes on from there") from None
     table = outcome.table
     print(f"sweep: {outcome.ran} points ran, {outcome.skipped} already done, "
           f"{outcome.failed} failed; {len(table)} rows in {outcome.out_dir / 'results.parquet'}")
@@ -248,6 +256,17 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     if (given or args.seed is not None or args.seeds) and args.sweep:
         raise BadInput("--sweep searches the file's own slo section and seeds; put the bounds "
                        "or seeds there")
+    in_processes = "a search of one scenario runs its systems in local processes (--jobs)"
+    sweep_only = {  # each given without --sweep, and why it has nothing to do there
+        "--quick": (args.quick, "for one scenario, fewer requests are --set "
+                                "stop.num_requests=N"),
+        "--executor": (args.executor != "local", in_processes),
+        "--address": (args.address is not None, in_processes),
+        "--rerun-older": (args.rerun_older, "a search of one scenario keeps no earlier runs"),
+    }
+    for option, (given_here, why) in sweep_only.items():
+        if given_here and not args.sweep:
+            raise BadInput(f"{option} goes with --sweep: {why}")
     if given:  # the command line's objectives replace the file's, bound by bound
         slo = {**(scenario.slo.model_dump(exclude_none=True) if scenario.slo else {}), **given}
         scenario = scenario_from_dict({**scenario.model_dump(), "slo": slo}, "command line")
@@ -308,21 +327,38 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path, scenario: A
         capacity_metrics,
         write_capacity_report,
     )
-    from sim.capacity import capacity_sweep, unsettled_note
+    from sim.capacity import POINTS_FOLDER, capacity_sweep, unsettled_note
     from sim.results import swept_value_text, write_table, write_yaml
 
+    def progress(total: int, skipped: int) -> Callable[[int], None]:
+        if skipped:
+            print(f"resuming: {skipped} points searched before skipped")
+        return _progress_bar(total, "capacity", "point", quiet=args.quiet)
+
     try:
-        table = capacity_sweep(path, jobs=args.jobs, executor=args.executor,
-                               address=args.address, rel_tol=args.rel_tol,
-                               max_probes=args.max_probes, quick=args.quick,
-                               overrides=dict(args.overrides or []), systems=args.system,
-                               notify=_note,
-                               progress=lambda total: _progress_bar(total, "capacity", "point",
-                                                                    quiet=args.quiet))
+        outcome = capacity_sweep(path, jobs=args.jobs, executor=args.executor,
+                                 address=args.address, rel_tol=args.rel_tol,
+                                 max_probes=args.max_probes, quick=args.quick,
+                                 overrides=dict(args.overrides or []), systems=args.system,
+                                 notify=_note, progress=progress, out_dir=out,
+                                 rerun_older=args.rerun_older)
     except _bad_input_types() as exc:
         # The sweep's own checks name the file already; the search's do not.
         raise BadInput(str(exc) if str(exc).startswith(f"{path}") else f"{path}: {exc}"
                        ) from None
+    except KeyboardInterrupt:
+        raise Interrupted(f"the points searched are kept in {out / POINTS_FOLDER}: the "
+                          "same command goes on from there") from None
+    table = outcome.table
+    print(f"capacity: {outcome.searched} points searched, {outcome.skipped} searched before, "
+          f"{outcome.failed} failed")
+    if outcome.older:
+        what = (f"{outcome.older} points searched by another kvsim build were searched again"
+                if args.rerun_older else
+                f"{outcome.older} of the points searched before were searched by another "
+                f"kvsim build than this one ({build_id()}), and are kept ({SWEEP_TABLE}'s "
+                "build column names each search's): --rerun-older searches them again")
+        _note(what)
     written = write_table(table, out / SWEEP_TABLE)
     write_yaml(scenario.model_dump(mode="json"), out / SCENARIO_FILE)
     if not args.no_report:
@@ -1220,7 +1256,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="runs per system at most (default 24)")
     capacity.add_argument("--sweep", action="store_true",
                           help="search every point of the file's sweep section (its rate axis "
-                          "dropped), in parallel")
+                          "dropped), in parallel; resumable, as kvsim sweep")
     capacity.add_argument("--jobs", type=_positive_int,
                           help="parallel searches, one per system (or, with --sweep, per "
                           "point; default: all cores); 1 searches one after another")
@@ -1229,6 +1265,9 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("--address", help="--sweep --executor ray: a Ray cluster address")
     capacity.add_argument("--quick", action="store_true",
                           help="--sweep: a quarter of the requests, ≤3 values per axis")
+    capacity.add_argument("--rerun-older", action="store_true",
+                          help="--sweep: search again the points another kvsim build searched "
+                               "(kept by default, and counted in a note)")
     capacity.add_argument("-o", "--out", help="results folder (default: runs/NAME-capacity)")
     capacity.add_argument("--quiet", action="store_true", help="no line per run")
     capacity.add_argument("--no-report", action="store_true",
@@ -1346,6 +1385,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout, sys.stderr = (_ReaderMayLeave(s) for s in streams)  # type: ignore[assignment]
     try:
         return int(args.func(args))
+    except Interrupted as exc:
+        print(f"kvsim: interrupted: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("kvsim: interrupted", file=sys.stderr)
         return EXIT_FAILED

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import signal
 import time
 import traceback
 from collections import Counter
@@ -670,14 +671,52 @@ Tasks = list[tuple[Any, tuple[Any, ...]]]
 Executor = Callable[[Callable[..., Any], Tasks], Iterator[tuple[Any, Any]]]
 
 
+class _WorkerState:
+    """A local worker process's answer to Ctrl-C, which reaches every process of the
+    terminal's group: the task it runs stops, and the tasks already queued for it (which
+    the pool can no longer take back) stop at once, so that the command ends in the time a
+    task takes to notice rather than the time the queued ones take to run."""
+
+    running = False  # a task runs: Ctrl-C raises KeyboardInterrupt in it
+    interrupted = False  # Ctrl-C came: a task that starts stops at once
+
+    @classmethod
+    def install(cls) -> None:
+        """The pool's worker initializer."""
+        signal.signal(signal.SIGINT, cls._on_interrupt)
+
+    @classmethod
+    def _on_interrupt(cls, signum: int, frame: Any) -> None:
+        cls.interrupted = True
+        if cls.running:  # (an idle worker raising would die with a traceback)
+            raise KeyboardInterrupt
+
+    @classmethod
+    def run(cls, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, unless Ctrl-C came before."""
+        if cls.interrupted:
+            raise KeyboardInterrupt
+        cls.running = True
+        try:
+            return fn(*args)
+        finally:
+            cls.running = False
+
+
 def _local_executor(jobs: int) -> Executor:
     def execute(fn: Callable[..., Any], tasks: Tasks) -> Iterator[tuple[Any, Any]]:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            pending: dict[Future, Any] = {pool.submit(fn, *args): key for key, args in tasks}
+        pool = ProcessPoolExecutor(max_workers=jobs, initializer=_WorkerState.install)
+        try:
+            pending: dict[Future, Any] = {pool.submit(_WorkerState.run, fn, *args): key
+                                          for key, args in tasks}
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
                     yield pending.pop(future), future.result()
+        finally:
+            # Left early (Ctrl-C, an error): the tasks not started are dropped, not run
+            # before the pool lets go, and those running end (Ctrl-C reaches them too).
+            pool.shutdown(wait=True, cancel_futures=True)
 
     return execute
 
@@ -696,6 +735,7 @@ def _ray_executor(jobs: int, address: str | None) -> Executor:
             else:
                 ray.init(num_cpus=jobs, log_to_driver=False, include_dashboard=False)
         remote = ray.remote(num_cpus=1)(fn)
+        pending = {}
         try:
             pending = {remote.remote(*args): key for key, args in tasks}
             while pending:
@@ -703,6 +743,8 @@ def _ray_executor(jobs: int, address: str | None) -> Executor:
                 for ref in done:
                     yield pending.pop(ref), ray.get(ref)
         finally:
+            for ref in pending:  # left early: a cluster's tasks would run on without it
+                ray.cancel(ref)
             if started_here:
                 ray.shutdown()
 

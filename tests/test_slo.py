@@ -501,7 +501,7 @@ def test_a_sweep_searches_each_point_with_its_rate_axis_dropped(tmp_path):
     _, points = capacity_points(path)
     assert [p.params for p in points] == [{"memory.kv_memory_gib": 2},
                                           {"memory.kv_memory_gib": 4}]
-    table = capacity_sweep(path, jobs=2, rel_tol=0.05)
+    table = capacity_sweep(path, jobs=2, rel_tol=0.05).table
     assert list(table["system"]) == ["contiguous", "paged"] * 2
     assert (table["status"] == "ok").all()
     for point in points:  # each row is that point's own search
@@ -519,6 +519,80 @@ def test_a_sweep_searches_each_point_with_its_rate_axis_dropped(tmp_path):
     with pytest.raises(CapacityError, match=r"sweep\.zip: moves workload\.arrival\.rate with"):
         capacity_points(sweep_file(tmp_path, {"zip": {"workload.arrival.rate": [1, 2],
                                                       "memory.kv_memory_gib": [2, 4]}}))
+
+
+def test_a_capacity_sweep_keeps_each_point_searched_and_resumes(tmp_path):
+    from sim.capacity import POINTS_FOLDER, capacity_sweep
+
+    path = sweep_file(tmp_path, {"grid": {"memory.kv_memory_gib": [2, 4]}})
+    out = tmp_path / "out"
+    scratch = capacity_sweep(path, jobs=2, rel_tol=0.1)  # no folder: nothing kept
+    assert (scratch.searched, scratch.skipped) == (2, 0)
+
+    # Killed after its first point: that point's search is kept; the next call goes on.
+    def stop_after_one(total: int, skipped: int):
+        def tick(n: int) -> None:
+            raise KeyboardInterrupt
+        return tick
+
+    with pytest.raises(KeyboardInterrupt):
+        capacity_sweep(path, jobs=1, rel_tol=0.1, out_dir=out, systems=["paged"],
+                       progress=stop_after_one)
+    assert len(list((out / POINTS_FOLDER).iterdir())) == 1
+    paged = capacity_sweep(path, jobs=2, rel_tol=0.1, out_dir=out, systems=["paged"])
+    assert (paged.searched, paged.skipped) == (1, 1)
+    # The other system is searched alone, and the table is the one from scratch.
+    both = capacity_sweep(path, jobs=2, rel_tol=0.1, out_dir=out)
+    assert (both.searched, both.skipped, both.older) == (2, 0, 0)
+    pd.testing.assert_frame_equal(both.table, scratch.table)
+    again = capacity_sweep(path, jobs=2, rel_tol=0.1, out_dir=out)
+    assert (again.searched, again.skipped) == (0, 2)
+    pd.testing.assert_frame_equal(again.table, scratch.table)
+    # Another tolerance is another search.
+    other = capacity_sweep(path, jobs=2, rel_tol=0.2, out_dir=out)
+    assert (other.searched, other.skipped) == (2, 0)
+
+    # A point another build searched is kept and counted, or searched again on request; a
+    # damaged file is searched again.
+    files = sorted((out / POINTS_FOLDER).iterdir())
+    kept = json.loads(files[0].read_text())
+    for row in kept["rows"]:
+        row["build"] = "0" * 12
+    files[0].write_text(json.dumps(kept))
+    files[1].write_text('{"rows": [{"system": "paged"')
+    resumed = capacity_sweep(path, jobs=2, rel_tol=0.1, out_dir=out)
+    resumed_other = capacity_sweep(path, jobs=2, rel_tol=0.2, out_dir=out)
+    assert resumed.older + resumed_other.older == 1
+    assert resumed.searched + resumed_other.searched == 1
+    older = resumed if resumed.older else resumed_other
+    assert set(older.table["build"]) == {"0" * 12, build_id()}
+    rerun = capacity_sweep(path, jobs=2, rel_tol=0.1 if resumed.older else 0.2,
+                           out_dir=out, rerun_older=True)
+    assert (rerun.searched, rerun.older) == (1, 1)
+    assert set(rerun.table["build"]) == {build_id()}
+
+
+def test_capacity_sweep_command_resumes_to_the_same_table(tmp_path):
+    path = sweep_file(tmp_path, {"grid": {"memory.kv_memory_gib": [2, 4]}})
+    command = ("capacity", str(path), "--sweep", "--jobs", "2", "--rel-tol", "0.1", "--out",
+               str(tmp_path / "out"), "--quiet", "--no-report")
+    first = kvsim_in_process(*command)
+    assert first.returncode == 0, first.stderr
+    assert "capacity: 2 points searched, 0 searched before, 0 failed" in first.stdout
+    table = (tmp_path / "out" / "capacity.parquet").read_bytes()
+    again = kvsim_in_process(*command)
+    assert again.returncode == 0, again.stderr
+    assert "capacity: 0 points searched, 2 searched before, 0 failed" in again.stdout
+    assert (tmp_path / "out" / "capacity.parquet").read_bytes() == table
+    # Options that only a sweep uses are refused without --sweep, and nothing is made.
+    for option in (["--quick"], ["--executor", "ray"], ["--address", "auto"],
+                   ["--rerun-older"]):
+        refused = kvsim_in_process("capacity", str(path), *option, "--out",
+                                   str(tmp_path / "x"))
+        assert refused.returncode == 2
+        assert refused.stderr.startswith(f"kvsim: error: {option[0]} goes with --sweep: ")
+        assert refused.stderr.count("\n") == 1
+    assert not (tmp_path / "x").exists()
 
 
 def test_quick_capacity_quarters_each_trace_file_of_the_grid(tmp_path):

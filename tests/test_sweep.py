@@ -299,9 +299,9 @@ def test_local_and_ray_give_identical_tables(tmp_path):
     slo_path = write(tmp_path, dict(BASE, stop={"num_requests": 40}, slo={"ttft_s": 1.0},
                                     sweep={"grid": {"memory.kv_memory_gib": [1, 2]}}),
                      "slo.yaml")
-    on_ray = capacity_sweep(slo_path, jobs=2, executor="ray", rel_tol=0.2)
+    on_ray = capacity_sweep(slo_path, jobs=2, executor="ray", rel_tol=0.2).table
     assert (on_ray["status"] == "ok").all() and on_ray["capacity_req_s"].notna().all()
-    pd.testing.assert_frame_equal(on_ray, capacity_sweep(slo_path, jobs=2, rel_tol=0.2))
+    pd.testing.assert_frame_equal(on_ray, capacity_sweep(slo_path, jobs=2, rel_tol=0.2).table)
 
 
 def test_failing_point_is_recorded_and_the_rest_runs(tmp_path):
@@ -329,6 +329,35 @@ def test_a_damaged_point_is_run_again_not_read(tmp_path):
     again = run_sweep(path, out_dir=tmp_path / "out", jobs=1)
     assert (again.ran, again.skipped) == (1, 1)
     pd.testing.assert_frame_equal(again.table, first.table)
+
+
+def _task_of_a_sweep(kind: str, path: str) -> str:
+    """A task for the local executor: Ctrl-C its own process (as a terminal's reaches every
+    worker) and wait, or leave a file behind."""
+    if kind == "interrupted":
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(60)  # Ctrl-C ends this at once
+        return "slept"
+    Path(path).write_text("ran")
+    return "ran"
+
+
+def test_ctrl_c_stops_a_worker_and_the_tasks_already_queued_for_it(tmp_path):
+    from sim.sweep import make_executor
+
+    execute = make_executor("local", 1)
+    queued = [tmp_path / f"queued-{i}" for i in range(3)]
+    results = execute(_task_of_a_sweep, [("first", ("interrupted", ""))] + [
+        (path.name, ("write", str(path))) for path in queued])
+    with pytest.raises(KeyboardInterrupt):
+        next(results)
+    results.close()  # as Ctrl-C in the command leaves it: the pool let go
+    # The tasks the pool had queued for the worker, which it cannot take back, did not run.
+    assert not any(path.exists() for path in queued)
+    # A pool of its own runs them all.
+    assert dict(make_executor("local", 1)(_task_of_a_sweep, [
+        (path.name, ("write", str(path))) for path in queued])) == {
+            path.name: "ran" for path in queued}
 
 
 def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
