@@ -34,7 +34,7 @@ import pandas as pd
 
 from sim.engine import build_timing, run_system, scenario_trace
 from sim.provenance import build_id
-from sim.results import make_output_folder, write_json
+from sim.results import check_metrics, make_output_folder, write_json
 from sim.scenario import Scenario, SloConfig, SystemConfig, scenario_from_dict
 from sim.slo import judged_attainment
 from sim.sweep import (
@@ -333,6 +333,11 @@ def point_capacity(scenario_data: dict[str, Any], base_dir: str, rel_tol: float,
     return [{**row, "build": build_id()} for row in rows]  # (the worker's kvsim)
 
 
+# What a row of a capacity table says of its search, before the run at capacity's summary.
+_SEARCH_FIELDS = ("system", "status", "error", "capacity_req_s", "capacity_req_s_per_gpu",
+                  "misses_at_req_s", "converged", "runs", "build")
+
+
 def capacity_rows(scenario: Scenario, knob: LoadKnob, capacities: list[Capacity]
                   ) -> list[dict[str, Any]]:
     """One row per system searched: its capacity in requests/s (and per GPU), the lightest
@@ -377,14 +382,25 @@ def _searched_rows(path: Path) -> dict[str, dict[str, Any]]:
     """The rows, by system, of the searches a point's file holds; none where there is no
     file, or a torn or damaged one (those points are searched again)."""
     try:
-        rows = json.loads(path.read_text())["rows"]
-        found = {row["system"]: row for row in rows}
+        found = {row["system"]: row for row in json.loads(path.read_text())["rows"]}
+        for row in found.values():
+            _check_row(row)
     except (OSError, ValueError, KeyError, TypeError):
         return {}
-    if not all(isinstance(name, str) and row.get("status") == "ok"
-               and isinstance(row.get("build"), str) for name, row in found.items()):
-        return {}
     return found
+
+
+def _check_row(row: dict[str, Any]) -> None:
+    """A ValueError unless ``row`` is one :func:`capacity_rows` gives for a search that
+    ended (its fields, then the summary of the run at capacity)."""
+    loads = (row["capacity_req_s"], row["capacity_req_s_per_gpu"], row["misses_at_req_s"])
+    if not (isinstance(row["system"], str) and row["status"] == "ok" and row["error"] == ""
+            and isinstance(row["build"], str) and isinstance(row["converged"], bool)
+            and isinstance(row["runs"], int) and not isinstance(row["runs"], bool)
+            and all(v is None or (isinstance(v, int | float) and not isinstance(v, bool))
+                    for v in loads)):
+        raise ValueError("not a search's row")
+    check_metrics({k: v for k, v in row.items() if k not in _SEARCH_FIELDS}, row["system"])
 
 
 def _as_stored(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -594,6 +594,28 @@ class ReadSummary(dict[str, Any]):
                              "to rebuild it")
 
 
+def check_metrics(metrics: dict[str, Any], where: str) -> None:
+    """Raise a one-line ValueError (naming ``where``.KEY) unless every metric of a system's
+    summary read back from a file is a number (text where it is text) or null, in its
+    range."""
+    for key, value in metrics.items():
+        text = key in TEXT_METRICS
+        kind_ok = isinstance(value, str) if text else (
+            isinstance(value, int | float) and not isinstance(value, bool))
+        if value is None and key in NEVER_NULL_METRICS:
+            raise ValueError(f"{where}.{key}: expected a number, got null")
+        if key in TAXONOMY_FRACTIONS and kind_ok and not 0 <= value <= 1 + 1e-9:
+            raise ValueError(f"{where}.{key}: expected a share from 0 to 1, got {value!r}")
+        if key in COUNT_METRICS and kind_ok:
+            least, most = COUNT_METRICS[key]
+            if not (isinstance(value, int) and least <= value <= most):
+                raise ValueError(f"{where}.{key}: expected a whole number from {least} to "
+                                 f"{most:,}, got {value!r}")
+        if value is not None and not kind_ok:
+            raise ValueError(f"{where}.{key}: expected {'text' if text else 'a number'} or "
+                             f"null, got {value!r}")
+
+
 def _read_summary(path: Path) -> SummaryFile:
     """A run's summary.json, every metric checked to be a number or null (an edited or
     damaged file is refused where it is wrong)."""
@@ -603,23 +625,7 @@ def _read_summary(path: Path) -> SummaryFile:
             isinstance(metrics, dict) for metrics in systems.values()):
         raise ValueError('expected {"systems": {system name: {metric: value, ...}}}')
     for system, metrics in systems.items():
-        for key, value in metrics.items():
-            text = key in TEXT_METRICS
-            kind_ok = isinstance(value, str) if text else (
-                isinstance(value, int | float) and not isinstance(value, bool))
-            if value is None and key in NEVER_NULL_METRICS:
-                raise ValueError(f"systems.{system}.{key}: expected a number, got null")
-            if key in TAXONOMY_FRACTIONS and kind_ok and not 0 <= value <= 1 + 1e-9:
-                raise ValueError(f"systems.{system}.{key}: expected a share from 0 to 1, "
-                                 f"got {value!r}")
-            if key in COUNT_METRICS and kind_ok:
-                least, most = COUNT_METRICS[key]
-                if not (isinstance(value, int) and least <= value <= most):
-                    raise ValueError(f"systems.{system}.{key}: expected a whole number from "
-                                     f"{least} to {most:,}, got {value!r}")
-            if value is not None and not kind_ok:
-                raise ValueError(f"systems.{system}.{key}: expected "
-                                 f"{'text' if text else 'a number'} or null, got {value!r}")
+        check_metrics(metrics, f"systems.{system}")
     notes = data.get("trace_notes", [])
     if not isinstance(notes, list) or not all(isinstance(note, str) for note in notes):
         raise ValueError("trace_notes: expected a list of texts")

@@ -522,7 +522,7 @@ def test_a_sweep_searches_each_point_with_its_rate_axis_dropped(tmp_path):
 
 
 def test_a_capacity_sweep_keeps_each_point_searched_and_resumes(tmp_path):
-    from sim.capacity import POINTS_FOLDER, capacity_sweep
+    from sim.capacity import POINTS_FOLDER, capacity_points, capacity_sweep, point_file
 
     path = sweep_file(tmp_path, {"grid": {"memory.kv_memory_gib": [2, 4]}})
     out = tmp_path / "out"
@@ -570,6 +570,12 @@ def test_a_capacity_sweep_keeps_each_point_searched_and_resumes(tmp_path):
                            out_dir=out, rerun_older=True)
     assert (rerun.searched, rerun.older) == (1, 1)
     assert set(rerun.table["build"]) == {build_id()}
+    # A metric of the run at capacity that is no number is damage too.
+    file = point_file(out, capacity_points(path)[1][0], 0.1, 24)
+    damaged = json.loads(file.read_text())
+    damaged["rows"][0]["throughput_tok_s"] = "fast"
+    file.write_text(json.dumps(damaged))
+    assert capacity_sweep(path, jobs=2, rel_tol=0.1, out_dir=out).searched == 1
 
 
 def test_capacity_sweep_command_resumes_to_the_same_table(tmp_path):
