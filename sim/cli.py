@@ -526,11 +526,16 @@ def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path,
 
 def cmd_report(args: argparse.Namespace) -> int:
     from reports import write_any_report
-    from reports.capacity_report import is_capacity_folder
+    from reports.capacity_report import SWEEP_TABLE, is_capacity_folder
+    from sim.capacity import POINTS_FOLDER
 
     path = Path(args.run_dir)
     if not ((path / "summary.json").is_file() or (path / "sweep.json").is_file()
             or is_capacity_folder(path)):
+        if (path / POINTS_FOLDER).is_dir():
+            raise BadInput(f"{path}: a kvsim capacity --sweep that did not finish (no "
+                           f"{SWEEP_TABLE} yet; {POINTS_FOLDER}/ keeps the points it searched): "
+                           "the same command again searches the rest and writes it")
         raise BadInput(f"{path}: not a kvsim run, sweep or capacity folder (no summary.json, "
                        "sweep.json, capacity.json or capacity.parquet)")
     if (args.x or args.y) and not (path / "sweep.json").is_file():

@@ -590,6 +590,14 @@ def test_capacity_sweep_command_resumes_to_the_same_table(tmp_path):
     assert again.returncode == 0, again.stderr
     assert "capacity: 0 points searched, 2 searched before, 0 failed" in again.stdout
     assert (tmp_path / "out" / "capacity.parquet").read_bytes() == table
+    # A folder whose sweep stopped before its table was written is told as one.
+    (tmp_path / "out" / "capacity.parquet").unlink()
+    unfinished = kvsim_in_process("report", str(tmp_path / "out"))
+    assert unfinished.returncode == 2
+    assert unfinished.stderr == (
+        f"kvsim: error: {tmp_path / 'out'}: a kvsim capacity --sweep that did not finish (no "
+        "capacity.parquet yet; points/ keeps the points it searched): the same command again "
+        "searches the rest and writes it\n")
     # Options that only a sweep uses are refused without --sweep, and nothing is made.
     for option in (["--quick"], ["--executor", "ray"], ["--address", "auto"],
                    ["--rerun-older"]):
