@@ -177,6 +177,11 @@ def _write_report(out: Path) -> Path:
     return write_report(out)
 
 
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless one: "1 point", "3 points"."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def _note(line: str) -> None:
     """Print a note on what a command was asked and does not do."""
     print(f"note: {line}")
@@ -187,7 +192,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     def progress(total: int, skipped: int) -> Callable[[int], None]:
         if skipped:
-            print(f"resuming: {skipped} finished points skipped")
+            print(f"resuming: {_count(skipped, 'finished point')} skipped")
         return _progress_bar(total, "sweep", "run", quiet=args.quiet)
 
     try:
@@ -200,14 +205,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise Interrupted("the points that finished are kept, each in its run folder: the "
                           "same command goes on from there") from None
     table = outcome.table
-    print(f"sweep: {outcome.ran} points ran, {outcome.skipped} already done, "
+    print(f"sweep: {_count(outcome.ran, 'point')} ran, {outcome.skipped} already done, "
           f"{outcome.failed} failed; {len(table)} rows in {outcome.out_dir / 'results.parquet'}")
     if outcome.older:
-        what = (f"{outcome.older} points made by another kvsim build ran again" if
+        one = outcome.older == 1
+        what = (f"{_count(outcome.older, 'point')} made by another kvsim build ran again" if
                 args.rerun_older else
-                f"{outcome.older} of the points already done were made by another kvsim "
-                f"build than this one ({build_id()}), and are kept (results.parquet's build "
-                "column names each run's): --rerun-older runs them again")
+                f"{outcome.older} of the points already done {'was' if one else 'were'} made "
+                f"by another kvsim build than this one ({build_id()}), and "
+                f"{'is' if one else 'are'} kept (results.parquet's build column names each "
+                f"run's): --rerun-older runs {'it' if one else 'them'} again")
         _note(what)
     if not table.empty and "throughput_tok_s" in table:
         print(_sweep_means(table, SWEEP_TABLE_METRICS))
@@ -332,7 +339,7 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path, scenario: A
 
     def progress(total: int, skipped: int) -> Callable[[int], None]:
         if skipped:
-            print(f"resuming: {skipped} points searched before skipped")
+            print(f"resuming: {_count(skipped, 'point')} searched before skipped")
         return _progress_bar(total, "capacity", "point", quiet=args.quiet)
 
     try:
@@ -350,14 +357,16 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path, scenario: A
         raise Interrupted(f"the points searched are kept in {out / POINTS_FOLDER}: the "
                           "same command goes on from there") from None
     table = outcome.table
-    print(f"capacity: {outcome.searched} points searched, {outcome.skipped} searched before, "
-          f"{outcome.failed} failed")
+    print(f"capacity: {_count(outcome.searched, 'point')} searched, {outcome.skipped} "
+          f"searched before, {outcome.failed} failed")
     if outcome.older:
-        what = (f"{outcome.older} points searched by another kvsim build were searched again"
-                if args.rerun_older else
-                f"{outcome.older} of the points searched before were searched by another "
-                f"kvsim build than this one ({build_id()}), and are kept ({SWEEP_TABLE}'s "
-                "build column names each search's): --rerun-older searches them again")
+        one = outcome.older == 1
+        what = (f"{_count(outcome.older, 'point')} searched by another kvsim build "
+                f"{'was' if one else 'were'} searched again" if args.rerun_older else
+                f"{outcome.older} of the points searched before {'was' if one else 'were'} "
+                f"searched by another kvsim build than this one ({build_id()}), and "
+                f"{'is' if one else 'are'} kept ({SWEEP_TABLE}'s build column names each "
+                f"search's): --rerun-older searches {'it' if one else 'them'} again")
         _note(what)
     written = write_table(table, out / SWEEP_TABLE)
     write_yaml(scenario.model_dump(mode="json"), out / SCENARIO_FILE)

@@ -590,6 +590,23 @@ def test_capacity_sweep_command_resumes_to_the_same_table(tmp_path):
     assert again.returncode == 0, again.stderr
     assert "capacity: 0 points searched, 2 searched before, 0 failed" in again.stdout
     assert (tmp_path / "out" / "capacity.parquet").read_bytes() == table
+    # One point lost, the other searched by another build: one searched, one kept and told.
+    first_file, second_file = sorted((tmp_path / "out" / "points").iterdir())
+    first_file.unlink()
+    kept = json.loads(second_file.read_text())
+    for row in kept["rows"]:
+        row["build"] = "0" * 12
+    second_file.write_text(json.dumps(kept))
+    partly = kvsim_in_process(*command)
+    assert partly.returncode == 0, partly.stderr
+    assert "resuming: 1 point searched before skipped" in partly.stdout
+    assert "capacity: 1 point searched, 1 searched before, 0 failed" in partly.stdout
+    assert (f"note: 1 of the points searched before was searched by another kvsim build "
+            f"than this one ({build_id()}), and is kept (capacity.parquet's build column "
+            "names each search's): --rerun-older searches it again") in partly.stdout
+    rerun = kvsim_in_process(*command, "--rerun-older")
+    assert "note: 1 point searched by another kvsim build was searched again" in rerun.stdout
+    assert (tmp_path / "out" / "capacity.parquet").read_bytes() == table
     # A folder whose sweep stopped before its table was written is told as one.
     (tmp_path / "out" / "capacity.parquet").unlink()
     unfinished = kvsim_in_process("report", str(tmp_path / "out"))

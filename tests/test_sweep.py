@@ -385,7 +385,9 @@ def test_killed_sweep_resumes_without_loss_or_recompute(tmp_path):
         json.loads(summary.read_text())  # no torn file where a summary exists
     rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     assert rerun.returncode == 0, rerun.stderr
-    assert f"{18 - len(finished)} points ran, {len(finished)} already done" in rerun.stdout
+    ran = 18 - len(finished)
+    assert (f"{ran} point{'' if ran == 1 else 's'} ran, {len(finished)} already done"
+            in rerun.stdout)
     # The printed table: seeds averaged, the summary's labels and formats.
     lines = rerun.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if "output throughput (tok/s)" in line)
