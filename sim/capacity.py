@@ -12,8 +12,10 @@ The knob is the workload's arrival ``rate`` (synthetic or Poisson-replayed trace
 replay ``speed`` of a trace's own timestamps; closed-loop arrivals set their load by users
 and cannot be searched.
 
-Over a sweep (:func:`capacity_sweep`), each point's searches are kept in a file of their own
-as they end, so a killed sweep of searches resumes as a sweep of runs does.
+Each test can be kept as it ends (``probe_dir``), like a load chart in the lorry's cab: a
+search stopped halfway and started again reads back the tests it made, walks the same path
+to where it stopped, and goes on from there. Over a sweep (:func:`capacity_sweep`), each
+point's searches are kept too, so a killed sweep of searches resumes as a sweep of runs does.
 
 One seed's requests are one sample of the workload: a burst late in the stream can sink a
 load that an earlier stretch held. :func:`capacity_by_seed` searches the same scenario
@@ -28,17 +30,18 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pandas as pd
 
 from sim.engine import build_timing, run_system, scenario_trace
-from sim.provenance import build_id
+from sim.provenance import build_id, input_digests
 from sim.results import check_metrics, make_output_folder, write_json
 from sim.scenario import Scenario, SloConfig, SystemConfig, scenario_from_dict
 from sim.slo import judged_attainment
 from sim.sweep import (
     SweepPoint,
+    config_key,
     expand,
     make_executor,
     params_as_text,
@@ -50,6 +53,8 @@ from sim.sweep import (
 from workloads import Trace, WorkloadError
 from workloads.distributions import ClosedLoopArrivals, TraceArrivals
 
+_Stored = TypeVar("_Stored", dict[str, Any], list[dict[str, Any]])
+PROBES_FOLDER = "probes"  # kvsim capacity: a file per run of a search, for resuming
 POINTS_FOLDER = "points"  # kvsim capacity --sweep: a file per point searched, for resuming
 SEARCH_RANGE = 2**10  # the search gives up beyond this factor above or below the start
 # A run whose requests arrive within less than this share of its makespan never settled.
@@ -84,6 +89,7 @@ class Probe:
     holds: bool
     summary: dict[str, Any]
     seed: int = 0  # the scenario's seed: whose requests were run
+    kept: bool = False  # read from a file an earlier search left, not run again
 
 
 @dataclass
@@ -178,36 +184,48 @@ def search(holds: Callable[[float], bool], start: float, *, rel_tol: float,
 def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
                   max_probes: int = 24, systems: list[str] | None = None,
                   progress: Callable[[Probe], None] | None = None,
-                  jobs: int = 1) -> tuple[LoadKnob, list[Capacity]]:
+                  jobs: int = 1, probe_dir: Path | None = None
+                  ) -> tuple[LoadKnob, list[Capacity]]:
     """Search each system's capacity under the scenario's SLO (see the module docstring).
 
     With ``jobs`` above 1 the systems are searched at once, each in a process of its own
     (the same results: every search is independent); ``progress`` is then called in those
     processes, so it must pickle (a module-level function, or a ``functools.partial`` of
-    one)."""
+    one). With ``probe_dir``, each run's summary is kept there as it ends, and a run this
+    kvsim build made before is read back instead of run again (see :func:`probe_file`): a
+    killed search, run again, replays its path to where it stopped."""
     objectives = _require_slo(scenario)
     target = objectives.attainment
     slo = objectives.model_dump()
     chosen = _chosen_systems(scenario, systems)
     knob = load_knob(scenario, scenario_trace(scenario, base_dir))
+    if probe_dir is not None:
+        make_output_folder(probe_dir)
     if jobs > 1 and len(chosen) > 1:
         data = scenario.model_dump(mode="json")
         execute = make_executor("local", min(jobs, len(chosen)))
         found = dict(execute(_search_system, [
-            (s.name, (data, str(base_dir), s.name, rel_tol, max_probes, progress))
+            (s.name, (data, str(base_dir), s.name, rel_tol, max_probes, progress,
+                      None if probe_dir is None else str(probe_dir)))
             for s in chosen]))
         return knob, [found[s.name] for s in chosen]
     timing = build_timing(scenario, base_dir)
     raw = scenario.model_dump(mode="json")
-    traces: dict[float, tuple[Scenario, Trace]] = {}
+    variants: dict[float, Scenario] = {}
+    traces: dict[float, Trace] = {}
 
-    def at(load: float) -> tuple[Scenario, Trace]:
-        if load not in traces:
+    def variant_at(load: float) -> Scenario:
+        if load not in variants:
             data = {k: v for k, v in raw.items() if k != "sweep"}
             set_path(data, knob.path, load)
-            variant = scenario_from_dict(data, f"{knob.path}={load:g}")
-            traces[load] = variant, scenario_trace(variant, base_dir)
-        return traces[load]
+            variants[load] = scenario_from_dict(data, f"{knob.path}={load:g}")
+        return variants[load]
+
+    def run_at(load: float, system: SystemConfig) -> dict[str, Any]:
+        if load not in traces:
+            traces[load] = scenario_trace(variant_at(load), base_dir)
+        return run_system(variant_at(load), system, traces[load], timing,
+                          base_dir=base_dir).summary
 
     results = []
     for system in chosen:
@@ -215,11 +233,18 @@ def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
 
         def holds(load: float, system: SystemConfig = system, result: Capacity = result
                   ) -> bool:
-            variant, trace = at(load)
-            summary = run_system(variant, system, trace, timing, base_dir=base_dir).summary
+            where = None if probe_dir is None else probe_file(
+                probe_dir, variant_at(load), system.name, base_dir)
+            summary = None if where is None else _kept_summary(where, system.name, load)
+            kept = summary is not None
+            if summary is None:
+                summary = _as_stored(run_at(load, system))
+                if where is not None:
+                    write_json({"system": system.name, "load": load, "build": build_id(),
+                                "summary": summary}, where)
             attainment = float(judged_attainment(summary, slo))
             probe = Probe(system.name, load, knob.offered_req_s(load), attainment,
-                          attainment >= target, summary, scenario.seed)
+                          attainment >= target, summary, scenario.seed, kept)
             result.probes.append(probe)
             if progress:
                 progress(probe)
@@ -237,11 +262,38 @@ def find_capacity(scenario: Scenario, base_dir: Path, *, rel_tol: float = 0.02,
     return knob, results
 
 
+def probe_file(folder: Path, variant: Scenario, system: str, base_dir: Path) -> Path:
+    """Where a search keeps its run of ``system`` on ``variant`` (the scenario at one load):
+    named by that system's resolved scenario, what the files it reads hold, and this
+    kvsim's build, so that only the same run by the same code is read back."""
+    resolved = variant.model_dump(mode="json")
+    resolved["systems"] = [s for s in resolved["systems"] if s["name"] == system]
+    text = json.dumps({"run": config_key(resolved, input_digests(resolved, base_dir)),
+                       "build": build_id()}, sort_keys=True)
+    return folder / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+
+
+def _kept_summary(path: Path, system: str, load: float) -> dict[str, Any] | None:
+    """The summary a run's file holds; None where there is none, or a torn or damaged one
+    (the run is run again)."""
+    try:
+        data = json.loads(path.read_text())
+        summary = data["summary"]
+        if not (data["system"] == system and data["load"] == load
+                and data["build"] == build_id() and isinstance(summary, dict)):
+            return None
+        check_metrics(summary, system)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return summary  # type: ignore[no-any-return]
+
+
 def capacity_by_seed(scenario: Scenario, base_dir: Path, seeds: list[int], *,
                      rel_tol: float = 0.02, max_probes: int = 24,
                      systems: list[str] | None = None,
                      progress: Callable[[Probe], None] | None = None,
-                     jobs: int = 1) -> tuple[LoadKnob, list[Capacity]]:
+                     jobs: int = 1, probe_dir: Path | None = None
+                     ) -> tuple[LoadKnob, list[Capacity]]:
     """:func:`find_capacity` of the scenario under each of ``seeds`` (the same loads
     searched, other requests drawn): one :class:`Capacity` per seed and system, seed by seed.
     With ``jobs`` above 1 every (seed, system) search runs in a process of its own."""
@@ -251,13 +303,16 @@ def capacity_by_seed(scenario: Scenario, base_dir: Path, seeds: list[int], *,
     variants = [scenario_from_dict({**data, "seed": seed}, f"seed {seed}") for seed in seeds]
     if jobs <= 1 or len(variants) == 1:
         found = [find_capacity(v, base_dir, rel_tol=rel_tol, max_probes=max_probes,
-                               systems=systems, progress=progress, jobs=jobs)
+                               systems=systems, progress=progress, jobs=jobs,
+                               probe_dir=probe_dir)
                  for v in variants]
         return found[0][0], [c for _, capacities in found for c in capacities]
     knob = load_knob(variants[0], scenario_trace(variants[0], base_dir))
     chosen = _chosen_systems(scenario, systems)
+    folder = None if probe_dir is None else str(probe_dir)
     tasks = [((v.seed, s.name), (v.model_dump(mode="json"), str(base_dir), s.name, rel_tol,
-                                 max_probes, progress)) for v in variants for s in chosen]
+                                 max_probes, progress, folder))
+             for v in variants for s in chosen]
     execute = make_executor("local", min(jobs, len(tasks)))
     done = dict(execute(_search_system, tasks))
     return knob, [done[key] for key, _ in tasks]
@@ -273,11 +328,13 @@ def _require_slo(scenario: Scenario) -> SloConfig:
 
 def _search_system(scenario_data: dict[str, Any], base_dir: str, system: str,
                    rel_tol: float, max_probes: int,
-                   progress: Callable[[Probe], None] | None) -> Capacity:
+                   progress: Callable[[Probe], None] | None, probe_dir: str | None
+                   ) -> Capacity:
     """One system's search, in a worker process of :func:`find_capacity`."""
     _, (found,) = find_capacity(scenario_from_dict(scenario_data), Path(base_dir),
                                 rel_tol=rel_tol, max_probes=max_probes, systems=[system],
-                                progress=progress)
+                                progress=progress,
+                                probe_dir=None if probe_dir is None else Path(probe_dir))
     return found
 
 
@@ -318,13 +375,15 @@ def capacity_points(path: Path, *, quick: bool = False,
 
 
 def point_capacity(scenario_data: dict[str, Any], base_dir: str, rel_tol: float,
-                   max_probes: int, systems: list[str] | None = None) -> list[dict[str, Any]]:
+                   max_probes: int, systems: list[str] | None = None,
+                   probe_dir: str | None = None) -> list[dict[str, Any]]:
     """:func:`capacity_rows` of one sweep point's search of ``systems`` (all if None), in a
-    worker, or its error."""
+    worker, or its error (``probe_dir``: see :func:`find_capacity`)."""
     scenario = scenario_from_dict(scenario_data)
     try:
-        knob, capacities = find_capacity(scenario, Path(base_dir), rel_tol=rel_tol,
-                                         max_probes=max_probes, systems=systems)
+        knob, capacities = find_capacity(
+            scenario, Path(base_dir), rel_tol=rel_tol, max_probes=max_probes,
+            systems=systems, probe_dir=None if probe_dir is None else Path(probe_dir))
     except Exception as exc:  # recorded with the point; the others go on
         rows = [{"system": s.name, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
                 for s in _chosen_systems(scenario, systems)]
@@ -403,10 +462,10 @@ def _check_row(row: dict[str, Any]) -> None:
     check_metrics({k: v for k, v in row.items() if k not in _SEARCH_FIELDS}, row["system"])
 
 
-def _as_stored(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` as their point's file gives them back, so that a resumed sweep's table is
-    the one a sweep from scratch writes, byte for byte."""
-    return json.loads(json.dumps(rows, allow_nan=True, sort_keys=True))  # type: ignore[no-any-return]
+def _as_stored(value: _Stored) -> _Stored:
+    """``value`` (a run's summary, a point's rows) as its file gives it back, so that what
+    a resumed search writes is what a search from scratch writes, byte for byte."""
+    return json.loads(json.dumps(value, allow_nan=True, sort_keys=True))  # type: ignore[no-any-return]
 
 
 def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "local",
@@ -423,10 +482,12 @@ def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "loca
     if given), with the point's parameters as ``param:PATH`` columns; ``notify`` is told
     the layouts ``sweep.layouts`` refuses, before any search.
 
-    With ``out_dir``, each point's searches are kept in a file of its own there as they
-    finish, and a point whose file holds them is not searched again: a killed sweep resumes
-    where it stopped. A point another kvsim build searched is kept (its rows' ``build``
-    says which), or searched again under ``rerun_older``; a failed one is searched again.
+    With ``out_dir``, each point's searches are kept in a file of its own there
+    (``points/``) as they finish, and a point whose file holds them is not searched again:
+    a killed sweep resumes where it stopped, the points under way from their last run
+    (``probes/``, as :func:`find_capacity` keeps them). A point another kvsim build searched
+    is kept (its rows' ``build`` says which), or searched again under ``rerun_older``; a
+    failed one is searched again.
     ``progress`` is given the number of points to search and of points skipped."""
     notes: list[str] = []
     scenario, points = capacity_points(path, quick=quick, overrides=overrides, notes=notes)
@@ -458,8 +519,9 @@ def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "loca
     execute = make_executor(executor, jobs, address)
     by_key = {point.key: point for point, _ in todo}
     failed = 0
+    probe_dir = None if out_dir is None else str(out_dir / PROBES_FOLDER)
     for key, rows_of_point in execute(point_capacity, [
-            (point.key, (point.scenario, base_dir, rel_tol, max_probes, missing))
+            (point.key, (point.scenario, base_dir, rel_tol, max_probes, missing, probe_dir))
             for point, missing in todo]):
         rows = _as_stored(rows_of_point)
         found[key].update((row["system"], row) for row in rows)

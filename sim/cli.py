@@ -252,7 +252,7 @@ def _sweep_means(table: pd.DataFrame, metrics: Sequence[str]) -> str:
 
 def cmd_capacity(args: argparse.Namespace) -> int:
     from sim.api import load
-    from sim.capacity import capacity_by_seed
+    from sim.capacity import PROBES_FOLDER, capacity_by_seed
     from sim.scenario import scenario_from_dict
 
     path = Path(args.scenario)
@@ -269,7 +269,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                                 "stop.num_requests=N"),
         "--executor": (args.executor != "local", in_processes),
         "--address": (args.address is not None, in_processes),
-        "--rerun-older": (args.rerun_older, "a search of one scenario keeps no earlier runs"),
+        "--rerun-older": (args.rerun_older, "a search of one scenario reads back only the "
+                                            "runs this kvsim build made"),
     }
     for option, (given_here, why) in sweep_only.items():
         if given_here and not args.sweep:
@@ -297,10 +298,20 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                                             args.seeds or [scenario.seed],
                                             rel_tol=args.rel_tol, max_probes=args.max_probes,
                                             systems=args.system, progress=progress,
-                                            jobs=args.jobs or os.cpu_count() or 1)
+                                            jobs=args.jobs or os.cpu_count() or 1,
+                                            probe_dir=out / PROBES_FOLDER)
     except _bad_input_types() as exc:
+        if (out / PROBES_FOLDER).is_dir() and not any((out / PROBES_FOLDER).iterdir()):
+            (out / PROBES_FOLDER).rmdir()
         _unmake_empty(out, made)
         raise BadInput(f"{path}: {exc}") from None
+    except KeyboardInterrupt:
+        raise Interrupted(f"the runs the searches made are kept in {out / PROBES_FOLDER}: the "
+                          "same command goes on from there") from None
+    kept = sum(p.kept for c in capacities for p in c.probes)
+    if kept:
+        print(f"resuming: {_count(kept, 'run')} of the searches read back from "
+              f"{out / PROBES_FOLDER}, made before by this kvsim build")
     if scenario.sweep:
         print(f"note: {path} has a sweep section; this searched its base scenario only "
               "(--sweep searches every point)")
@@ -318,7 +329,7 @@ def _print_probe(probe: Any, slo: dict[str, Any], with_seed: bool = False) -> No
     seed = f" (seed {probe.seed})" if with_seed else ""
     line = (f"  {probe.system}{seed}: {probe.offered_req_s:,.4g} req/s → "
             f"{describe_attainment(probe.attainment, slo)}, "
-            f"{'holds' if probe.holds else 'misses'}\n")
+            f"{'holds' if probe.holds else 'misses'}{' (run before)' if probe.kept else ''}\n")
     # One write per line: the searches print from processes of their own, and print()'s
     # separate write of the newline let another process's line land in the middle.
     sys.stderr.write(line)
@@ -535,8 +546,8 @@ def _write_capacity(scenario: Any, knob: Any, capacities: list[Any], out: Path,
 
 def cmd_report(args: argparse.Namespace) -> int:
     from reports import write_any_report
-    from reports.capacity_report import SWEEP_TABLE, is_capacity_folder
-    from sim.capacity import POINTS_FOLDER
+    from reports.capacity_report import CAPACITY_FILE, SWEEP_TABLE, is_capacity_folder
+    from sim.capacity import POINTS_FOLDER, PROBES_FOLDER
 
     path = Path(args.run_dir)
     if not ((path / "summary.json").is_file() or (path / "sweep.json").is_file()
@@ -545,6 +556,10 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise BadInput(f"{path}: a kvsim capacity --sweep that did not finish (no "
                            f"{SWEEP_TABLE} yet; {POINTS_FOLDER}/ keeps the points it searched): "
                            "the same command again searches the rest and writes it")
+        if (path / PROBES_FOLDER).is_dir():
+            raise BadInput(f"{path}: a kvsim capacity that did not finish (no {CAPACITY_FILE} "
+                           f"yet; {PROBES_FOLDER}/ keeps the runs its searches made): the same "
+                           "command again goes on from there and writes it")
         raise BadInput(f"{path}: not a kvsim run, sweep or capacity folder (no summary.json, "
                        "sweep.json, capacity.json or capacity.parquet)")
     if (args.x or args.y) and not (path / "sweep.json").is_file():

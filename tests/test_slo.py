@@ -363,6 +363,16 @@ def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(t
     # Which kvsim found it: in the answer, and on the page.
     assert result["made_by"] == made_by()
     assert f"<td>results made by</td><td>kvsim {result['made_by']['kvsim']} (build " in page
+    # The same command again reads every run back, and writes the same files.
+    kept = kvsim_in_process("capacity", str(path), "--system", "paged", "--rel-tol", "0.1",
+                            "--out", str(out), "--no-report")
+    assert kept.returncode == 0, kept.stderr
+    assert kept.stdout.startswith(f"resuming: {paged['runs']} runs of the searches read "
+                                  f"back from {out / 'probes'}, made before by this kvsim "
+                                  "build\n")
+    assert kept.stderr.count("(run before)\n") == paged["runs"]
+    assert json.loads((out / "capacity.json").read_text()) == result
+    pd.testing.assert_frame_equal(pd.read_csv(out / "probes.csv"), probes)
     (out / "probes.csv").write_text("a,b\n1,2\n")  # damaged: said in a line
     damaged = kvsim_in_process("report", str(out))
     assert damaged.returncode == 2 and damaged.stderr == (
@@ -372,8 +382,8 @@ def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(t
     assert kvsim_in_process("capacity", str(path), "--system", "paged", "--rel-tol", "0.1",
                             "--tpot-s", "0.2", "--out", str(loose), "--quiet",
                             "--no-report").returncode == 0
-    assert sorted(p.name for p in loose.iterdir()) == ["capacity.json", "probes.csv",
-                                                       "scenario.yaml"]
+    assert sorted(p.name for p in loose.iterdir()) == ["capacity.json", "probes",
+                                                       "probes.csv", "scenario.yaml"]
     kept = yaml.safe_load((loose / "scenario.yaml").read_text())
     assert kept["slo"]["tpot_s"] == 0.2 and kept["slo"]["ttft_s"] == 1.0  # as searched
     looser = json.loads((loose / "capacity.json").read_text())
@@ -405,6 +415,53 @@ def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(t
     assert "--system nope: no such system; systems: contiguous, paged" in refused(
         scenario(slo=OBJECTIVES), "--system", "nope")
     assert "slo.attainment" in refused(scenario(slo=OBJECTIVES), "--attainment", "2")
+
+
+def test_a_search_keeps_each_run_and_reads_it_back_where_it_is_the_same(tmp_path):
+    from sim.capacity import probe_file
+
+    base = scenario_from_dict(scenario(slo=OBJECTIVES))
+    probes = tmp_path / "probes"
+    _, (scratch,) = find_capacity(base, Path(), rel_tol=0.1, systems=["paged"])
+
+    # Stopped after its third run: those three are kept; the search goes on from there.
+    def stop_after_three(probe) -> None:
+        if len(list(probes.iterdir())) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        find_capacity(base, Path(), rel_tol=0.1, systems=["paged"], probe_dir=probes,
+                      progress=stop_after_three)
+    _, (resumed,) = find_capacity(base, Path(), rel_tol=0.1, systems=["paged"],
+                                  probe_dir=probes)
+    assert [p.kept for p in resumed.probes] == [True] * 3 + [False] * (
+        len(resumed.probes) - 3)
+    assert (resumed.held, resumed.failed) == (scratch.held, scratch.failed)
+    assert [(p.load, p.summary) for p in resumed.probes] == [
+        (p.load, p.summary) for p in scratch.probes]
+    # A tighter tolerance walks the same path first: every run of the looser one is read back.
+    _, (tighter,) = find_capacity(base, Path(), rel_tol=0.02, systems=["paged"],
+                                  probe_dir=probes)
+    assert [p.kept for p in tighter.probes[:len(scratch.probes)]] == [True] * len(
+        scratch.probes)
+    assert not any(p.kept for p in tighter.probes[len(scratch.probes):])
+    # Another scenario is another run; a damaged file, or one another build made, is run
+    # again.
+    other = scenario_from_dict(scenario(slo={**OBJECTIVES, "ttft_s": 2.0}))
+    _, (looser,) = find_capacity(other, Path(), rel_tol=0.1, systems=["paged"],
+                                 probe_dir=probes)
+    assert not any(p.kept for p in looser.probes)
+    start = base.workload.arrival.rate
+    variant = scenario_from_dict(scenario(rate=start, slo=OBJECTIVES))
+    first = probe_file(probes, variant, "paged", Path())
+    assert first.is_file()
+    for damage in ({"summary": {"throughput_tok_s": "fast"}}, {"build": "0" * 12}):
+        file_text = first.read_text()
+        first.write_text(json.dumps({**json.loads(file_text), **damage}))
+        _, (again,) = find_capacity(base, Path(), rel_tol=0.1, systems=["paged"],
+                                    probe_dir=probes)
+        assert [p.kept for p in again.probes][:2] == [False, True]
+        assert json.loads(first.read_text()) == json.loads(file_text)  # written again
 
 
 def test_capacity_on_a_grid_stops_at_the_first_miss():
