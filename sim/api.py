@@ -44,6 +44,7 @@ def capacity_under_slo(
     systems: list[str] | None = None,
     jobs: int = 1,
     overrides: dict[str, Any] | None = None,
+    probe_dir: str | Path | None = None,
 ) -> pd.DataFrame:
     """The highest arrival rate at which each system keeps ``slo.attainment`` of its
     requests within the scenario's SLO (as ``kvsim capacity``; see :mod:`sim.capacity`).
@@ -52,6 +53,8 @@ def capacity_under_slo(
     ``misses_at_req_s``, ``converged``, ``runs``, and the summary of the run at capacity.
     With ``seeds``, one row per system and seed, indexed by both (``--seeds``).
     ``jobs`` above 1 runs that many searches at once, each in a process of its own.
+    With ``probe_dir``, each run is kept there, and the runs this kvsim build made there
+    before are read back (an interrupted search, called again, goes on where it stopped).
     """
     from sim.capacity import capacity_by_seed, capacity_rows
 
@@ -60,7 +63,8 @@ def capacity_under_slo(
     parsed, base_dir = load(scenario, seed, overrides)
     knob, found = capacity_by_seed(parsed, base_dir, [parsed.seed] if seeds is None else seeds,
                                    rel_tol=rel_tol, max_probes=max_probes, systems=systems,
-                                   jobs=jobs)
+                                   jobs=jobs,
+                                   probe_dir=None if probe_dir is None else Path(probe_dir))
     table = pd.DataFrame(capacity_rows(parsed, knob, found))
     if seeds is None:
         return table.set_index("system")

@@ -884,6 +884,12 @@ def test_the_python_api_finds_what_the_command_finds(tmp_path):
                                      jobs=2)
     assert list(by_seed.index) == [("paged", 1), ("paged", 3)]
     assert by_seed.loc[("paged", 3)].equals(table.loc["paged"])
+    # Kept runs, read back by a second call: the same table.
+    kept = [sim.capacity_under_slo(data, rel_tol=0.05, systems=["paged"], seeds=[1, 3],
+                                   jobs=2, probe_dir=tmp_path / "probes") for _ in range(2)]
+    assert len(list((tmp_path / "probes").iterdir())) == by_seed["runs"].sum()
+    for again in kept:
+        pd.testing.assert_frame_equal(again, by_seed)
     with pytest.raises(ValueError, match="seed or seeds"):
         sim.capacity_under_slo(data, seed=1, seeds=[1, 2])
     with pytest.raises(CapacityError, match="distinct seeds, got"):
