@@ -182,6 +182,18 @@ def _count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
+def _older_note(older: int, rerun_older: bool, table_file: str, does: str) -> str:
+    """What a resumed sweep (``kvsim sweep``, ``kvsim capacity --sweep``: ``does`` runs or
+    searches a point) says of the ``older`` points it found another kvsim build had done,
+    kept or done again (``rerun_older``); ``table_file`` names each row's build."""
+    was, them = ("was", "it") if older == 1 else ("were", "them")
+    if rerun_older:
+        return f"{_count(older, 'point')} done by another kvsim build {was} done again"
+    return (f"{older} of the points done before {was} done by another kvsim build than this "
+            f"one ({build_id()}), and {'is' if older == 1 else 'are'} kept ({table_file}'s "
+            f"build column names each one's): --rerun-older {does} {them} again")
+
+
 def _note(line: str) -> None:
     """Print a note on what a command was asked and does not do."""
     print(f"note: {line}")
@@ -208,14 +220,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(f"sweep: {_count(outcome.ran, 'point')} ran, {outcome.skipped} already done, "
           f"{outcome.failed} failed; {len(table)} rows in {outcome.out_dir / 'results.parquet'}")
     if outcome.older:
-        one = outcome.older == 1
-        what = (f"{_count(outcome.older, 'point')} made by another kvsim build ran again" if
-                args.rerun_older else
-                f"{outcome.older} of the points already done {'was' if one else 'were'} made "
-                f"by another kvsim build than this one ({build_id()}), and "
-                f"{'is' if one else 'are'} kept (results.parquet's build column names each "
-                f"run's): --rerun-older runs {'it' if one else 'them'} again")
-        _note(what)
+        _note(_older_note(outcome.older, args.rerun_older, "results.parquet", "runs"))
     if not table.empty and "throughput_tok_s" in table:
         print(_sweep_means(table, SWEEP_TABLE_METRICS))
     if table is not None and (table.get("status") == "failed").any():
@@ -371,14 +376,7 @@ def _capacity_sweep(path: Path, args: argparse.Namespace, out: Path, scenario: A
     print(f"capacity: {_count(outcome.searched, 'point')} searched, {outcome.skipped} "
           f"searched before, {outcome.failed} failed")
     if outcome.older:
-        one = outcome.older == 1
-        what = (f"{_count(outcome.older, 'point')} searched by another kvsim build "
-                f"{'was' if one else 'were'} searched again" if args.rerun_older else
-                f"{outcome.older} of the points searched before {'was' if one else 'were'} "
-                f"searched by another kvsim build than this one ({build_id()}), and "
-                f"{'is' if one else 'are'} kept ({SWEEP_TABLE}'s build column names each "
-                f"search's): --rerun-older searches {'it' if one else 'them'} again")
-        _note(what)
+        _note(_older_note(outcome.older, args.rerun_older, SWEEP_TABLE, "searches"))
     written = write_table(table, out / SWEEP_TABLE)
     write_yaml(scenario.model_dump(mode="json"), out / SCENARIO_FILE)
     if not args.no_report:

@@ -127,9 +127,9 @@ def test_a_resumed_sweep_keeps_another_builds_runs_says_so_and_reruns_them_if_as
     proc = kvsim_in_process(*args)
     assert proc.returncode == 0, proc.stderr
     assert "sweep: 0 points ran, 3 already done" in proc.stdout
-    assert ("note: 2 of the points already done were made by another kvsim build than this "
+    assert ("note: 2 of the points done before were done by another kvsim build than this "
             f"one ({build_id()}), and are kept (results.parquet's build column names each "
-            "run's): --rerun-older runs them again") in proc.stdout
+            "one's): --rerun-older runs them again") in proc.stdout
     assert all(p.stat().st_mtime_ns == kept[p] for p in summaries)  # nothing ran again
     table = pd.read_parquet(out / "results.parquet")
     builds = dict(zip(table["key"], table["build"], strict=True))
@@ -142,7 +142,7 @@ def test_a_resumed_sweep_keeps_another_builds_runs_says_so_and_reruns_them_if_as
     proc = kvsim_in_process(*args, "--rerun-older", "--no-report")
     assert proc.returncode == 0, proc.stderr
     assert "sweep: 2 points ran, 1 already done" in proc.stdout
-    assert "note: 2 points made by another kvsim build ran again" in proc.stdout
+    assert "note: 2 points done by another kvsim build were done again" in proc.stdout
     assert summaries[2].stat().st_mtime_ns == kept[summaries[2]]
     pd.testing.assert_frame_equal(pd.read_parquet(out / "results.parquet"), first.table)
     proc = kvsim_in_process(*args, "--no-report")

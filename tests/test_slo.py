@@ -658,11 +658,11 @@ def test_capacity_sweep_command_resumes_to_the_same_table(tmp_path):
     assert partly.returncode == 0, partly.stderr
     assert "resuming: 1 point searched before skipped" in partly.stdout
     assert "capacity: 1 point searched, 1 searched before, 0 failed" in partly.stdout
-    assert (f"note: 1 of the points searched before was searched by another kvsim build "
-            f"than this one ({build_id()}), and is kept (capacity.parquet's build column "
-            "names each search's): --rerun-older searches it again") in partly.stdout
+    assert (f"note: 1 of the points done before was done by another kvsim build than this "
+            f"one ({build_id()}), and is kept (capacity.parquet's build column names each "
+            "one's): --rerun-older searches it again") in partly.stdout
     rerun = kvsim_in_process(*command, "--rerun-older")
-    assert "note: 1 point searched by another kvsim build was searched again" in rerun.stdout
+    assert "note: 1 point done by another kvsim build was done again" in rerun.stdout
     assert (tmp_path / "out" / "capacity.parquet").read_bytes() == table
     # A folder whose sweep stopped before its table was written is told as one.
     (tmp_path / "out" / "capacity.parquet").unlink()
