@@ -570,6 +570,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    from reports.capacity_report import is_capacity_folder
     from sim.results import (
         load_scenario_copy,
         read_summary_file,
@@ -584,6 +585,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if (path / "sweep.json").is_file() and not (path / "summary.json").is_file():
             raise BadInput(f"{path}: a sweep folder; compare its runs (folders under "
                            f"{path / 'runs'}) or see kvsim report {path}")
+        if not (path / "summary.json").is_file() and is_capacity_folder(path):
+            raise BadInput(f"{path}: a kvsim capacity folder; capacities under other settings "
+                           "are compared by kvsim capacity --sweep (a sweep over what "
+                           f"differs), and kvsim report {path} shows this one")
         if not (path / "summary.json").is_file():
             raise BadInput(f"{path}: not a kvsim run folder (no summary.json)")
     # Each run by what its sweep set, or its folder's name, or by the path given where two

@@ -373,6 +373,12 @@ def test_capacity_command_writes_its_results_and_refuses_what_it_cannot_search(t
     assert kept.stderr.count("(run before)\n") == paged["runs"]
     assert json.loads((out / "capacity.json").read_text()) == result
     pd.testing.assert_frame_equal(pd.read_csv(out / "probes.csv"), probes)
+    # Two searches are no runs to compare: said in a line, with what does compare them.
+    compared = kvsim_in_process("compare", str(out), str(out))
+    assert compared.returncode == 2 and compared.stderr == (
+        f"kvsim: error: {out}: a kvsim capacity folder; capacities under other settings are "
+        f"compared by kvsim capacity --sweep (a sweep over what differs), and kvsim report "
+        f"{out} shows this one\n")
     (out / "probes.csv").write_text("a,b\n1,2\n")  # damaged: said in a line
     damaged = kvsim_in_process("report", str(out))
     assert damaged.returncode == 2 and damaged.stderr == (
