@@ -1327,6 +1327,11 @@ class Scheduler:
             request.streak_step = NO_STEP
             self._events[CAUGHT_UP].setdefault(caught_up, []).append(
                 (request.admit_seq, request.version, request))
+            if self.waiting.seated_may_time_out:
+                # Its client now waits for a token since its last, which may come before
+                # the deadline it was seated with (a first token given by a prefill batch:
+                # the wait for the second is no step's, and the step-wide check skips it).
+                self._watch_seated(request)
         if self.sliding_window:
             past = self._past_window_offset(request)
             if past + request.c_sync > 0:

@@ -97,6 +97,26 @@ def test_a_step_longer_than_the_timeout_loses_every_request_decoding_in_it(tmp_p
     assert reading["max_itl_s"] <= 0.1
 
 
+def test_a_first_token_from_a_prefill_batch_starts_its_clients_wait(tmp_path):
+    # SGLang's steps read the waiting prompts first: the first request's first token comes
+    # at the end of its prefill batch, and the second's prefill batch (about 0.15 s) keeps
+    # it from a second for longer than the client waits.
+    data = stall_scenario(tmp_path, batching="prefill_first", max_num_batched_tokens=3000)
+    (tmp_path / "trace.csv").write_text("t,p,o\n0,3000,20\n0,3000,20\n")
+    result = run_both(data, tmp_path)
+    requests, steps = result.requests, result.steps
+    ends = step_ends(steps)
+    assert steps["prefill_tokens"].tolist()[:2] == [3000, 3000]
+    assert steps["decode_seqs"].tolist()[:2] == [0, 0] and steps["duration_s"].iloc[1] > 0.1
+    first, second = requests.iloc[0], requests.iloc[1]
+    assert first["first_token_s"] == ends[0]
+    # Its client left 0.1 s after that token, in the middle of the other's prefill batch,
+    # whose end aborted it; the other is served.
+    assert first["abandoned_s"] == ends[0] + 0.1 and math.isnan(first["finished_s"])
+    assert second["finished_s"] > 0 and second["max_itl_s"] <= 0.1
+    assert result.summary["abandoned_seated"] == 1
+
+
 def test_chunked_prefill_keeps_the_steps_under_the_timeout(tmp_path):
     result = run_both(stall_scenario(tmp_path, chunked_prefill=True,
                                      max_num_batched_tokens=512), tmp_path)
