@@ -149,7 +149,9 @@ class Siblings:
         self.admitted_s = -1.0
         self.first_token_s = -1.0
         self.shed = False
-        self.decoding = 0  # of its samples, those decoding
+        # Of its samples, those decoding that give the stream a token each step (not one
+        # waiting, after a prefill batch, for its second token alone).
+        self.decoding = 0
         self.last_token_s = -1.0  # the last token of those not decoding (-1: none yet)
         self.members: list[Request] = []
         self.given_up = False  # its client gave up on it, while some were seated
@@ -1311,8 +1313,6 @@ class Scheduler:
         self._c_sync_sum += seqs * request.c_sync
         request.version += 1
         self._push_events(request, start=True)
-        if request.siblings is not None:
-            request.siblings.decoding += 1
         # The clock reading at which its client's next token comes alone (0: with the
         # step's, counted by the step's wait).
         caught_up = 0
@@ -1332,6 +1332,8 @@ class Scheduler:
                 # the deadline it was seated with (a first token given by a prefill batch:
                 # the wait for the second is no step's, and the step-wide check skips it).
                 self._watch_seated(request)
+        elif request.siblings is not None:
+            request.siblings.decoding += 1
         if self.sliding_window:
             past = self._past_window_offset(request)
             if past + request.c_sync > 0:
@@ -1388,6 +1390,7 @@ class Scheduler:
             request.past_window = False
             self._past_window -= seqs
             self._skip_base -= seqs * self._past_window_offset(request)
+        streaming = not request.regenerating  # (its siblings count it as decoding)
         if request.regenerating:
             request.regenerating = False
             self.regenerating -= 1
@@ -1398,7 +1401,7 @@ class Scheduler:
             self._wait_steps.clear()
             self._waits_s.clear()
         siblings = request.siblings
-        if siblings is not None:
+        if siblings is not None and streaming:
             siblings.decoding -= 1
             # (A client who gave up on it gave up on them all: nothing to watch.)
             if received_now and request.last_token_s > siblings.last_token_s:
@@ -2104,12 +2107,15 @@ class Scheduler:
         return aborted
 
     def _catch_up(self, request: Request) -> None:
-        """A fork group started over generated, in the step that just ended, the first token
-        its client had not had: the client's wait for it runs from its last one."""
+        """A request that gets its next token alone (a fork group started over, or one whose
+        first token a prefill batch gave) had it in the step that just ended: the client's
+        wait for it runs from its last one, and the step's tokens flow from now on."""
         request.regenerating = False
         self.regenerating -= 1
         self._token_alone(request, self._last_end_s)
         request.streak_step = self.steps + 1
+        if request.siblings is not None:
+            request.siblings.decoding += 1  # its tokens flow with the step's from now on
 
     def _token_alone(self, request: Request, end_s: float) -> None:
         """Its client received a token at ``end_s`` that no run of decode steps counts (a

@@ -117,6 +117,31 @@ def test_a_first_token_from_a_prefill_batch_starts_its_clients_wait(tmp_path):
     assert result.summary["abandoned_seated"] == 1
 
 
+def test_samples_fanned_out_whose_first_tokens_prefill_batches_gave_stall_together():
+    # Two requests of two samples, each sample a request of its own. The first's samples
+    # give its stream their first tokens at the ends of their prefill batches (the second
+    # finds the prompt cached, and reads its last partial block); then the other request's
+    # prompt (0.145 s) keeps both from a second token for longer than the client waits.
+    data = {"name": "fan", "model": "llama-2-7b", "memory": {"kv_memory_gib": 8},
+            "workload": {"arrival": {"process": "poisson", "rate": 1000.0},
+                         "prompt_len": {"dist": "constant", "value": 3000},
+                         "output_len": {"dist": "constant", "value": 20},
+                         "sampling": {"n": 2}, "itl_timeout_s": 0.1},
+            "systems": [{"name": "s", "allocator": {"kind": "paged"},
+                         "scheduler": {"batching": "prefill_first",
+                                       "max_num_batched_tokens": 3000,
+                                       "parallel_sampling": "fan_out"}}],
+            "stop": {"num_requests": 2}}
+    result = run_both(data)
+    ends = step_ends(result.steps)
+    assert result.steps["prefill_tokens"].tolist()[:4] == [3000, 8, 3000, 8]
+    first, other = result.requests.iloc[0], result.requests.iloc[1]
+    # Its client gave up 0.1 s after the stream's last token, the second sample's first.
+    assert first["first_token_s"] == ends[0]
+    assert first["abandoned_s"] == ends[1] + 0.1 and math.isnan(first["finished_s"])
+    assert other["finished_s"] > 0 and math.isnan(other["abandoned_s"])
+
+
 def test_chunked_prefill_keeps_the_steps_under_the_timeout(tmp_path):
     result = run_both(stall_scenario(tmp_path, chunked_prefill=True,
                                      max_num_batched_tokens=512), tmp_path)
