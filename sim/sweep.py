@@ -30,15 +30,18 @@ import hashlib
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import re
 import signal
+import sys
 import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -703,9 +706,22 @@ class _WorkerState:
             cls.running = False
 
 
+def _pool_context() -> BaseContext | None:
+    """How a local pool starts its workers: forked from this process (None: the platform's
+    way), which is quick, as they share what it has loaded; but where this process has run
+    Ray, from a fork server, a clean interpreter with kvsim loaded. Ray's runtime (its gRPC
+    threads) does not survive a fork: a worker forked from it can crash at once."""
+    if "ray" not in sys.modules:
+        return None
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["sim.sweep", "sim.capacity"])
+    return context
+
+
 def _local_executor(jobs: int) -> Executor:
     def execute(fn: Callable[..., Any], tasks: Tasks) -> Iterator[tuple[Any, Any]]:
-        pool = ProcessPoolExecutor(max_workers=jobs, initializer=_WorkerState.install)
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context(),
+                                   initializer=_WorkerState.install)
         try:
             pending: dict[Future, Any] = {pool.submit(_WorkerState.run, fn, *args): key
                                           for key, args in tasks}
