@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pandas as pd
 
@@ -53,7 +53,6 @@ from sim.sweep import (
 from workloads import Trace, WorkloadError
 from workloads.distributions import ClosedLoopArrivals, TraceArrivals
 
-_Stored = TypeVar("_Stored", dict[str, Any], list[dict[str, Any]])
 PROBES_FOLDER = "probes"  # kvsim capacity: a file per run of a search, for resuming
 POINTS_FOLDER = "points"  # kvsim capacity --sweep: a file per point searched, for resuming
 SEARCH_RANGE = 2**10  # the search gives up beyond this factor above or below the start
@@ -268,8 +267,13 @@ def probe_file(folder: Path, variant: Scenario, system: str, base_dir: Path) -> 
     kvsim's build, so that only the same run by the same code is read back."""
     resolved = variant.model_dump(mode="json")
     resolved["systems"] = [s for s in resolved["systems"] if s["name"] == system]
-    text = json.dumps({"run": config_key(resolved, input_digests(resolved, base_dir)),
-                       "build": build_id()}, sort_keys=True)
+    return _keyed_file(folder, {"run": config_key(resolved, input_digests(resolved, base_dir)),
+                                "build": build_id()})
+
+
+def _keyed_file(folder: Path, material: dict[str, Any]) -> Path:
+    """The JSON file in ``folder`` named by a hash of ``material``."""
+    text = json.dumps(material, sort_keys=True)
     return folder / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
 
 
@@ -432,9 +436,8 @@ class CapacitySweepOutcome:
 def point_file(folder: Path, point: SweepPoint, rel_tol: float, max_probes: int) -> Path:
     """Where a capacity sweep in ``folder`` keeps ``point``'s rows: named by the point's key
     and the search's settings, since another tolerance is another search."""
-    text = json.dumps({"point": point.key, "rel_tol": rel_tol, "max_probes": max_probes},
-                      sort_keys=True)
-    return folder / POINTS_FOLDER / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    return _keyed_file(folder / POINTS_FOLDER,
+                       {"point": point.key, "rel_tol": rel_tol, "max_probes": max_probes})
 
 
 def _searched_rows(path: Path) -> dict[str, dict[str, Any]]:
@@ -462,10 +465,11 @@ def _check_row(row: dict[str, Any]) -> None:
     check_metrics({k: v for k, v in row.items() if k not in _SEARCH_FIELDS}, row["system"])
 
 
-def _as_stored(value: _Stored) -> _Stored:
-    """``value`` (a run's summary, a point's rows) as its file gives it back, so that what
-    a resumed search writes is what a search from scratch writes, byte for byte."""
-    return json.loads(json.dumps(value, allow_nan=True, sort_keys=True))  # type: ignore[no-any-return]
+def _as_stored(summary: dict[str, Any]) -> dict[str, Any]:
+    """A run's summary as its file gives it back, so that what a resumed search writes (its
+    rows, ``capacity.json``, ``probes.csv``) is what a search from scratch writes, byte for
+    byte."""
+    return json.loads(json.dumps(summary, allow_nan=True, sort_keys=True))  # type: ignore[no-any-return]
 
 
 def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "local",
@@ -520,10 +524,10 @@ def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "loca
     by_key = {point.key: point for point, _ in todo}
     failed = 0
     probe_dir = None if out_dir is None else str(out_dir / PROBES_FOLDER)
-    for key, rows_of_point in execute(point_capacity, [
+    # (Each row's summary is as its file gives it back: see _as_stored.)
+    for key, rows in execute(point_capacity, [
             (point.key, (point.scenario, base_dir, rel_tol, max_probes, missing, probe_dir))
             for point, missing in todo]):
-        rows = _as_stored(rows_of_point)
         found[key].update((row["system"], row) for row in rows)
         if any(row["status"] != "ok" for row in rows):
             failed += 1
@@ -536,12 +540,12 @@ def capacity_sweep(path: Path, *, jobs: int | None = None, executor: str = "loca
                         "rows": list(kept.values())}, where)
         if tick:
             tick(1)
-    rows = []
+    table_rows = []
     for point in points:  # in the sweep's order, whatever order they finished in
         base = {"point": point.point, "seed": point.seed,
                 **{f"param:{p}": v for p, v in point.params.items()}}
-        rows += [{**base, **found[point.key][name]} for name in wanted]
-    table = pd.DataFrame(rows)
+        table_rows += [{**base, **found[point.key][name]} for name in wanted]
+    table = pd.DataFrame(table_rows)
     # Columns in an order that does not depend on where a row came from (a search, a file).
     ids = ["point", "seed", *(c for c in table if c.startswith("param:")), "system",
            "status", "error", "build"]

@@ -14,21 +14,16 @@ from pathlib import Path
 import pandas as pd
 import yaml
 from conftest import kvsim_in_process
+from test_sweep import BASE
 
 from sim.provenance import build_id, input_digests, input_files, made_by
 from sim.sweep import expand, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEP = {
-    "name": "mini",
-    "memory": {"kv_memory_gib": 2},
-    "workload": {"arrival": {"process": "poisson", "rate": 20},
-                 "prompt_len": {"dist": "uniform", "low": 20, "high": 300},
-                 "output_len": {"dist": "uniform", "low": 5, "high": 100, "max": 100}},
-    "systems": [{"name": "paged", "allocator": {"kind": "paged"}}],
-    "stop": {"num_requests": 30},
-    "sweep": {"grid": {"workload.arrival.rate": [5, 10, 20]}},
-}
+# test_sweep's mini sweep, with one system and the rate swept alone.
+SWEEP = {**BASE, "systems": [{"name": "paged", "allocator": {"kind": "paged"}}],
+         "stop": {"num_requests": 30},
+         "sweep": {"grid": {"workload.arrival.rate": [5, 10, 20]}}}
 
 
 def write_yaml(path: Path, data: dict) -> Path:
